@@ -1,0 +1,76 @@
+"""llm-pipeline's engine-agnostic core: requests flow forward through operators to an engine.
+
+The parts:
+
+- :class:`Context` — one request: payload, id, typed :class:`State`, stop/kill, deadline.
+- :class:`Engine` and :class:`Operator` — the two Protocols; :func:`link` composes them.
+- :func:`open_stream` — the driver that owns cancellation; :class:`FunctionEngine`.
+- :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet.
+- :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
+- :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
+
+This package knows nothing about LLMs: it imports no pydantic, no tokenizers and nothing
+from ``operators``.
+"""
+
+from __future__ import annotations
+
+from .context import Context as Context
+from .context import State as State
+from .context import StateKey as StateKey
+from .context import StateKeyError as StateKeyError
+from .errors import CapacityExhausted as CapacityExhausted
+from .errors import ConnectFailed as ConnectFailed
+from .errors import EngineError as EngineError
+from .errors import InvalidRequest as InvalidRequest
+from .errors import LinkError as LinkError
+from .errors import PipelineError as PipelineError
+from .errors import RequestError as RequestError
+from .errors import ResponseTimeout as ResponseTimeout
+from .errors import StreamDisconnected as StreamDisconnected
+from .errors import WorkerLost as WorkerLost
+from .link import link as link
+from .operator import Engine as Engine
+from .operator import Operator as Operator
+from .routers import Direct as Direct
+from .routers import LeastLoaded as LeastLoaded
+from .routers import MemoryDiscovery as MemoryDiscovery
+from .routers import Random as Random
+from .routers import RoundRobin as RoundRobin
+from .routers import Router as Router
+from .routers import Worker as Worker
+from .routers import WorkerSet as WorkerSet
+from .routers import WorkerSetStatistics as WorkerSetStatistics
+from .streams import FunctionEngine as FunctionEngine
+from .streams import open_stream as open_stream
+
+__all__ = (
+    "CapacityExhausted",
+    "ConnectFailed",
+    "Context",
+    "Direct",
+    "Engine",
+    "EngineError",
+    "FunctionEngine",
+    "InvalidRequest",
+    "LeastLoaded",
+    "LinkError",
+    "MemoryDiscovery",
+    "Operator",
+    "PipelineError",
+    "Random",
+    "RequestError",
+    "ResponseTimeout",
+    "RoundRobin",
+    "Router",
+    "State",
+    "StateKey",
+    "StateKeyError",
+    "StreamDisconnected",
+    "Worker",
+    "WorkerLost",
+    "WorkerSet",
+    "WorkerSetStatistics",
+    "link",
+    "open_stream",
+)

@@ -1,0 +1,94 @@
+"""One exception hierarchy for the whole framework.
+
+Errors are raised, never returned. The tree is grouped by what a caller can do about it::
+
+    PipelineError
+    ├── LinkError              wiring mistake, raised when a graph is built or first used
+    └── RequestError           one request failed; carries .request_id
+        ├── InvalidRequest     rejected at the edge (HTTP 400)
+        ├── CapacityExhausted  nothing can take it (HTTP 503); never migrated
+        ├── EngineError        the engine failed the request (HTTP 500); never migrated
+        └── WorkerLost         the worker went away; Migration retries exactly this subtree
+            ├── ConnectFailed        the request never reached a worker
+            ├── StreamDisconnected   the stream broke after it started
+            └── ResponseTimeout      the worker stopped answering
+
+Foreign exceptions are translated into this tree at exactly one boundary (a transport, the
+HTTP edge), always chained with ``raise ... from exc``. Cancellation is never one of these:
+it is the async library's own exception and must propagate untouched.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "CapacityExhausted",
+    "ConnectFailed",
+    "EngineError",
+    "InvalidRequest",
+    "LinkError",
+    "PipelineError",
+    "RequestError",
+    "ResponseTimeout",
+    "StreamDisconnected",
+    "WorkerLost",
+)
+
+
+class PipelineError(Exception):
+    """Base class of every error this framework raises on purpose."""
+
+
+class LinkError(PipelineError):
+    """A graph is wired wrongly: no engine, or a stage that is not an operator or engine.
+
+    Raised by :func:`pipeline.link` at link time, or on first use when the mistake can only
+    be seen then (a ``generate`` that returns a coroutine instead of an async iterator).
+    """
+
+
+class RequestError(PipelineError):
+    """One request failed; the graph itself is fine and keeps serving others."""
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        #: id of the failed request, when the raiser knew it
+        self.request_id = request_id
+
+
+class InvalidRequest(RequestError):
+    """The request is malformed or asks for something impossible (HTTP 400).
+
+    ``param`` names the offending field when there is one.
+    """
+
+    def __init__(
+        self, message: str, *, param: str | None = None, request_id: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id)
+        #: the request field at fault, e.g. ``"max_tokens"``
+        self.param = param
+
+
+class CapacityExhausted(RequestError):
+    """No worker can take the request now (HTTP 503). Retrying elsewhere would not help."""
+
+
+class EngineError(RequestError):
+    """The engine failed this request (HTTP 500). Not a lost worker, so never migrated."""
+
+
+class WorkerLost(RequestError):
+    """The worker serving the request went away. The only errors a retry may catch."""
+
+
+class ConnectFailed(WorkerLost):
+    """The request could not be delivered to a worker."""
+
+
+class StreamDisconnected(WorkerLost):
+    """The response stream broke off before it finished."""
+
+
+class ResponseTimeout(WorkerLost):
+    """The worker stopped answering within the allowed time."""

@@ -1,0 +1,350 @@
+"""Routers: Engines that pick a downstream worker per request from a :class:`WorkerSet`.
+
+A :class:`WorkerSet` is the live membership of one pool of workers (say, the decode workers
+of a model). A discovery source keeps it current: :class:`MemoryDiscovery` in one process,
+a network source when workers live elsewhere. Membership may change while requests are in
+flight; a request keeps the worker it was given, new requests see the new set.
+
+A :class:`Router` wraps a WorkerSet and a policy (:class:`RoundRobin`, :class:`Random`,
+:class:`LeastLoaded`, :class:`Direct`) and is itself an Engine, so it links like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, final
+
+import anyio
+
+from .errors import CapacityExhausted
+
+if TYPE_CHECKING:
+    from .context import Context
+    from .operator import Engine
+
+__all__ = (
+    "Direct",
+    "LeastLoaded",
+    "MemoryDiscovery",
+    "Random",
+    "RoundRobin",
+    "Router",
+    "RoutingPolicy",
+    "Worker",
+    "WorkerSet",
+    "WorkerSetStatistics",
+)
+
+logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+@final
+class Worker(Generic[In, Out]):
+    """One member of a WorkerSet: an id, its engine, and its in-flight request count."""
+
+    __slots__ = ("engine", "id", "in_flight")
+
+    def __init__(self, worker_id: str, engine: Engine[In, Out]) -> None:
+        self.id = worker_id
+        self.engine = engine
+        #: requests currently streaming from this worker
+        self.in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"Worker({self.id!r}, in_flight={self.in_flight})"
+
+
+class WorkerSetStatistics(NamedTuple):
+    """A snapshot of a WorkerSet, from :meth:`WorkerSet.statistics`."""
+
+    workers: int  #: members now
+    in_flight: int  #: requests streaming from members (removed members' streams excluded)
+    waiting: int  #: requests waiting for a member to appear
+    in_flight_by_worker: Mapping[str, int]  #: worker id -> in-flight count
+
+
+@final
+class WorkerSet(Generic[In, Out]):
+    """The live membership of one pool of workers.
+
+    Fed by a discovery source through :meth:`add` and :meth:`remove`; read by routers.
+    """
+
+    def __init__(self, name: str = "workers", workers: Mapping[str, Engine[In, Out]] | None = None):
+        #: a label for error messages and logs
+        self.name = name
+        self._workers: dict[str, Worker[In, Out]] = {}
+        self._members: tuple[Worker[In, Out], ...] = ()
+        self._changed: anyio.Event | None = None
+        self._waiting = 0
+        for worker_id, engine in (workers or {}).items():
+            self.add(worker_id, engine)
+
+    @property
+    def members(self) -> tuple[Worker[In, Out], ...]:
+        """The current members, in the order they joined."""
+        return self._members
+
+    def get(self, worker_id: str) -> Worker[In, Out] | None:
+        """The member with this id, or None."""
+        return self._workers.get(worker_id)
+
+    def add(self, worker_id: str, engine: Engine[In, Out]) -> None:
+        """Add a worker, or replace the engine of the one with this id."""
+        worker = Worker(worker_id, engine)
+        self._workers[worker_id] = worker
+        self._members = tuple(self._workers.values())
+        self._notify()
+
+    def remove(self, worker_id: str) -> None:
+        """Remove a worker; its in-flight streams go on, new requests no longer reach it."""
+        if self._workers.pop(worker_id, None) is not None:
+            self._members = tuple(self._workers.values())
+            self._notify()
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
+    def statistics(self) -> WorkerSetStatistics:
+        """How many members, requests in flight, and requests waiting for a member."""
+        by_worker = {worker.id: worker.in_flight for worker in self._members}
+        return WorkerSetStatistics(
+            workers=len(self._members),
+            in_flight=sum(by_worker.values()),
+            waiting=self._waiting,
+            in_flight_by_worker=by_worker,
+        )
+
+    async def wait_changed(self) -> None:
+        """Wait until the membership changes."""
+        if self._changed is None:
+            self._changed = anyio.Event()
+        await self._changed.wait()
+
+    async def wait_available(
+        self,
+        ctx: Context[Any],
+        *,
+        wait: float = 0.0,
+        accept: Callable[[Sequence[Worker[In, Out]]], bool] = bool,
+    ) -> tuple[Worker[In, Out], ...]:
+        """Return the members once ``accept(members)`` holds, waiting up to ``wait`` seconds.
+
+        The wait also ends when the context's deadline passes or the context is stopped;
+        a kill cancels it like any other wait.
+
+        Raises:
+            CapacityExhausted: when no acceptable member appeared in time.
+        """
+        if accept(self._members):
+            return self._members
+        deadline = anyio.current_time() + wait
+        if ctx.deadline is not None:
+            deadline = min(deadline, ctx.deadline)
+        self._waiting += 1
+        try:
+            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+                while not accept(self._members) and not ctx.is_stopped:
+                    async with anyio.create_task_group() as tg:
+
+                        async def stopped(tg: anyio.abc.TaskGroup = tg) -> None:
+                            await ctx.wait_stopped()
+                            tg.cancel_scope.cancel()
+
+                        tg.start_soon(stopped)
+                        await self.wait_changed()
+                        tg.cancel_scope.cancel()
+        finally:
+            self._waiting -= 1
+        if accept(self._members):
+            return self._members
+        waited = "" if wait == 0 else f" after waiting {wait:g}s"
+        raise CapacityExhausted(
+            f"no worker available in worker set {self.name!r}{waited}", request_id=ctx.id
+        )
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def __repr__(self) -> str:
+        return f"WorkerSet({self.name!r}, {[w.id for w in self._members]})"
+
+
+@final
+class MemoryDiscovery(Generic[In, Out]):
+    """In-process discovery: workers register here; attached WorkerSets follow along."""
+
+    def __init__(self) -> None:
+        self._engines: dict[str, Engine[In, Out]] = {}
+        self._sets: list[WorkerSet[In, Out]] = []
+
+    def register(self, worker_id: str, engine: Engine[In, Out]) -> None:
+        """Announce a worker to every attached WorkerSet."""
+        self._engines[worker_id] = engine
+        for worker_set in self._sets:
+            worker_set.add(worker_id, engine)
+
+    def deregister(self, worker_id: str) -> None:
+        """Withdraw a worker from every attached WorkerSet."""
+        self._engines.pop(worker_id, None)
+        for worker_set in self._sets:
+            worker_set.remove(worker_id)
+
+    def attach(self, worker_set: WorkerSet[In, Out]) -> WorkerSet[In, Out]:
+        """Feed ``worker_set`` with the current workers and every later change."""
+        for worker_id, engine in self._engines.items():
+            worker_set.add(worker_id, engine)
+        self._sets.append(worker_set)
+        return worker_set
+
+    def detach(self, worker_set: WorkerSet[In, Out]) -> None:
+        """Stop feeding ``worker_set``."""
+        self._sets.remove(worker_set)
+
+
+class RoutingPolicy(Protocol):
+    """Chooses one worker for a request from a non-empty candidate list."""
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """Pick the worker; ``workers`` is never empty."""
+        ...
+
+
+@final
+class RoundRobin:
+    """Each request goes to the next member, cycling across the current membership."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """The next member in turn."""
+        worker = workers[self._next % len(workers)]
+        self._next += 1
+        return worker
+
+
+@final
+class Random:
+    """Each request goes to a uniformly random member."""
+
+    __slots__ = ("_random",)
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._random = random.Random(seed)
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """A random member."""
+        return workers[self._random.randrange(len(workers))]
+
+
+@final
+class LeastLoaded:
+    """Each request goes to the member with the fewest requests in flight (first on ties)."""
+
+    __slots__ = ()
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """The least busy member."""
+        return min(workers, key=lambda worker: worker.in_flight)
+
+
+def _worker_id_from_metadata(ctx: Context[Any]) -> str | None:
+    return ctx.metadata.get("worker_id")
+
+
+@final
+class Direct:
+    """Each request goes to the worker whose id ``select(ctx)`` names.
+
+    By default the id comes from ``ctx.metadata["worker_id"]``.
+    """
+
+    __slots__ = ("_select",)
+
+    def __init__(
+        self, select: Callable[[Context[Any]], str | None] = _worker_id_from_metadata
+    ) -> None:
+        self._select = select
+
+    def target(self, ctx: Context[Any]) -> str | None:
+        """The worker id this request asks for."""
+        return self._select(ctx)
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """The named member.
+
+        Raises:
+            CapacityExhausted: when no member has that id.
+        """
+        target = self._select(ctx)
+        for worker in workers:
+            if worker.id == target:
+                return worker
+        raise CapacityExhausted(f"worker {target!r} is not available", request_id=ctx.id)
+
+
+@final
+class Router(Generic[In, Out]):
+    """An Engine that sends each request to one member of a WorkerSet.
+
+    ``wait`` is how long a request may wait for a member to appear before
+    :class:`~pipeline.errors.CapacityExhausted` (0: fail at once); the context's deadline
+    and cancellation bound the wait too.
+    """
+
+    def __init__(
+        self,
+        workers: WorkerSet[In, Out],
+        policy: RoutingPolicy | None = None,
+        *,
+        wait: float = 0.0,
+    ) -> None:
+        self.workers = workers
+        self.policy: RoutingPolicy = RoundRobin() if policy is None else policy
+        self._wait = wait
+
+    def _accept(self, ctx: Context[Any]) -> Callable[[Sequence[Worker[In, Out]]], bool]:
+        policy = self.policy
+        if isinstance(policy, Direct):
+            target = policy.target(ctx)
+            return lambda members: any(worker.id == target for worker in members)
+        return bool
+
+    async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+        """Pick a worker for ``ctx`` and stream its outputs."""
+        members = self.workers.members
+        if not members or isinstance(self.policy, Direct):
+            members = await self.workers.wait_available(
+                ctx, wait=min(self._wait, 1e9), accept=self._accept(ctx)
+            )
+        if ctx.is_stopped:
+            return
+        worker = self.policy.choose(members, ctx)
+        worker.in_flight += 1
+        try:
+            async with aclosing(worker.engine.generate(ctx)) as stream:  # type: ignore[type-var]
+                async for item in stream:
+                    yield item
+        finally:
+            worker.in_flight -= 1
+
+    def statistics(self) -> WorkerSetStatistics:
+        """The worker set's statistics."""
+        return self.workers.statistics()
+
+    def __repr__(self) -> str:
+        return f"Router({self.workers!r}, {type(self.policy).__name__})"
