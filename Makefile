@@ -1,0 +1,28 @@
+# The two commands of the README. Each creates .venv when missing and installs from pyproject.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench
+
+run: $(STAMP)  ## serve the OpenAI API on the embedded default engine
+	$(BIN)/llm-pipeline serve $(ARGS)
+
+test: $(STAMP)  ## run the whole test suite
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(STAMP)  ## ruff and mypy, as CI runs them
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+bench: $(STAMP)  ## the in-process benchmarks (the HTTP one needs a server: see README)
+	$(BIN)/python benchmarks/bench_link.py
+	$(BIN)/python benchmarks/bench_stop_jail.py
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
+	touch $(STAMP)

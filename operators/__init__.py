@@ -1,0 +1,1 @@
+"""LLM operators built on pipeline."""

@@ -1,0 +1,160 @@
+"""The LLM hot-path vocabulary: what flows between the LLM operators and engines.
+
+These are plain ``slots`` dataclasses, built once per request or once per engine step;
+pydantic stays at the HTTP edge (``operators/openai/protocol.py``). The flow::
+
+    OpenAI request --[OpenAIPreprocessor]--> PreprocessedRequest --> ... --> engine
+    OpenAI chunks  <--[OpenAIPreprocessor]-- BackendOutput <--[Backend]-- EngineOutput
+
+Keep this module to type definitions; behaviour lives in the operator that owns it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = (
+    "BackendOutput",
+    "EngineOutput",
+    "FinishReason",
+    "MultimodalItem",
+    "OutputOptions",
+    "PreprocessedRequest",
+    "SamplingOptions",
+    "StopConditions",
+    "TopLogprobs",
+)
+
+FinishReason = Literal["stop", "length"]
+"""Why a choice ended. Errors are raised, never reported as a finish reason."""
+
+TopLogprobs = list[tuple[int, float]]
+"""The most likely alternatives at one position: ``(token_id, logprob)``, best first."""
+
+
+@dataclass(slots=True, kw_only=True)
+class StopConditions:
+    """When a choice stops. Checked by the Backend; engines may enforce them too."""
+
+    #: most tokens to generate (None: the engine's limit)
+    max_tokens: int | None = None
+    #: no stop check (string, token or EOS) fires before this many tokens
+    min_tokens: int = 0
+    #: stop strings; hidden from the output unless ``include_stop_str_in_output``
+    stop: tuple[str, ...] = ()
+    #: the user's stop token ids: hidden, and reported as ``stop_reason``
+    stop_token_ids: tuple[int, ...] = ()
+    #: stop token ids whose text stays in the output
+    visible_stop_token_ids: tuple[int, ...] = ()
+    #: end-of-sequence ids, from the tokenizer: hidden stops unless ``ignore_eos``
+    eos_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, kw_only=True)
+class SamplingOptions:
+    """How the engine samples; validated at the edge, interpreted by the engine."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    #: a guided-decoding spec (JSON schema, regex, grammar); its engine state cannot migrate
+    guided_decoding: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class OutputOptions:
+    """What the client wants to see besides text."""
+
+    #: None: no logprobs; k >= 0: the sampled token's logprob plus the k best alternatives
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(slots=True, kw_only=True)
+class MultimodalItem:
+    """One non-text input (an image), already fetched and validated at the edge."""
+
+    kind: Literal["image"]
+    data: bytes
+    mime_type: str
+
+
+@dataclass(slots=True, kw_only=True)
+class PreprocessedRequest:
+    """A tokenized request, the shape every operator after the preprocessor speaks."""
+
+    #: the prompt's token ids (on a migration retry: prompt + the output replayed so far)
+    token_ids: list[int]
+    stop: StopConditions = field(default_factory=StopConditions)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    #: the model name the client asked for
+    model: str = ""
+    #: number of choices
+    n: int = 1
+    #: how many trailing ``token_ids`` are replayed output, not prompt (set by Migration)
+    replayed_tokens: int = 0
+    multimodal: tuple[MultimodalItem, ...] = ()
+    #: the encode worker's result for ``multimodal`` (an object), once computed
+    encoder_result: dict[str, Any] | None = None
+    #: the prefill worker's transfer handle for the decode worker (an object)
+    prefill_result: dict[str, Any] | None = None
+    #: free-form request annotations (routing hints, bypass flags)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many of ``token_ids`` are the user's prompt."""
+        return len(self.token_ids) - self.replayed_tokens
+
+
+@dataclass(slots=True, kw_only=True)
+class EngineOutput:
+    """One step of an engine for one choice: usually one token, a burst when speculating."""
+
+    token_ids: list[int]
+    #: the sampled tokens' logprobs, aligned with ``token_ids`` (when asked for)
+    logprobs: list[float] | None = None
+    #: the best alternatives at each position, aligned with ``token_ids`` (when asked for)
+    top_logprobs: list[TopLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    #: which choice (0 .. n-1)
+    index: int = 0
+    #: text for ``token_ids`` when the engine decodes itself (then the Backend skips decoding)
+    text: str | None = None
+    #: an encode worker's result (an object), on its terminal output
+    encoder_result: dict[str, Any] | None = None
+    #: a prefill worker's transfer handle (an object), on its terminal output
+    prefill_result: dict[str, Any] | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class BackendOutput:
+    """One step of the Backend for one choice: token ids with their text, and what to show.
+
+    ``token_ids`` is the exact record of what the engine generated in this step (every
+    generated id appears in exactly one output), and ``tokens[i]`` is the text of
+    ``token_ids[i]``; withholding never moves text between positions. ``text`` is what the
+    client may see now: the generated text minus whatever is withheld because it may still
+    become a hidden stop string, plus withheld text released by this step.
+    """
+
+    token_ids: list[int]
+    #: text of each token id, aligned with ``token_ids`` ("" while a character is incomplete)
+    tokens: list[str]
+    #: what the client may see now
+    text: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    finish_reason: FinishReason | None = None
+    #: what stopped the choice: the stop string or the user's stop token id
+    stop_reason: str | int | None = None
+    index: int = 0
+    #: how many of this choice's tokens so far are delivered (their text, or part of it,
+    #: has reached the client); tokens never delivered were swallowed by a hidden stop
+    delivered_tokens: int = 0
