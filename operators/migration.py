@@ -1,0 +1,129 @@
+"""Migration: a worker lost mid-stream is invisible to the client.
+
+Migration sits upstream of the Backend. When the downstream raises
+:class:`~pipeline.WorkerLost` (at connect or mid-stream) it calls downstream again with a
+child context and the request rewritten to continue where the lost worker stopped: the
+prompt extended by every token id generated so far, ``max_tokens``/``min_tokens`` reduced
+by that count, ``replayed_tokens`` telling the engine how much of the prompt is replayed
+output. The Backend's decoder state is in the request's Context state, so the new attempt
+resumes it: withheld text, detokenizer and counters carry over (see ``operators.backend``).
+
+It never migrates n>1 or guided-decoding requests (their engine state cannot be rebuilt
+from the prompt), a request the client cancelled, or one that would exceed the maximum
+sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Literal
+
+from pipeline import ConnectFailed, Context, Engine, WorkerLost
+
+from .backend import RESUMABLE
+from .llm import BackendOutput, PreprocessedRequest, StopConditions
+
+__all__ = ("Migration", "MigrationEvent")
+
+logger = logging.getLogger(__name__)
+
+MigrationEvent = Callable[[Literal["connect", "stream"], Literal["retried", "exhausted"]], None]
+"""Called once per lost worker: where it was lost, and whether a retry was started."""
+
+
+class Migration:
+    """Operator: retry a request on another worker when its worker is lost.
+
+    ``limit`` is how many retries one request may take (0 disables migration);
+    ``max_seq_len`` (prompt plus output so far) past which a request is not migrated;
+    ``on_event`` is told about each lost worker (metrics hook it here).
+    """
+
+    def __init__(
+        self,
+        limit: int = 3,
+        *,
+        max_seq_len: int | None = None,
+        on_event: MigrationEvent | None = None,
+    ) -> None:
+        if limit < 0:
+            raise ValueError(f"migration limit must be >= 0, got {limit}")
+        self.limit = limit
+        self._max_seq_len = max_seq_len
+        self._on_event = on_event
+
+    def _migratable(self, request: PreprocessedRequest) -> bool:
+        return request.n == 1 and request.sampling.guided_decoding is None
+
+    async def generate(
+        self,
+        ctx: Context[PreprocessedRequest],
+        downstream: Engine[PreprocessedRequest, BackendOutput],
+    ) -> AsyncIterator[BackendOutput]:
+        """Stream ``ctx`` from downstream, retrying on ``WorkerLost``."""
+        original = ctx.data
+        retries_left = self.limit if self._migratable(original) else 0
+        generated: list[int] = []
+        attempt = original
+        while True:
+            armed = retries_left > 0 and self._fits(original, generated)
+            ctx.state.set(RESUMABLE, armed)
+            started = False
+            try:
+                leg = ctx.child(attempt)
+                async with aclosing(downstream.generate(leg)) as stream:  # type: ignore[type-var]
+                    async for output in stream:
+                        started = True
+                        generated.extend(output.token_ids)
+                        if armed and not self._fits(original, generated):
+                            armed = False  # too long to replay: this attempt is the last
+                            ctx.state.set(RESUMABLE, False)
+                        yield output
+                return
+            except WorkerLost as exc:
+                where: Literal["connect", "stream"] = (
+                    "connect" if isinstance(exc, ConnectFailed) or not started else "stream"
+                )
+                if not armed or ctx.is_stopped:
+                    if self._on_event is not None and self._migratable(original):
+                        self._on_event(where, "exhausted")
+                    raise
+                retries_left -= 1
+                logger.info(
+                    "request %s: worker lost at %s after %d tokens (%s); retrying, %d left",
+                    ctx.id,
+                    where,
+                    len(generated),
+                    exc,
+                    retries_left,
+                )
+                if self._on_event is not None:
+                    self._on_event(where, "retried")
+                attempt = _continuation(original, generated)
+            finally:
+                ctx.state.set(RESUMABLE, False)
+
+    def _fits(self, request: PreprocessedRequest, generated: list[int]) -> bool:
+        if self._max_seq_len is None:
+            return True
+        return request.prompt_tokens + len(generated) < self._max_seq_len
+
+
+def _continuation(original: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` output tokens."""
+    done = len(generated)
+    max_tokens = original.stop.max_tokens
+    stop: StopConditions = dataclasses.replace(
+        original.stop,
+        max_tokens=None if max_tokens is None else max(0, max_tokens - done),
+        min_tokens=max(0, original.stop.min_tokens - done),
+    )
+    return dataclasses.replace(
+        original,
+        token_ids=[*original.token_ids, *generated],
+        replayed_tokens=original.replayed_tokens + done,
+        stop=stop,
+    )
