@@ -1,0 +1,493 @@
+"""OpenAI stream chunks: built from the Backend's outputs, folded into whole responses.
+
+The backward edge of :class:`~operators.openai.OpenAIPreprocessor` lives here.
+:class:`ChatChunks` and :class:`CompletionChunks` hold the state of one response (its id,
+``created``, model, and one small :class:`ChoiceState` per choice) and turn each
+:class:`~operators.llm.BackendOutput` into ``chat.completion.chunk`` or ``text_completion``
+chunk dicts. :func:`aggregate_chat` and :func:`aggregate_completion` fold a response's
+chunks into the non-streamed object, so both shapes come from the same stream.
+
+Rules every response keeps (``research/anchors.md`` B4, B8, B11, B14):
+
+* one id, ``created`` and model on every chunk; chat choices open with a role chunk;
+* ``finish_reason`` exactly once per choice, on the chunk of the output that carries it
+  (together with that output's last text, if any); nothing for a choice after it;
+* logprobs only for *delivered* tokens (``BackendOutput.delivered_tokens``), each once, in
+  order: tokens swallowed by a hidden stop never appear;
+* ``completion_tokens`` counts every generated token once, delivered or not.
+
+Chunks are plain dicts copied from a per-response head: no pydantic, no per-token work for
+logprobs unless they were asked for.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final, Protocol
+
+from operators.llm import BackendOutput, TopLogprobs
+
+__all__ = (
+    "ChatChunks",
+    "ChoiceState",
+    "Chunk",
+    "CompletionChunks",
+    "TokenDecoder",
+    "TokenTexts",
+    "aggregate_chat",
+    "aggregate_completion",
+)
+
+Chunk = dict[str, Any]
+"""One OpenAI stream chunk, ready for ``orjson.dumps``."""
+
+_COMPLETION_LOGPROB_KEYS: Final = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+# A generated token waiting for delivery: (token id, its text, logprob, alternatives), or
+# None when the engine sent no logprob for it.
+_Entry = tuple[int, str, float, TopLogprobs | None] | None
+
+
+class TokenDecoder(Protocol):
+    """What :class:`TokenTexts` needs from a tokenizer."""
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: vocabulary character -> the byte it stands for."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            table[chr(256 + extra)] = byte
+            extra += 1
+    return table
+
+
+_BYTE_LEVEL: Final = _byte_level_table()
+
+
+class TokenTexts:
+    """Token id -> (text, raw bytes) for logprobs, cached (one cache per tokenizer).
+
+    ``text`` is the token decoded alone (U+FFFD for part of a character). ``raw`` is the
+    token's exact bytes when the vocabulary is byte-level (GPT-2 style, as SmolLM2's) and
+    they agree with ``text``, so a token holding half of an emoji reports that half;
+    otherwise None, and callers fall back to the UTF-8 of a text.
+    """
+
+    __slots__ = ("_cache", "_tokenizer")
+
+    def __init__(self, tokenizer: TokenDecoder) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes | None]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes | None]:
+        """``(text, raw bytes or None)`` of ``token_id``."""
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._compute(token_id)
+        return found
+
+    def _compute(self, token_id: int) -> tuple[str, bytes | None]:
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece:
+            table = _BYTE_LEVEL
+            if all(char in table for char in piece):
+                raw = bytes(table[char] for char in piece)
+                if raw.decode("utf-8", "replace") == text:
+                    return text, raw
+        return text, None
+
+
+class ChoiceState:
+    """The backward-edge state of one choice."""
+
+    __slots__ = ("echo", "emitted", "finished", "index", "pending", "seen", "text_offset")
+
+    def __init__(self, index: int, echo: str = "") -> None:
+        #: the choice's index in the response
+        self.index = index
+        #: True once its finish_reason went out
+        self.finished = False
+        #: completions ``echo``: text still to put in front of the first chunk
+        self.echo = echo
+        #: logprob entries of generated tokens not yet delivered, in generation order
+        self.pending: deque[_Entry] = deque()
+        self.seen = 0  # tokens generated
+        self.emitted = 0  # tokens delivered (their logprobs went out)
+        self.text_offset = 0  # completions: characters of token text before the next token
+
+    def delivered(self, output: BackendOutput) -> list[_Entry]:
+        """Take ``output``'s tokens in; return the entries delivered by now, in order.
+
+        ``output.delivered_tokens`` counts this choice's tokens whose text has reached the
+        client; tokens past it wait here, and those a hidden stop swallowed never leave.
+        """
+        pending = self.pending
+        ids = output.token_ids
+        count = len(ids)
+        logprobs = output.logprobs
+        if logprobs is None:
+            pending.extend([None] * count)
+        else:
+            tokens = output.tokens
+            top = output.top_logprobs
+            for i in range(count):
+                pending.append((ids[i], tokens[i], logprobs[i], None if top is None else top[i]))
+        self.seen += count
+        ready = min(output.delivered_tokens, self.seen) - self.emitted
+        if ready <= 0:
+            return []
+        self.emitted += ready
+        return [pending.popleft() for _ in range(ready)]
+
+
+class _Chunks:
+    """What chat and completions responses share: the head, the choices, the usage."""
+
+    __slots__ = (
+        "_base",
+        "_choices",
+        "_echo",
+        "_head",
+        "_logprobs",
+        "_texts",
+        "completion_tokens",
+    )
+
+    def __init__(
+        self,
+        *,
+        id_prefix: str,
+        obj: str,
+        model: str,
+        logprobs: int | None,
+        usage_field: bool,
+        texts: TokenTexts,
+    ) -> None:
+        self._head: Chunk = {
+            "id": f"{id_prefix}-{uuid.uuid4().hex}",
+            "object": obj,
+            "created": int(time.time()),
+            "model": model,
+            "choices": None,
+        }
+        if usage_field:
+            self._head["usage"] = None
+        self._logprobs = logprobs
+        self._texts = texts
+        self._choices: dict[int, ChoiceState] = {}
+        self._base = 0
+        self._echo = ""
+        #: every token generated so far, over all choices (delivered or not)
+        self.completion_tokens = 0
+
+    @property
+    def id(self) -> str:
+        """The response id, the same on every chunk."""
+        return str(self._head["id"])
+
+    def start_prompt(self, base: int, echo: str = "") -> None:
+        """The outputs that follow are the next prompt's (a completions batch): output
+        index ``i`` is choice ``base + i``, and ``echo`` starts each of those choices."""
+        self._base = base
+        self._echo = echo
+
+    def _chunk(self, choice: Chunk) -> Chunk:
+        chunk = self._head.copy()
+        chunk["choices"] = [choice]
+        return chunk
+
+    def usage_chunk(self, prompt_tokens: int) -> Chunk:
+        """The last chunk: no choices, the response's token counts."""
+        chunk = self._head.copy()
+        chunk["choices"] = []
+        completion = self.completion_tokens
+        chunk["usage"] = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+        return chunk
+
+    def _bytes(self, token_id: int, text: str) -> list[int]:
+        raw = self._texts.get(token_id)[1]
+        return list(text.encode() if raw is None else raw)
+
+
+class ChatChunks(_Chunks):
+    """The ``chat.completion.chunk`` stream of one chat response.
+
+    ``logprobs``: None, or how many alternatives each token's entry lists.
+    ``usage_field``: put ``"usage": None`` on every chunk (``include_usage`` streams).
+    """
+
+    __slots__ = ()
+
+    def __init__(
+        self, *, model: str, logprobs: int | None, usage_field: bool, texts: TokenTexts
+    ) -> None:
+        super().__init__(
+            id_prefix="chatcmpl",
+            obj="chat.completion.chunk",
+            model=model,
+            logprobs=logprobs,
+            usage_field=usage_field,
+            texts=texts,
+        )
+
+    def feed(self, output: BackendOutput) -> list[Chunk]:
+        """The chunks for one output: a role chunk first for a new choice, then one chunk
+        unless there is nothing to say (no text, no logprobs, no finish)."""
+        self.completion_tokens += len(output.token_ids)
+        index = self._base + output.index
+        choice = self._choices.get(index)
+        chunks: list[Chunk] = []
+        if choice is None:
+            choice = self._choices[index] = ChoiceState(index)
+            chunks.append(
+                self._chunk(
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                )
+            )
+        elif choice.finished:
+            return chunks
+        logprobs = None
+        if self._logprobs is not None:
+            entries = choice.delivered(output)
+            if entries:
+                content = [self._entry(entry) for entry in entries if entry is not None]
+                if content:
+                    logprobs = {"content": content, "refusal": None}
+        text = output.text
+        finish = output.finish_reason
+        if text or logprobs is not None or finish is not None:
+            if finish is not None:
+                choice.finished = True
+            chunks.append(
+                self._chunk(
+                    {
+                        "index": index,
+                        "delta": {"content": text} if text else {},
+                        "logprobs": logprobs,
+                        "finish_reason": finish,
+                    }
+                )
+            )
+        return chunks
+
+    def _entry(self, entry: tuple[int, str, float, TopLogprobs | None]) -> dict[str, Any]:
+        token_id, token, logprob, top = entry
+        alternatives = []
+        if top:
+            get = self._texts.get
+            for alt_id, alt_logprob in top[: self._logprobs]:
+                alt_text, alt_raw = get(alt_id)
+                alternatives.append(
+                    {
+                        "token": alt_text,
+                        "logprob": alt_logprob,
+                        "bytes": list(alt_text.encode() if alt_raw is None else alt_raw),
+                    }
+                )
+        return {
+            "token": token,
+            "logprob": logprob,
+            "bytes": self._bytes(token_id, token),
+            "top_logprobs": alternatives,
+        }
+
+
+class CompletionChunks(_Chunks):
+    """The ``text_completion`` stream of one completions response (see :class:`ChatChunks`)."""
+
+    __slots__ = ()
+
+    def __init__(
+        self, *, model: str, logprobs: int | None, usage_field: bool, texts: TokenTexts
+    ) -> None:
+        super().__init__(
+            id_prefix="cmpl",
+            obj="text_completion",
+            model=model,
+            logprobs=logprobs,
+            usage_field=usage_field,
+            texts=texts,
+        )
+
+    def feed(self, output: BackendOutput) -> list[Chunk]:
+        """The chunk for one output, unless there is nothing to say."""
+        self.completion_tokens += len(output.token_ids)
+        index = self._base + output.index
+        choice = self._choices.get(index)
+        if choice is None:
+            choice = self._choices[index] = ChoiceState(index, self._echo)
+        elif choice.finished:
+            return []
+        text = output.text
+        if choice.echo:
+            text = choice.echo + text
+            choice.echo = ""
+        logprobs = None
+        if self._logprobs is not None:
+            entries = choice.delivered(output)
+            if entries:
+                logprobs = self._logprobs_of(choice, entries)
+        finish = output.finish_reason
+        if not text and logprobs is None and finish is None:
+            return []
+        if finish is not None:
+            choice.finished = True
+        return [
+            self._chunk(
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            )
+        ]
+
+    def _logprobs_of(self, choice: ChoiceState, entries: list[_Entry]) -> dict[str, Any] | None:
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top_logprobs: list[dict[str, float]] = []
+        text_offset: list[int] = []
+        get = self._texts.get
+        k = self._logprobs or 0
+        offset = choice.text_offset
+        for entry in entries:
+            if entry is None:
+                continue
+            _, token, logprob, top = entry
+            tokens.append(token)
+            token_logprobs.append(logprob)
+            # OpenAI: the k most likely tokens, plus the sampled one (up to k + 1 entries).
+            best = {get(alt_id)[0]: alt for alt_id, alt in (top or ())[:k]}
+            best.setdefault(token, logprob)
+            top_logprobs.append(best)
+            text_offset.append(offset)
+            offset += len(token)
+        choice.text_offset = offset
+        if not tokens:
+            return None
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top_logprobs,
+            "text_offset": text_offset,
+        }
+
+
+# -------------------------------------------------------------------- non-streamed
+
+
+def aggregate_chat(chunks: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Fold the chunks of one chat response into a ``chat.completion`` object.
+
+    Raises:
+        ValueError: ``chunks`` is empty.
+    """
+    head: Mapping[str, Any] | None = None
+    usage = None
+    contents: dict[int, list[str]] = {}
+    logprobs: dict[int, list[Any]] = {}
+    finishes: dict[int, str | None] = {}
+    for chunk in chunks:
+        if head is None:
+            head = chunk
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            parts = contents.setdefault(index, [])
+            finishes.setdefault(index, None)
+            content = choice["delta"].get("content")
+            if content:
+                parts.append(content)
+            if choice.get("logprobs") is not None:
+                logprobs.setdefault(index, []).extend(choice["logprobs"]["content"])
+            if choice["finish_reason"] is not None:
+                finishes[index] = choice["finish_reason"]
+    if head is None:
+        raise ValueError("no chunks to aggregate")
+    return {
+        "id": head["id"],
+        "object": "chat.completion",
+        "created": head["created"],
+        "model": head["model"],
+        "choices": [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(contents[index])},
+                "logprobs": (
+                    {"content": logprobs[index], "refusal": None} if index in logprobs else None
+                ),
+                "finish_reason": finishes[index],
+            }
+            for index in sorted(contents)
+        ],
+        "usage": usage,
+    }
+
+
+def aggregate_completion(chunks: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Fold the chunks of one completions response into a ``text_completion`` object.
+
+    Raises:
+        ValueError: ``chunks`` is empty.
+    """
+    head: Mapping[str, Any] | None = None
+    usage = None
+    texts: dict[int, list[str]] = {}
+    logprobs: dict[int, dict[str, list[Any]]] = {}
+    finishes: dict[int, str | None] = {}
+    for chunk in chunks:
+        if head is None:
+            head = chunk
+        if chunk.get("usage") is not None:
+            usage = chunk["usage"]
+        for choice in chunk["choices"]:
+            index = choice["index"]
+            texts.setdefault(index, []).append(choice["text"])
+            finishes.setdefault(index, None)
+            if choice.get("logprobs") is not None:
+                merged = logprobs.get(index)
+                if merged is None:
+                    merged = logprobs[index] = {key: [] for key in _COMPLETION_LOGPROB_KEYS}
+                for key, values in merged.items():
+                    values.extend(choice["logprobs"][key])
+            if choice["finish_reason"] is not None:
+                finishes[index] = choice["finish_reason"]
+    if head is None:
+        raise ValueError("no chunks to aggregate")
+    return {
+        "id": head["id"],
+        "object": "text_completion",
+        "created": head["created"],
+        "model": head["model"],
+        "choices": [
+            {
+                "index": index,
+                "text": "".join(texts[index]),
+                "logprobs": logprobs.get(index),
+                "finish_reason": finishes[index],
+            }
+            for index in sorted(texts)
+        ],
+        "usage": usage,
+    }

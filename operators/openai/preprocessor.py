@@ -1,0 +1,336 @@
+"""The OpenAI preprocessor: the first operator of every LLM graph.
+
+Forward, it turns a validated :class:`~operators.openai.protocol.ChatCompletionRequest` or
+:class:`~operators.openai.protocol.CompletionRequest` into a tokenized
+:class:`~operators.llm.PreprocessedRequest` (chat template, tokenization, stop conditions,
+sampling and output options, context-length checks). Backward, it turns the Backend's
+:class:`~operators.llm.BackendOutput` stream into OpenAI stream chunks, plain dicts::
+
+    ChatCompletionRequest --[render template, encode]--> PreprocessedRequest --> Backend ...
+    chat.completion.chunk <--[one dict per output]------ BackendOutput      <-- Backend ...
+
+The output is *always* stream-shaped. The HTTP server sends the chunks as server-sent
+events, or folds them into one response with :func:`aggregate_chat` /
+:func:`aggregate_completion`, so streamed and non-streamed responses come from the same
+code. Usage arrives as one last chunk with ``choices: []``: for ``stream: true`` only with
+``stream_options.include_usage`` (and then every other chunk carries ``"usage": None``, as
+OpenAI's do), for ``stream: false`` always (the aggregators move it into the response).
+
+The chunk building itself (per-choice state, logprobs of delivered tokens, usage) lives in
+:mod:`operators.openai.chunks`; this module is the forward edge and the stream loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from operators.llm import BackendOutput, PreprocessedRequest
+from pipeline import Context, Engine, InvalidRequest, State
+
+from .chat_template import ChatTemplate
+from .chunks import (
+    ChatChunks,
+    Chunk,
+    CompletionChunks,
+    TokenDecoder,
+    TokenTexts,
+    aggregate_chat,
+    aggregate_completion,
+)
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+
+__all__ = (
+    "OpenAIPreprocessor",
+    "OpenAIRequest",
+    "TokenizerLike",
+    "aggregate_chat",
+    "aggregate_completion",
+)
+
+logger = logging.getLogger(__name__)
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+"""What the preprocessor accepts: a validated chat or completions request."""
+
+
+class TokenizerLike(TokenDecoder, Protocol):
+    """What the preprocessor needs from a tokenizer (:class:`operators.tokenizer.Tokenizer`
+    has it all). ``bos_token_id``, ``eos_token_id`` and ``vocab_size`` are used when present.
+    """
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+class OpenAIPreprocessor:
+    """Operator: OpenAI requests -> PreprocessedRequest; BackendOutput -> OpenAI chunks.
+
+    Args:
+        tokenizer: encodes prompts, renders token texts for logprobs.
+        model_name: reported in responses when the request names no model.
+        max_model_len: the context length; prompts (plus ``max_tokens``) must fit.
+        default_max_tokens: the output limit when the request sets none (capped by what
+            is left of ``max_model_len``).
+        chat_template: Jinja source overriding the tokenizer's template.
+
+    Raises:
+        ValueError: the chat template does not compile.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        *,
+        model_name: str,
+        max_model_len: int | None = None,
+        default_max_tokens: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._default_max_tokens = default_max_tokens
+        self._eos_token_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        source = chat_template if chat_template is not None else tokenizer.chat_template
+        self._template = (
+            None
+            if source is None
+            else ChatTemplate(
+                source,
+                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
+                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
+            )
+        )
+        self._token_texts = TokenTexts(tokenizer)
+
+    # ------------------------------------------------------------------ forward edge
+
+    def render_chat(self, request: ChatCompletionRequest) -> str:
+        """The prompt text of a chat request: its messages through the chat template.
+
+        Raises:
+            InvalidRequest: no chat template, an unsupported content part (images), or
+                the template rejected the conversation.
+        """
+        if self._template is None:
+            raise InvalidRequest(
+                "this model has no chat template; use /v1/completions with a prompt",
+                param="messages",
+            )
+        return self._template.render(_template_messages(request.messages))
+
+    def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
+        """The tokenized request: one per prompt (several for a completions batch).
+
+        Raises:
+            InvalidRequest: an empty prompt, a prompt or ``max_tokens`` that does not fit
+                the context, token ids outside the vocabulary, or what :meth:`render_chat`
+                raises.
+        """
+        return [leg.request for leg in self._legs(request)]
+
+    def _legs(self, request: OpenAIRequest) -> list[_Leg]:
+        if isinstance(request, ChatCompletionRequest):
+            # The rendered text is encoded with special tokens parsed, because the template's
+            # role markers must become control ids. The users' message text is part of that
+            # text, so "<|im_start|>" typed in a message also becomes a control id: keeping
+            # user text plain would mean encoding the template's pieces separately. vLLM and
+            # llama.cpp's server behave the same way.
+            text = self.render_chat(request)
+            ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+            return [self._leg(request, ids, "messages", "")]
+        legs = []
+        echo = request.echo
+        batch = len(request.prompts) > 1
+        for position, prompt in enumerate(request.prompts):
+            param = f"prompt.{position}" if batch else "prompt"
+            if isinstance(prompt, str):
+                # A completions prompt is raw model input that the client owns whole, so
+                # control-token texts in it are parsed (vLLM and llama.cpp's server do the
+                # same): that is how clients write their own chat formats. There is no
+                # template here whose structure user text could escape from.
+                ids = self._tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
+                shown = prompt
+            else:
+                ids = list(prompt)
+                self._check_token_ids(ids, param)
+                shown = self._tokenizer.decode(ids) if echo else ""
+            legs.append(self._leg(request, ids, param, shown if echo else ""))
+        return legs
+
+    def _leg(self, request: OpenAIRequest, ids: list[int], param: str, echo: str) -> _Leg:
+        prompt_len = len(ids)
+        what = "messages" if param == "messages" else "prompt"
+        if prompt_len == 0:
+            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
+        max_tokens, max_param = request.requested_max_tokens
+        limit = self._max_model_len
+        if limit is not None:
+            if prompt_len >= limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens, but the {what} "
+                    f"has {prompt_len} tokens, which leaves no room for a completion. "
+                    f"Shorten the {what}.",
+                    param=param,
+                )
+            if max_tokens is not None and prompt_len + max_tokens > limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
+                    f"'{max_param}'.",
+                    param=max_param,
+                )
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens
+            if limit is not None:
+                room = limit - prompt_len
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        preprocessed = PreprocessedRequest(
+            token_ids=ids,
+            stop=request.stop_conditions(max_tokens=max_tokens, eos_token_ids=self._eos_token_ids),
+            sampling=request.sampling_options(),
+            output=request.output_options(),
+            model=request.model or self._model_name,
+            n=request.n,
+        )
+        return _Leg(preprocessed, echo)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab_size = self._vocab_size
+        if vocab_size is not None:
+            for position, token_id in enumerate(ids):
+                if token_id >= vocab_size:
+                    raise InvalidRequest(
+                        f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                        param=f"{param}.{position}",
+                    )
+
+    # ---------------------------------------------------------------------- the stream
+
+    async def generate(
+        self,
+        ctx: Context[OpenAIRequest],
+        downstream: Engine[PreprocessedRequest, BackendOutput],
+    ) -> AsyncIterator[Chunk]:
+        """Serve one OpenAI request with ``downstream``, yielding stream chunks.
+
+        A completions batch (several prompts) runs its prompts one after another, each as
+        a child leg with its own state scope, so the Backends' decoders never collide.
+
+        Raises:
+            InvalidRequest: see :meth:`preprocess`; downstream errors pass unchanged.
+        """
+        request = ctx.data
+        legs = self._legs(request)
+        model = request.model or self._model_name
+        usage_field = request.include_usage
+        chunks: ChatChunks | CompletionChunks
+        if isinstance(request, ChatCompletionRequest):
+            chunks = ChatChunks(
+                model=model,
+                logprobs=request.logprobs_count,
+                usage_field=usage_field,
+                texts=self._token_texts,
+            )
+        else:
+            chunks = CompletionChunks(
+                model=model,
+                logprobs=request.logprobs_count,
+                usage_field=usage_field,
+                texts=self._token_texts,
+            )
+        n = request.n
+        for position, leg in enumerate(legs):
+            chunks.start_prompt(position * n, leg.echo)
+            leg_ctx = (
+                ctx.replace(leg.request)
+                if len(legs) == 1
+                else ctx.child(leg.request, state=State())
+            )
+            stream = cast("AsyncGenerator[BackendOutput, None]", downstream.generate(leg_ctx))
+            async with aclosing(stream):
+                async for output in stream:
+                    for chunk in chunks.feed(output):
+                        yield chunk
+        # Usage ends every non-streamed response (the aggregators move it into the body),
+        # and a streamed one only when the client asked for it.
+        if usage_field or not request.stream:
+            yield chunks.usage_chunk(sum(leg.request.prompt_tokens for leg in legs))
+
+
+@dataclass(slots=True)
+class _Leg:
+    request: PreprocessedRequest
+    #: completions ``echo``: the prompt text the first chunk of each choice starts with
+    echo: str
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _eos_token_id(tokenizer: TokenizerLike) -> int | None:
+    declared: int | None = getattr(tokenizer, "eos_token_id", None)
+    if declared is not None:
+        return declared
+    return min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+
+
+def _token_text(tokenizer: TokenizerLike, token_id: int | None) -> str | None:
+    if token_id is None:
+        return None
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the dicts chat templates expect: string content, optional extras.
+
+    ``developer`` (OpenAI's newer name for the system role) becomes ``system``: most
+    open-model templates predate it.
+    """
+    rendered = []
+    for position, message in enumerate(messages):
+        item: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _content_text(message.content, position),
+        }
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls is not None:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        rendered.append(item)
+    return rendered
+
+
+def _content_text(content: str | list[ContentPart] | None, position: int) -> str:
+    """A message's text: text parts joined by newlines (as vLLM joins them)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        if part.type != "text":
+            _reject_non_text(part, f"messages.{position}.content.{index}")
+        texts.append(part.text or "")
+    return "\n".join(texts)
+
+
+def _reject_non_text(part: ContentPart, param: str) -> None:
+    # Multimodal input needs an encoder in the graph (EncoderRouter); until one exists,
+    # image parts are parsed by the protocol and refused here, in this one place.
+    raise InvalidRequest("image inputs are not supported by this model/graph", param=param)
