@@ -155,14 +155,17 @@ class _Controller:
                 self._stop_event.set()
 
     def kill(self) -> None:
-        for child in self.children:
-            child.kill()
+        # Cancel our own scopes before anything wakes up: a child's stop() would otherwise
+        # wake an engine waiting on it first, and the stream would end gracefully instead
+        # of being cancelled.
         if not self.killed:
             self.killed = True
             for scope in self._scopes:
                 scope.cancel()
             if self._kill_event is not None:
                 self._kill_event.set()
+        for child in self.children:
+            child.kill()
         self.stop()
 
     def bind(self, scope: CancelScope) -> None:

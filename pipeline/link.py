@@ -56,12 +56,16 @@ def _positional_arity(method: Any) -> int | None:
 
 
 def _check_stage(stage: object, *, position: str, arity: int) -> None:
+    if isinstance(stage, type):
+        # A class has an (unbound) generate too, so say so before counting its parameters.
+        raise LinkError(
+            f"{position} is the class {stage.__name__}, not an instance of it; "
+            f"did you mean {stage.__name__}()?"
+        )
     generate = getattr(stage, "generate", None)
     if generate is None or not callable(generate):
         hint = ""
-        if isinstance(stage, type):
-            hint = f" It is the class {stage.__name__}; did you mean {stage.__name__}()?"
-        elif inspect.isasyncgenfunction(stage) or inspect.iscoroutinefunction(stage):
+        if inspect.isasyncgenfunction(stage) or inspect.iscoroutinefunction(stage):
             hint = " It is a function; wrap it in pipeline.FunctionEngine(...) to use it."
         raise LinkError(f"{position} {stage!r} has no generate() method.{hint}")
     if inspect.iscoroutinefunction(generate):

@@ -96,10 +96,17 @@ class WorkerSet(Generic[In, Out]):
         return self._workers.get(worker_id)
 
     def add(self, worker_id: str, engine: Engine[In, Out]) -> None:
-        """Add a worker, or replace the engine of the one with this id."""
-        worker = Worker(worker_id, engine)
-        self._workers[worker_id] = worker
-        self._members = tuple(self._workers.values())
+        """Add a worker, or replace the engine of the one with this id.
+
+        A replaced worker keeps its place and its in-flight count (its running streams
+        still count against it); new requests get the new engine.
+        """
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            worker.engine = engine
+        else:
+            self._workers[worker_id] = Worker(worker_id, engine)
+            self._members = tuple(self._workers.values())
         self._notify()
 
     def remove(self, worker_id: str) -> None:
@@ -136,18 +143,22 @@ class WorkerSet(Generic[In, Out]):
         *,
         wait: float = 0.0,
         accept: Callable[[Sequence[Worker[In, Out]]], bool] = bool,
+        wanted: str = "worker",
     ) -> tuple[Worker[In, Out], ...]:
         """Return the members once ``accept(members)`` holds, waiting up to ``wait`` seconds.
 
-        The wait also ends when the context's deadline passes or the context is stopped;
-        a kill cancels it like any other wait.
+        The wait also ends when the context's deadline passes, or when the context is
+        stopped: then the members are returned as they are (check ``ctx.is_stopped``). A
+        kill cancels the wait like any other. ``wanted`` names what is waited for in the
+        error message.
 
         Raises:
             CapacityExhausted: when no acceptable member appeared in time.
         """
-        if accept(self._members):
+        if accept(self._members) or ctx.is_stopped:
             return self._members
-        deadline = anyio.current_time() + wait
+        start = anyio.current_time()
+        deadline = start + wait
         if ctx.deadline is not None:
             deadline = min(deadline, ctx.deadline)
         self._waiting += 1
@@ -165,11 +176,11 @@ class WorkerSet(Generic[In, Out]):
                         tg.cancel_scope.cancel()
         finally:
             self._waiting -= 1
-        if accept(self._members):
+        if accept(self._members) or ctx.is_stopped:
             return self._members
-        waited = "" if wait == 0 else f" after waiting {wait:g}s"
+        waited = "" if wait == 0 else f" after waiting {anyio.current_time() - start:.3g}s"
         raise CapacityExhausted(
-            f"no worker available in worker set {self.name!r}{waited}", request_id=ctx.id
+            f"no {wanted} available in worker set {self.name!r}{waited}", request_id=ctx.id
         )
 
     def _notify(self) -> None:
@@ -302,8 +313,10 @@ class Router(Generic[In, Out]):
     """An Engine that sends each request to one member of a WorkerSet.
 
     ``wait`` is how long a request may wait for a member to appear before
-    :class:`~pipeline.errors.CapacityExhausted` (0: fail at once); the context's deadline
-    and cancellation bound the wait too.
+    :class:`~pipeline.errors.CapacityExhausted` (0: fail at once). The context bounds the
+    wait too: ``stop_generating()`` ends it with an empty stream, ``kill()`` cancels it,
+    and a deadline that passes first is, under :func:`~pipeline.open_stream`, a kill like
+    anywhere else (without a driver, the router raises CapacityExhausted at the deadline).
     """
 
     def __init__(
@@ -324,12 +337,18 @@ class Router(Generic[In, Out]):
             return lambda members: any(worker.id == target for worker in members)
         return bool
 
+    def _wanted(self, ctx: Context[Any]) -> str:
+        policy = self.policy
+        if isinstance(policy, Direct):
+            return f"worker {policy.target(ctx)!r}"
+        return "worker"
+
     async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
         """Pick a worker for ``ctx`` and stream its outputs."""
         members = self.workers.members
         if not members or isinstance(self.policy, Direct):
             members = await self.workers.wait_available(
-                ctx, wait=min(self._wait, 1e9), accept=self._accept(ctx)
+                ctx, wait=min(self._wait, 1e9), accept=self._accept(ctx), wanted=self._wanted(ctx)
             )
         if ctx.is_stopped:
             return

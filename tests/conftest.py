@@ -1,0 +1,44 @@
+"""Shared test configuration: every async test runs under a time limit.
+
+pytest-asyncio runs an async fixture's setup, the test body and the fixture's teardown as
+three separate tasks, so the usual ``async def`` fixture that yields inside
+``anyio.fail_after(...)`` does not limit the test at all (and its teardown fails with
+"Attempted to exit cancel scope in a different task"). Instead, a plain autouse fixture
+wraps the test function itself before pytest-asyncio runs it, so the limit is entered and
+left in the test's own task. For Hypothesis tests the limit applies to each example.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import pytest
+from pytest_asyncio import is_async_test
+
+#: seconds any one async test (or Hypothesis example) may run
+TEST_TIME_LIMIT = 10.0
+
+
+def _time_limited(test: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    @functools.wraps(test)
+    async def limited(*args: Any, **kwargs: Any) -> Any:
+        with anyio.fail_after(TEST_TIME_LIMIT, reason=f"test ran over {TEST_TIME_LIMIT:g}s"):
+            return await test(*args, **kwargs)
+
+    return limited
+
+
+@pytest.fixture(autouse=True)
+def _async_time_limit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Put every async test under ``anyio.fail_after(TEST_TIME_LIMIT)``."""
+    item = request.node
+    if not is_async_test(item):
+        return
+    hypothesis = getattr(item.obj, "hypothesis", None)
+    if hypothesis is not None:
+        monkeypatch.setattr(hypothesis, "inner_test", _time_limited(hypothesis.inner_test))
+    else:
+        monkeypatch.setattr(item, "obj", _time_limited(item.obj))

@@ -1,0 +1,84 @@
+"""Every example in examples/ runs as a script, exits 0 and prints what it should.
+
+To add an example, drop it in examples/ and add an entry to ``RUNS`` with the substrings
+its output must contain (and any command-line flags it needs). An example that imports
+a package which is not installed is skipped, naming the package.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+
+@dataclass(frozen=True)
+class Run:
+    """How to run one example and what its output must contain."""
+
+    expect: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    skip: str | None = None
+    timeout: float = 60.0
+
+
+RUNS: dict[str, Run] = {
+    "hello_pipeline.py": Run(expect=("HELLO!\nPIPELINE!\nWORLD!\n",)),
+    "custom_operator.py": Run(expect=("Upper passes check_operator",)),
+}
+
+
+def _missing_imports(path: Path) -> list[str]:
+    """Top-level packages ``path`` imports that are not installed."""
+    missing = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if importlib.util.find_spec(top) is None:
+                missing.add(top)
+    return sorted(missing)
+
+
+def test_there_are_examples() -> None:
+    assert {"hello_pipeline.py", "custom_operator.py"} <= {path.name for path in EXAMPLES}
+
+
+def test_every_configured_example_exists() -> None:
+    assert set(RUNS) <= {path.name for path in EXAMPLES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
+def test_example_runs(path: Path) -> None:
+    run = RUNS.get(path.name, Run())
+    if run.skip:
+        pytest.skip(run.skip)
+    missing = _missing_imports(path)
+    if missing:
+        pytest.skip(f"{path.name} needs {', '.join(missing)}")
+    result = subprocess.run(
+        [sys.executable, "-W", "error::ResourceWarning", str(path), *run.args],
+        capture_output=True,
+        text=True,
+        timeout=run.timeout,
+        cwd=ROOT,
+        check=False,
+    )
+    assert result.returncode == 0, f"{path.name} exited {result.returncode}:\n{result.stderr}"
+    assert "Exception ignored" not in result.stderr, result.stderr
+    for expected in run.expect:
+        assert expected in result.stdout, f"{path.name} printed:\n{result.stdout}"
