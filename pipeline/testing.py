@@ -23,9 +23,10 @@ from .context import Context
 from .errors import RequestError
 from .link import link
 from .operator import Engine, Operator
+from .routers import WorkerSet
 from .streams import open_stream
 
-__all__ = ("ScriptedEngine", "check_operator", "collect", "make_context")
+__all__ = ("ScriptedEngine", "check_operator", "collect", "make_context", "worker_set")
 
 T = TypeVar("T")
 Out = TypeVar("Out")
@@ -47,6 +48,20 @@ def make_context(
     if timeout is not None:
         deadline = anyio.current_time() + timeout
     return Context.new(data, id=id, metadata=metadata, deadline=deadline)
+
+
+def worker_set(*engines: Engine[Any, Out], name: str = "workers") -> WorkerSet[Any, Out]:
+    """A WorkerSet of ``engines`` with ids ``worker-0``, ``worker-1``, ...
+
+    With :class:`ScriptedEngine` workers it makes failover testable in one line::
+
+        workers = worker_set(
+            ScriptedEngine([out1], then=StreamDisconnected("worker died")),
+            ScriptedEngine([out2]),
+        )
+        graph = link(Migration(), Backend(tokenizer), Router(workers))
+    """
+    return WorkerSet(name, {f"worker-{i}": engine for i, engine in enumerate(engines)})
 
 
 async def collect(engine: Engine[T, Out], ctx: Context[T]) -> list[Out]:

@@ -12,9 +12,18 @@ from typing import Any
 import anyio
 import pytest
 
-from pipeline import Context, Engine, EngineError, FunctionEngine, StreamDisconnected, link
+from pipeline import (
+    Context,
+    Engine,
+    EngineError,
+    FunctionEngine,
+    RoundRobin,
+    Router,
+    StreamDisconnected,
+    link,
+)
 from pipeline import Operator as OperatorProtocol
-from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
+from pipeline.testing import ScriptedEngine, check_operator, collect, make_context, worker_set
 
 # -- make_context and collect -----------------------------------------------------------------
 
@@ -345,3 +354,16 @@ async def test_check_operator_works_on_function_engines_behind_the_operator() ->
         yield ctx.data
 
     assert await collect(link(Upper(), FunctionEngine(source)), make_context("hi")) == ["HI"]
+
+
+async def test_worker_set_of_scripted_engines_fails_over_in_order() -> None:
+    dying = ScriptedEngine(["a"], then=StreamDisconnected("worker died"))
+    healthy = ScriptedEngine(["b"])
+    workers = worker_set(dying, healthy, name="decode")
+    assert [w.id for w in workers.members] == ["worker-0", "worker-1"]
+    assert workers.name == "decode"
+    router = Router(workers, RoundRobin())
+    with pytest.raises(StreamDisconnected):
+        await collect(router, make_context("first"))
+    assert await collect(router, make_context("second")) == ["b"]
+    assert [len(dying.requests), len(healthy.requests)] == [1, 1]
