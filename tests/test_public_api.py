@@ -98,7 +98,7 @@ def test_the_promised_public_surface_exists() -> None:
     for name in ("Router", "RoundRobin", "Random", "LeastLoaded", "Direct", "WorkerSet"):
         assert name in routers.__all__
     assert "MemoryDiscovery" in routers.__all__
-    assert set(testing.__all__) == {"make_context", "collect", "ScriptedEngine", "check_operator"}
+    assert {"make_context", "collect", "ScriptedEngine", "check_operator"} <= set(testing.__all__)
     assert "PipelineError" in errors.__all__
 
 
