@@ -1,0 +1,485 @@
+"""The mocker engine: a simulated worker with a model's timing and every worker role.
+
+It stands in for a real engine in load tests and in disaggregated graphs, where what
+matters is *when* tokens arrive and *which* worker did what, not what the tokens mean. One
+:class:`MockerEngine` is one worker (one simulated accelerator)::
+
+    request --> wait for a batch slot (max_batch sequences at most)
+            --> join the next engine step: prefill cost per prompt token
+            --> one token per step (all active sequences share one step clock)
+            --> finish "length" at max_tokens (16 when the request sets none)
+
+Roles, as in Dynamo's disaggregated serving:
+
+- ``aggregated``: prefill and decode on this worker.
+- ``prefill``: one token, plus an opaque transfer handle in ``EngineOutput.prefill_result``
+  (standing in for the KV cache a decode worker would pull), signed with HMAC.
+- ``decode``: a request carrying ``prefill_result`` must carry a handle a prefill worker
+  issued for this request, or the engine raises :class:`pipeline.EngineError`; with a valid
+  handle it skips the prefill and emits tokens 2..max_tokens (token 1 came from prefill).
+  Without ``prefill_result`` it serves the request aggregated.
+- ``encode``: an object-shaped ``encoder_result`` for the request's multimodal items on a
+  terminal output with no token ids.
+
+Tokens are a pure function of the prompt and the position, so a sequence split across
+workers (prefill here, decode there, a migration retry elsewhere) equals the one an
+aggregated worker emits.
+
+The step clock (:class:`_StepClock`) has no task of its own: every sequence sleeps until the
+end of the step it waits for, and whichever sequence wakes first launches the next step.
+A step lasts ``decode_ms_per_step`` plus ``prefill_ms_per_token`` for every prompt token
+admitted into it, so a new request's prefill stalls the sequences already decoding on the
+same worker: the interference that disaggregation removes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import logging
+import math
+import random
+import secrets
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
+from pipeline import EngineError, StreamDisconnected
+
+from .echo import echo_logprob
+
+if TYPE_CHECKING:
+    from operators.tokenizer import Tokenizer
+    from pipeline import Context
+
+__all__ = ("DEFAULT_MAX_TOKENS", "IMAGE_TOKENS", "MockerEngine", "MockerStatistics", "Role")
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["aggregated", "prefill", "decode", "encode"]
+"""What a worker does for a request (see the module docstring)."""
+
+#: tokens a request generates when it sets no ``max_tokens``
+DEFAULT_MAX_TOKENS: Final = 16
+#: prompt tokens one image costs to encode (on an encode worker, or inline)
+IMAGE_TOKENS: Final = 64
+
+_RANDOM_IDS: Final = (256, 4096)  # "random" tokens are drawn from this id range
+_HANDLE_KIND: Final = "mocker.kv/1"
+_PROCESS_SECRET: Final = secrets.token_bytes(32)
+_HANDLE_FIELDS: Final = ("kind", "worker_id", "request_id", "prompt_tokens", "prompt_digest")
+
+
+class MockerStatistics(NamedTuple):
+    """A snapshot of a :class:`MockerEngine`, from :meth:`MockerEngine.statistics`."""
+
+    steps: int  #: engine steps run so far
+    active: int  #: sequences holding a batch slot
+    waiting: int  #: requests waiting for a batch slot
+
+
+@final
+class _StepClock:
+    """One simulated accelerator's iteration clock. Sans-IO: callers pass the time.
+
+    Step ``k`` starts when step ``k-1`` ends (or when work arrives at an idle clock) and
+    lasts ``decode_s + prefill_s * <prompt tokens admitted into it>``. A step is launched
+    only while some registered sequence still needs it, so an idle clock stays idle.
+    """
+
+    __slots__ = ("_decode_s", "_horizon", "_last", "_pending", "_prefill_s", "end", "step")
+
+    def __init__(self, decode_s: float, prefill_s: float) -> None:
+        self._decode_s = decode_s
+        self._prefill_s = prefill_s
+        #: steps launched so far; step ``step`` ends (or ended) at ``end``
+        self.step = 0
+        self.end = -math.inf
+        self._pending = 0  # prompt tokens admitted into the next step
+        self._last: dict[int, int] = {}  # last step a sequence needs -> how many sequences
+        self._horizon = 0  # the latest step any sequence needs
+
+    def advance(self, now: float) -> None:
+        """Launch every step whose start time has come and that someone needs."""
+        while self.end <= now and self._horizon > self.step:
+            self.step += 1
+            self.end += self._decode_s + self._pending * self._prefill_s
+            self._pending = 0
+
+    def join(self, now: float, prefill_tokens: int, steps: int) -> tuple[int, int]:
+        """Register a sequence needing ``steps`` steps, the first carrying its prefill.
+
+        Returns its first and last step.
+        """
+        self.advance(now)
+        if self.end <= now:  # idle: the next step starts now
+            self.end = now
+        first = self.step + 1
+        last = first + steps - 1
+        self._pending += prefill_tokens
+        self._last[last] = self._last.get(last, 0) + 1
+        self._horizon = max(self._horizon, last)
+        return first, last
+
+    def leave(self, now: float, first: int, last: int, prefill_tokens: int) -> None:
+        """Unregister a sequence (finished, stopped, failed or cancelled)."""
+        if self.step < first:  # left before its prefill was run
+            self._pending -= prefill_tokens
+        remaining = self._last[last] - 1
+        if remaining:
+            self._last[last] = remaining
+        else:
+            del self._last[last]
+            if last == self._horizon:
+                self._horizon = max(self._last, default=0)
+                if self._horizon < self.step and self.end > now:
+                    self.end = now  # nobody waits for the running step: abort it
+
+    async def wait_step(self, step: int) -> None:
+        """Sleep until step ``step`` has ended (at once if it already has)."""
+        slept = False
+        while True:
+            now = anyio.current_time()
+            self.advance(now)
+            if self.step > step or (self.step == step and self.end <= now):
+                break
+            await anyio.sleep(self.end - now)
+            slept = True
+        if not slept:
+            await checkpoint()  # every step is a checkpoint, even a zero-length one
+
+
+class _Plan(NamedTuple):
+    """What one attempt emits: ``length`` tokens from position ``start`` of the sequence."""
+
+    start: int
+    length: int
+    prefill_tokens: int
+
+
+@final
+class MockerEngine:
+    """An Engine[PreprocessedRequest, EngineOutput] that simulates one worker's timing.
+
+    Args:
+        role: what this worker does (see the module docstring).
+        prefill_ms_per_token: simulated prefill cost per prompt token.
+        decode_ms_per_step: simulated duration of one engine step (one token for every
+            active sequence).
+        max_batch: most sequences in flight; further requests wait for a slot.
+        tokens: ``"echo"`` cycles the prompt's ids (minus ``special_ids``); ``"random"``
+            draws seeded pseudo-random ids, a function of ``seed`` and the prompt.
+        seed: the seed of ``"random"`` tokens; workers of one deployment share it.
+        fail_after_tokens: on a request's first attempt (``replayed_tokens == 0``), raise
+            :class:`pipeline.StreamDisconnected` after emitting this many tokens.
+        worker_id: this worker's name in transfer handles and encoder results.
+        special_ids: ids never echoed (chat-template markers, EOS).
+        transfer_secret: the HMAC key of transfer handles; prefill and decode workers
+            must share it. Defaults to a secret shared by every mocker in this process.
+    """
+
+    __slots__ = (
+        "_clock",
+        "_decode_s",
+        "_fail_after",
+        "_max_batch",
+        "_prefill_s",
+        "_secret",
+        "_seed",
+        "_slots",
+        "_special",
+        "_tokens",
+        "_waiting",
+        "role",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        *,
+        role: Role = "aggregated",
+        prefill_ms_per_token: float = 0.05,
+        decode_ms_per_step: float = 5.0,
+        max_batch: int = 64,
+        tokens: Literal["echo", "random"] = "echo",
+        seed: int = 0,
+        fail_after_tokens: int | None = None,
+        worker_id: str = "mocker",
+        special_ids: Iterable[int] = (),
+        transfer_secret: bytes | None = None,
+    ) -> None:
+        if role not in ("aggregated", "prefill", "decode", "encode"):
+            raise ValueError(f"unknown mocker role {role!r}")
+        if tokens not in ("echo", "random"):
+            raise ValueError(f"tokens must be 'echo' or 'random', got {tokens!r}")
+        if prefill_ms_per_token < 0 or decode_ms_per_step < 0:
+            raise ValueError("prefill_ms_per_token and decode_ms_per_step must be >= 0")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if fail_after_tokens is not None and fail_after_tokens < 0:
+            raise ValueError(f"fail_after_tokens must be >= 0, got {fail_after_tokens}")
+        #: this worker's role
+        self.role: Role = role
+        #: this worker's name in handles and encoder results
+        self.worker_id = worker_id
+        self._prefill_s = prefill_ms_per_token / 1000
+        self._decode_s = decode_ms_per_step / 1000
+        self._max_batch = max_batch
+        self._tokens = tokens
+        self._seed = seed
+        self._fail_after = fail_after_tokens
+        self._special = frozenset(special_ids)
+        self._secret = _PROCESS_SECRET if transfer_secret is None else transfer_secret
+        self._clock = _StepClock(self._decode_s, self._prefill_s)
+        self._slots = anyio.Semaphore(max_batch)
+        self._waiting = 0
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, **options: Any) -> MockerEngine:
+        """A mocker that never echoes ``tokenizer``'s special and end-of-generation ids."""
+        return cls(special_ids=tokenizer.special_token_ids | tokenizer.eos_token_ids, **options)
+
+    def statistics(self) -> MockerStatistics:
+        """Steps run, sequences in flight, requests waiting for a batch slot."""
+        return MockerStatistics(
+            steps=self._clock.step,
+            active=self._max_batch - self._slots.value,
+            waiting=self._waiting,
+        )
+
+    # ------------------------------------------------------------------------- tokens
+
+    def token_at(self, request: PreprocessedRequest, position: int) -> int:
+        """The token this mocker generates at ``position`` (0: the first output token)."""
+        return next(self._sequence(request, position))
+
+    def _sequence(self, request: PreprocessedRequest, start: int) -> Iterator[int]:
+        prompt = request.token_ids[: request.prompt_tokens]
+        if self._tokens == "echo":
+            special = self._special
+            echo = [token_id for token_id in prompt if token_id not in special]
+            if echo:
+                period = len(echo)
+                return (echo[i % period] for i in itertools.count(start))
+        return self._random(prompt, start)
+
+    def _random(self, prompt: list[int], start: int) -> Iterator[int]:
+        rng = random.Random(f"{self._seed}:{_digest(prompt)}")
+        low, high = _RANDOM_IDS
+        special = self._special
+        position = 0
+        while True:
+            token_id = rng.randrange(low, high)
+            if token_id in special:
+                continue
+            if position >= start:
+                yield token_id
+            position += 1
+
+    # ------------------------------------------------------------------ transfer handles
+
+    def _sign(self, handle: dict[str, Any]) -> str:
+        message = "\x1f".join(str(handle[key]) for key in (*_HANDLE_FIELDS, "first_token"))
+        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
+
+    def _issue_handle(self, ctx: Context[PreprocessedRequest], first_token: int) -> dict[str, Any]:
+        token_ids = ctx.data.token_ids
+        handle: dict[str, Any] = {
+            "kind": _HANDLE_KIND,
+            "worker_id": self.worker_id,
+            "request_id": ctx.id,
+            "prompt_tokens": len(token_ids),
+            "prompt_digest": _digest(token_ids),
+            "first_token": first_token,
+        }
+        handle["signature"] = self._sign(handle)
+        return handle
+
+    def _check_handle(self, ctx: Context[PreprocessedRequest]) -> None:
+        """Raise EngineError unless ``prefill_result`` is a handle issued for this request."""
+        request = ctx.data
+        handle = request.prefill_result
+        problem = None
+        if not isinstance(handle, dict) or any(
+            key not in handle for key in (*_HANDLE_FIELDS, "first_token", "signature")
+        ):
+            problem = "not a mocker transfer handle"
+        elif not hmac.compare_digest(str(handle["signature"]), self._sign(handle)):
+            problem = "bad signature (forged, or issued with another transfer_secret)"
+        elif handle["kind"] != _HANDLE_KIND:
+            problem = f"unknown kind {handle['kind']!r}"
+        elif handle["request_id"] != ctx.id:
+            problem = f"issued for request {handle['request_id']!r}"
+        elif handle["prompt_tokens"] != len(request.token_ids):
+            problem = (
+                f"issued for {handle['prompt_tokens']} prompt tokens, "
+                f"the request has {len(request.token_ids)}"
+            )
+        elif handle["prompt_digest"] != _digest(request.token_ids):
+            problem = "issued for another prompt"
+        elif handle["first_token"] != self.token_at(request, request.replayed_tokens):
+            problem = "its first token does not continue this request's sequence"
+        if problem is not None:
+            raise EngineError(
+                f"mocker {self.worker_id!r}: invalid or missing transfer handle in "
+                f"prefill_result: {problem}; a decode request must carry the prefill_result "
+                "a prefill worker returned for it",
+                request_id=ctx.id,
+            )
+
+    # -------------------------------------------------------------------- multimodal
+
+    def _image_tokens(self, ctx: Context[PreprocessedRequest]) -> int:
+        """Prompt tokens the request's images cost here: none when already encoded.
+
+        An ``encoder_result`` is opaque, except that one with ``embeddings`` (as a mocker
+        encode worker returns) must describe this request's images.
+        """
+        request = ctx.data
+        if not request.multimodal:
+            return 0
+        result = request.encoder_result
+        if result is None:
+            return IMAGE_TOKENS * len(request.multimodal)  # inline encoding
+        if "embeddings" in result and result["embeddings"] != _embeddings(request):
+            raise EngineError(
+                f"mocker {self.worker_id!r}: encoder_result does not describe this request's "
+                "multimodal items",
+                request_id=ctx.id,
+            )
+        return 0
+
+    # ------------------------------------------------------------------------ serving
+
+    def _plan(self, ctx: Context[PreprocessedRequest]) -> _Plan:
+        request = ctx.data
+        replayed = request.replayed_tokens
+        budget = request.stop.max_tokens
+        if budget is None:
+            budget = max(DEFAULT_MAX_TOKENS - replayed, 0)
+        role = self.role
+        if role == "encode":
+            return _Plan(0, 0, IMAGE_TOKENS * len(request.multimodal))
+        if role == "prefill":
+            return _Plan(replayed, 1, len(request.token_ids) + self._image_tokens(ctx))
+        if request.prefill_result is not None:
+            self._check_handle(ctx)
+            # The first token came from the prefill worker: continue after it.
+            return _Plan(replayed + 1, max(budget - 1, 0), 0)
+        return _Plan(replayed, budget, len(request.token_ids) + self._image_tokens(ctx))
+
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+        """Serve ``ctx`` in this worker's role, on the worker's step clock.
+
+        Raises:
+            EngineError: a decode request with an invalid transfer handle, or an
+                ``encoder_result`` that does not match the request's images.
+            StreamDisconnected: injected by ``fail_after_tokens``.
+        """
+        request = ctx.data
+        plan = self._plan(ctx)
+        if plan.length == 0 and self.role != "encode":
+            for index in range(max(request.n, 1)):
+                yield EngineOutput(token_ids=[], finish_reason="length", index=index)
+            return
+        fail_after = self._fail_after if request.replayed_tokens == 0 else None
+        if fail_after == 0:
+            raise StreamDisconnected(
+                f"mocker {self.worker_id!r}: injected disconnect before the first token",
+                request_id=ctx.id,
+            )
+        self._waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._waiting -= 1
+        clock = self._clock
+        first, last = clock.join(anyio.current_time(), plan.prefill_tokens, max(plan.length, 1))
+        try:
+            if self.role == "encode":
+                await clock.wait_step(first)
+                if not ctx.is_stopped:
+                    yield EngineOutput(
+                        token_ids=[],
+                        finish_reason="stop",
+                        encoder_result={
+                            "embeddings": _embeddings(request),
+                            "worker_id": self.worker_id,
+                        },
+                    )
+                return
+            choices = range(max(request.n, 1))
+            top_k = request.output.logprobs
+            final = plan.length - 1
+            sequence = self._sequence(request, plan.start)
+            for emitted in range(plan.length):
+                if emitted == fail_after:
+                    logger.debug("mocker: injecting a disconnect into %s", ctx.id)
+                    raise StreamDisconnected(
+                        f"mocker {self.worker_id!r}: injected disconnect after {emitted} tokens",
+                        request_id=ctx.id,
+                    )
+                await clock.wait_step(first + emitted)
+                if ctx.is_stopped:
+                    return
+                token_id = next(sequence)
+                finish: FinishReason | None = "length" if emitted == final else None
+                handle = None
+                if self.role == "prefill":
+                    handle = self._issue_handle(ctx, token_id)
+                logprobs = None
+                top = None
+                if top_k is not None:
+                    logprob = echo_logprob(token_id)
+                    logprobs = [logprob]
+                    top = [_top_logprobs(token_id, logprob, top_k)]
+                for index in choices:
+                    yield EngineOutput(
+                        token_ids=[token_id],
+                        logprobs=logprobs,
+                        top_logprobs=top,
+                        finish_reason=finish,
+                        index=index,
+                        prefill_result=handle,
+                    )
+        finally:
+            clock.leave(anyio.current_time(), first, last, plan.prefill_tokens)
+            self._slots.release()
+
+    def __repr__(self) -> str:
+        options = [
+            f"role={self.role!r}",
+            f"worker_id={self.worker_id!r}",
+            f"prefill_ms_per_token={self._prefill_s * 1000:g}",
+            f"decode_ms_per_step={self._decode_s * 1000:g}",
+            f"max_batch={self._max_batch}",
+            f"tokens={self._tokens!r}",
+        ]
+        if self._fail_after is not None:
+            options.append(f"fail_after_tokens={self._fail_after}")
+        return f"MockerEngine({', '.join(options)})"
+
+
+def _digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(" ".join(map(str, token_ids)).encode()).hexdigest()[:16]
+
+
+def _embeddings(request: PreprocessedRequest) -> list[dict[str, Any]]:
+    """What an encode worker returns for each of the request's multimodal items."""
+    return [
+        {
+            "index": index,
+            "digest": hashlib.sha256(item.data).hexdigest()[:16],
+            "mime_type": item.mime_type,
+        }
+        for index, item in enumerate(request.multimodal)
+    ]
+
+
+def _top_logprobs(token_id: int, logprob: float, k: int) -> TopLogprobs:
+    """The sampled token first, then ``k`` deterministic less likely alternatives."""
+    return [(token_id, logprob), *((token_id + rank, logprob - rank) for rank in range(1, k + 1))]
