@@ -22,10 +22,11 @@ The chunk building itself (per-choice state, logprobs of delivered tokens, usage
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from operators.llm import BackendOutput, PreprocessedRequest
@@ -41,6 +42,7 @@ from .chunks import (
     aggregate_chat,
     aggregate_completion,
 )
+from .images import ImagePolicy, ImageRef, load_images
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 
 __all__ = (
@@ -83,6 +85,8 @@ class OpenAIPreprocessor:
         default_max_tokens: the output limit when the request sets none (capped by what
             is left of ``max_model_len``).
         chat_template: Jinja source overriding the tokenizer's template.
+        images: which image content parts are accepted (data: URLs by default; remote
+            hosts only when allowed).
 
     Raises:
         ValueError: the chat template does not compile.
@@ -96,8 +100,10 @@ class OpenAIPreprocessor:
         max_model_len: int | None = None,
         default_max_tokens: int | None = None,
         chat_template: str | None = None,
+        images: ImagePolicy | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._images = ImagePolicy() if images is None else images
         self._model_name = model_name
         self._max_model_len = max_model_len
         self._default_max_tokens = default_max_tokens
@@ -120,16 +126,20 @@ class OpenAIPreprocessor:
     def render_chat(self, request: ChatCompletionRequest) -> str:
         """The prompt text of a chat request: its messages through the chat template.
 
+        Image parts are left out of the text; :meth:`generate` loads them separately.
+
         Raises:
-            InvalidRequest: no chat template, an unsupported content part (images), or
-                the template rejected the conversation.
+            InvalidRequest: no chat template, or the template rejected the conversation.
         """
+        return self._render(request, [])
+
+    def _render(self, request: ChatCompletionRequest, images: list[ImageRef]) -> str:
         if self._template is None:
             raise InvalidRequest(
                 "this model has no chat template; use /v1/completions with a prompt",
                 param="messages",
             )
-        return self._template.render(_template_messages(request.messages))
+        return self._template.render(_template_messages(request.messages, images))
 
     def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
         """The tokenized request: one per prompt (several for a completions batch).
@@ -148,9 +158,12 @@ class OpenAIPreprocessor:
             # text, so "<|im_start|>" typed in a message also becomes a control id: keeping
             # user text plain would mean encoding the template's pieces separately. vLLM and
             # llama.cpp's server behave the same way.
-            text = self.render_chat(request)
+            images: list[ImageRef] = []
+            text = self._render(request, images)
             ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
-            return [self._leg(request, ids, "messages", "")]
+            leg = self._leg(request, ids, "messages", "")
+            leg.images = images
+            return [leg]
         legs = []
         echo = request.echo
         batch = len(request.prompts) > 1
@@ -253,6 +266,10 @@ class OpenAIPreprocessor:
                 texts=self._token_texts,
             )
         n = request.n
+        for leg in legs:
+            if leg.images:
+                multimodal = await load_images(leg.images, self._images)
+                leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
         for position, leg in enumerate(legs):
             chunks.start_prompt(position * n, leg.echo)
             leg_ctx = (
@@ -276,6 +293,8 @@ class _Leg:
     request: PreprocessedRequest
     #: completions ``echo``: the prompt text the first chunk of each choice starts with
     echo: str
+    #: image content parts, loaded (decoded or fetched) just before the request goes on
+    images: list[ImageRef] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -294,8 +313,12 @@ def _token_text(tokenizer: TokenizerLike, token_id: int | None) -> str | None:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def _template_messages(
+    messages: Sequence[ChatMessage], images: list[ImageRef]
+) -> list[dict[str, Any]]:
     """Messages as the dicts chat templates expect: string content, optional extras.
+
+    Image parts are appended to ``images`` (in order) instead of the text.
 
     ``developer`` (OpenAI's newer name for the system role) becomes ``system``: most
     open-model templates predate it.
@@ -304,7 +327,7 @@ def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     for position, message in enumerate(messages):
         item: dict[str, Any] = {
             "role": "system" if message.role == "developer" else message.role,
-            "content": _content_text(message.content, position),
+            "content": _content_text(message.content, position, images),
         }
         if message.name is not None:
             item["name"] = message.name
@@ -316,7 +339,9 @@ def _template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def _content_text(content: str | list[ContentPart] | None, position: int) -> str:
+def _content_text(
+    content: str | list[ContentPart] | None, position: int, images: list[ImageRef]
+) -> str:
     """A message's text: text parts joined by newlines (as vLLM joins them)."""
     if content is None:
         return ""
@@ -324,13 +349,8 @@ def _content_text(content: str | list[ContentPart] | None, position: int) -> str
         return content
     texts = []
     for index, part in enumerate(content):
-        if part.type != "text":
-            _reject_non_text(part, f"messages.{position}.content.{index}")
-        texts.append(part.text or "")
+        if part.type == "image_url" and part.image_url is not None:
+            images.append(ImageRef(f"messages.{position}.content.{index}", part.image_url.url))
+        else:
+            texts.append(part.text or "")
     return "\n".join(texts)
-
-
-def _reject_non_text(part: ContentPart, param: str) -> None:
-    # Multimodal input needs an encoder in the graph (EncoderRouter); until one exists,
-    # image parts are parsed by the protocol and refused here, in this one place.
-    raise InvalidRequest("image inputs are not supported by this model/graph", param=param)

@@ -149,24 +149,6 @@ def test_text_parts_are_joined_by_newlines() -> None:
     assert "<|im_start|>user\none\ntwo<|im_end|>" in preprocessor().render_chat(request)
 
 
-def test_image_parts_are_rejected_naming_the_part() -> None:
-    request = chat(
-        messages=[
-            {"role": "system", "content": "x"},
-            {
-                "role": "user",
-                "content": [
-                    {"type": "text", "text": "what is this?"},
-                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
-                ],
-            },
-        ]
-    )
-    with pytest.raises(InvalidRequest, match="image inputs are not supported") as caught:
-        preprocessor().preprocess(request)
-    assert caught.value.param == "messages.1.content.1"
-
-
 def test_template_errors_are_invalid_requests() -> None:
     template = (
         "{% for m in messages %}{% if m['role'] == 'system' %}"
