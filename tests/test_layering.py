@@ -24,7 +24,17 @@ import pipeline
 ROOT = Path(__file__).resolve().parent.parent
 
 #: modules of pipeline that other packages may import
-PUBLIC_MODULES = frozenset({"pipeline", "pipeline.errors", "pipeline.routers", "pipeline.testing"})
+PUBLIC_MODULES = frozenset(
+    {
+        "pipeline",
+        "pipeline.errors",
+        "pipeline.routers",
+        "pipeline.testing",
+        "pipeline.transports",
+        "pipeline.transports.codec",
+        "pipeline.transports.nats",
+    }
+)
 #: top-level packages pipeline must never import
 FORBIDDEN_IN_PIPELINE = frozenset({"operators", "pydantic", "tokenizers"})
 

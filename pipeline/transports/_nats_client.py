@@ -1,0 +1,382 @@
+"""The client half of the NATS transport: :class:`RemoteEngine` (see :mod:`.nats`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+
+import anyio
+import nats.errors
+from nats.aio.msg import Msg
+
+from pipeline.errors import ConnectFailed, EngineError, ResponseTimeout, StreamDisconnected
+
+from . import _wire
+from ._wire import DEFAULT_NAMESPACE, NatsTimeouts, control_codec, quietly
+from .codec import Codec, MsgpackCodec
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+    from nats.aio.client import Client
+
+    from pipeline.context import Context
+
+__all__ = ("NatsEngine", "RemoteEngine")
+
+logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+class _Signal:
+    """Something other than a frame woke a client stream: the idle timer, a stop, a loss."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str = "") -> None:
+        self.reason = reason
+
+
+_IDLE = _Signal("idle")
+_STOPPED = _Signal("stopped")
+
+
+class _ClientStream:
+    """One in-flight request on the client: its inbox queue and its idle bookkeeping."""
+
+    __slots__ = (
+        "_receive",
+        "_send",
+        "ctx",
+        "frames",
+        "idle_pending",
+        "quiet",
+        "seen",
+        "stop_pending",
+    )
+
+    def __init__(self, ctx: Context[Any]) -> None:
+        self.ctx = ctx
+        send, receive = anyio.create_memory_object_stream[Msg | _Signal](math.inf)
+        self._send: MemoryObjectSendStream[Msg | _Signal] = send
+        self._receive: MemoryObjectReceiveStream[Msg | _Signal] = receive
+        self.frames = 0  # messages received, for the idle timer
+        self.seen = 0  # ``frames`` at the previous tick
+        self.quiet = 0.0  # seconds without a message, in ticks
+        self.idle_pending = False
+        self.stop_pending = False
+
+    async def on_msg(self, msg: Msg) -> None:
+        """The inbox subscription's callback (runs in nats-py's task): hand the message over."""
+        self.frames += 1
+        self.signal(msg)
+
+    def signal(self, item: Msg | _Signal) -> None:
+        try:
+            self._send.send_nowait(item)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass  # the stream already ended
+
+    @property
+    def pending(self) -> bool:
+        """Whether messages are waiting to be read."""
+        return self._receive.statistics().current_buffer_used > 0
+
+    async def next(self) -> Msg | _Signal:
+        try:
+            return self._receive.receive_nowait()
+        except anyio.WouldBlock:
+            return await self._receive.receive()
+
+    def tick(self, interval: float, idle: float) -> None:
+        """Called every ``interval`` seconds by the engine's timer."""
+        if self.frames != self.seen:
+            self.seen = self.frames
+            self.quiet = 0.0
+        else:
+            self.quiet += interval
+            if self.quiet >= idle and not self.idle_pending:
+                self.idle_pending = True
+                self.quiet = 0.0
+                self.signal(_IDLE)
+        if self.ctx.is_stopped and not self.stop_pending:
+            self.stop_pending = True
+            self.signal(_STOPPED)
+
+    def close(self) -> None:
+        self._send.close()
+        self._receive.close()
+
+
+@final
+class RemoteEngine(Generic[In, Out]):
+    """An Engine whose requests are served by a :class:`NatsWorker` in another process.
+
+    ``RemoteEngine(nc, model="m")`` sends each request to whichever worker of model ``m``
+    (in ``role``) the NATS queue group picks; ``RemoteEngine(nc, worker_id="w")`` sends it to
+    that worker (what :class:`NatsDiscovery` puts in a WorkerSet). ``codec`` must match the
+    worker's. ``subject``/``control_subject`` override the names derived from ``namespace``.
+
+    The stream raises what the remote engine raised (the same :mod:`pipeline.errors`
+    type; anything else as :class:`~pipeline.EngineError`), or:
+
+    * :class:`~pipeline.ConnectFailed` when no worker listens on the subject;
+    * :class:`~pipeline.StreamDisconnected` when the worker died mid-stream (a quiet stream
+      whose worker no longer answers pings), frames were lost, or :meth:`abort` was called;
+    * :class:`~pipeline.ResponseTimeout` when the worker stops answering pings, or no
+      worker took a load-balanced request within ``timeouts.start``.
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        model: str | None = None,
+        role: str = "aggregated",
+        worker_id: str | None = None,
+        codec: Codec | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        timeouts: NatsTimeouts | None = None,
+        subject: str | None = None,
+        control_subject: str | None = None,
+    ) -> None:
+        subjects = _wire.Subjects(namespace)
+        _wire.check_role(role)
+        if worker_id is not None:
+            _wire.check_token("worker_id", worker_id)
+        if subject is None:
+            if worker_id is not None:
+                subject = subjects.worker(worker_id)
+            elif model is not None:
+                subject = subjects.model(model, role)
+            else:
+                raise ValueError(
+                    "RemoteEngine needs model= (load-balanced) or worker_id= (direct routing)"
+                )
+        if control_subject is None and worker_id is not None:
+            control_subject = subjects.control(worker_id)
+        self._nc = nc
+        self._subjects = subjects
+        #: where requests are published
+        self.subject = subject
+        #: the worker this engine talks to, or None for load-balanced requests
+        self.worker_id = worker_id
+        self._control = control_subject
+        self._codec: Codec = codec if codec is not None else MsgpackCodec()
+        self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
+        self._tick = min(0.05, self._timeouts.idle / 4)
+        self._streams: set[_ClientStream] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Streams open through this engine now."""
+        return len(self._streams)
+
+    def abort(self, reason: str) -> None:
+        """Fail every in-flight stream with StreamDisconnected(``reason``).
+
+        Discovery calls it when the worker's registration expired: the worker is gone even
+        if its streams have not gone quiet yet.
+        """
+        lost = _Signal(reason)
+        for stream in self._streams:
+            stream.signal(lost)
+
+    async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+        """Send ``ctx`` to a worker and stream its outputs back."""
+        if ctx.is_stopped:
+            return
+        nc = self._nc
+        codec = self._codec
+        deadline = ctx.deadline
+        try:
+            request = codec.encode(
+                {
+                    "id": ctx.id,
+                    "data": ctx.data,
+                    "timeout": None if deadline is None else deadline - anyio.current_time(),
+                    "metadata": dict(ctx.metadata),
+                }
+            )
+        except Exception as exc:
+            raise EngineError(
+                f"cannot encode the request for {self.subject}: {exc}", request_id=ctx.id
+            ) from exc
+        inbox = nc.new_inbox()
+        stream = _ClientStream(ctx)
+        try:
+            subscription = await nc.subscribe(inbox, cb=stream.on_msg)
+        except nats.errors.Error as exc:
+            stream.close()
+            raise ConnectFailed(
+                f"cannot subscribe to a reply inbox: {exc!r}", request_id=ctx.id
+            ) from exc
+        self._watch(stream)
+        control = self._control
+        worker = self.worker_id
+        expected = 0  # the next frame's sequence number
+        finished = False  # END or ERR arrived: the worker is done with this stream
+        stop_sent = False
+        try:
+            try:
+                await nc.publish(self.subject, request, reply=inbox)
+            except nats.errors.Error as exc:
+                raise ConnectFailed(
+                    f"cannot send the request to {self.subject}: {exc!r}", request_id=ctx.id
+                ) from exc
+            sent_at = anyio.current_time()
+            while True:
+                msg = await stream.next()
+                if isinstance(msg, _Signal):
+                    if msg is _STOPPED:
+                        if control is not None and not stop_sent:
+                            stop_sent = True
+                            await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
+                    elif msg is _IDLE:
+                        if expected == 0 and anyio.current_time() - sent_at >= self._timeouts.start:
+                            raise ResponseTimeout(
+                                f"no worker on {self.subject} took the request within "
+                                f"{self._timeouts.start:g}s",
+                                request_id=ctx.id,
+                            )
+                        if (
+                            control is not None
+                            and not await self._ping(control, worker, ctx, inbox, expected > 0)
+                            and expected > 0
+                            and not stream.pending
+                        ):
+                            # Frames the worker sent before it answered are delivered first,
+                            # so an END on its way would be waiting here already.
+                            raise StreamDisconnected(
+                                f"worker {worker} no longer serves this stream", request_id=ctx.id
+                            )
+                        stream.idle_pending = False
+                    else:
+                        raise StreamDisconnected(msg.reason, request_id=ctx.id)
+                    continue
+                data = msg.data
+                if not data:
+                    raise self._status_error(msg, ctx, started=expected > 0)
+                try:
+                    seq, kind, body = codec.decode(data)
+                except Exception as exc:
+                    raise EngineError(
+                        f"cannot decode a frame from {worker or self.subject}: {exc}",
+                        request_id=ctx.id,
+                    ) from exc
+                if seq != expected:
+                    raise StreamDisconnected(
+                        f"frames from worker {worker} were lost (expected #{expected}, got #{seq})",
+                        request_id=ctx.id,
+                    )
+                expected += 1
+                if kind == _wire.DATA:
+                    yield body
+                elif kind == _wire.START:
+                    worker = str(body)
+                    if control is None:
+                        control = self._subjects.control(worker)
+                    if ctx.is_stopped and not stop_sent:
+                        stop_sent = True
+                        await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
+                elif kind == _wire.END:
+                    finished = True
+                    return
+                elif kind == _wire.ERR:
+                    finished = True
+                    raise _wire.error_from_body(body, ctx.id)
+                elif kind != _wire.HB:
+                    raise StreamDisconnected(
+                        f"unknown frame kind {kind!r} from worker {worker}", request_id=ctx.id
+                    )
+        finally:
+            self._unwatch(stream)
+            stream.close()
+            with anyio.CancelScope(shield=True):
+                await quietly(subscription.unsubscribe)
+                if not finished and control is not None:
+                    # The consumer went away (closed the stream, was killed or failed):
+                    # the worker must stop now rather than at its next frame.
+                    await self._send_control(control, ctx, inbox, kill=True)
+
+    def _status_error(self, msg: Msg, ctx: Context[Any], *, started: bool) -> Exception:
+        status = (msg.headers or {}).get("Status")
+        if status == "503" and not started:
+            return ConnectFailed(f"no worker is listening on {self.subject}", request_id=ctx.id)
+        return StreamDisconnected(
+            f"unexpected status {status!r} on the reply inbox of {self.subject}",
+            request_id=ctx.id,
+        )
+
+    async def _ping(
+        self, control: str, worker: str | None, ctx: Context[Any], inbox: str, started: bool
+    ) -> bool:
+        """Ask a quiet stream's worker whether it still serves the stream.
+
+        Raises:
+            ConnectFailed: (before the stream started) or
+            StreamDisconnected: (after) when the worker is gone.
+            ResponseTimeout: when it does not answer in time.
+        """
+        try:
+            reply = await self._nc.request(
+                control, control_codec.encode([_wire.PING, inbox]), timeout=self._timeouts.ping
+            )
+        except nats.errors.NoRespondersError as exc:
+            cls = StreamDisconnected if started else ConnectFailed
+            raise cls(
+                f"worker {worker} is gone (its control subject has no responders)",
+                request_id=ctx.id,
+            ) from exc
+        except nats.errors.TimeoutError as exc:
+            raise ResponseTimeout(
+                f"worker {worker} did not answer a liveness ping within {self._timeouts.ping:g}s",
+                request_id=ctx.id,
+            ) from exc
+        except nats.errors.Error as exc:
+            raise StreamDisconnected(
+                f"cannot reach worker {worker}: {exc!r}", request_id=ctx.id
+            ) from exc
+        return reply.data == _wire.KNOWN
+
+    async def _send_control(
+        self, control: str, ctx: Context[Any], inbox: str, *, kill: bool
+    ) -> None:
+        op = _wire.KILL if kill else _wire.STOP
+        await quietly(self._nc.publish, control, control_codec.encode([op, ctx.id, inbox]))
+
+    def _watch(self, stream: _ClientStream) -> None:
+        self._streams.add(stream)
+        if self._timer is None:
+            self._loop = asyncio.get_running_loop()
+            self._timer = self._loop.call_later(self._tick, self._on_tick)
+
+    def _unwatch(self, stream: _ClientStream) -> None:
+        self._streams.discard(stream)
+        if not self._streams and self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_tick(self) -> None:
+        # One timer per engine, not a task or a cancel scope per stream: each stream's idle
+        # clock is a tick count, and a stream is only woken when it has been quiet too long.
+        interval, idle = self._tick, self._timeouts.idle
+        for stream in self._streams:
+            stream.tick(interval, idle)
+        if self._streams and self._loop is not None:
+            self._timer = self._loop.call_later(interval, self._on_tick)
+        else:
+            self._timer = None
+
+    def __repr__(self) -> str:
+        return f"RemoteEngine({self.subject!r})"
+
+
+#: the client engine under the name the transport gives it
+NatsEngine = RemoteEngine

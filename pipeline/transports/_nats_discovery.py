@@ -1,0 +1,222 @@
+"""Discovery over NATS JetStream KV: :class:`NatsDiscovery` (see :mod:`.nats`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+
+import anyio
+from anyio.abc import TaskStatus
+
+from . import _wire
+from ._nats_client import RemoteEngine
+from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, NatsTimeouts, open_bucket
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.js.kv import KeyValue
+
+    from pipeline.routers import WorkerSet
+
+    from .codec import Codec
+
+__all__ = ("NatsDiscovery",)
+
+logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+#: how often discovery looks for a reconnection (after which its KV watch must be renewed)
+_RECONNECT_POLL = 0.25
+
+#: worker id -> (its registration as last seen, the engine made for it)
+_Known = dict[str, tuple[bytes, RemoteEngine[In, Out]]]
+
+
+@final
+class NatsDiscovery(Generic[In, Out]):
+    """Keeps WorkerSets in step with the workers registered for one model and role.
+
+    Each worker's key holds ``{id, subject, control, model, role}``; a new key adds a
+    :class:`RemoteEngine` for it, a deleted key (graceful stop) removes it, an expired key
+    (the worker died) removes it and fails its in-flight streams with StreamDisconnected.
+    After a reconnection the watch is renewed and the set re-synchronised. Use either::
+
+        async with discovery.watch(worker_set):   # returns once the set is in sync
+            ...
+        await task_group.start(discovery.run, worker_set)
+    """
+
+    def __init__(
+        self,
+        nc: Client,
+        *,
+        model: str,
+        role: str = "aggregated",
+        bucket: str = DEFAULT_BUCKET,
+        codec: Codec | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        timeouts: NatsTimeouts | None = None,
+    ) -> None:
+        self._nc = nc
+        self.model = model
+        self.role = _wire.check_role(role)
+        self._bucket = bucket
+        self._codec = codec
+        self._namespace = namespace
+        self._timeouts = timeouts
+        self._filter = f"{_wire.escape_token(model)}.{role}.*"
+
+    @asynccontextmanager
+    async def watch(self, worker_set: WorkerSet[In, Out]) -> AsyncGenerator[WorkerSet[In, Out]]:
+        """Feed ``worker_set`` while the block runs; entering waits for the first sync.
+
+        Raises:
+            nats.errors.Error: when the bucket cannot be reached at first.
+        """
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.run, worker_set)
+            try:
+                yield worker_set
+            finally:
+                tg.cancel_scope.cancel()
+
+    async def run(
+        self,
+        worker_set: WorkerSet[In, Out],
+        *,
+        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Feed ``worker_set`` until cancelled; ``task_status`` is told after the first sync.
+
+        Only the workers this call added are ever removed; when it ends they stay.
+
+        Raises:
+            nats.errors.Error: when the bucket cannot be reached at first (later failures,
+                like a server restart, are retried).
+        """
+        known: _Known[In, Out] = {}
+        started = False
+        while True:
+            reconnects = self._nc.stats["reconnects"]
+            try:
+                kv = await open_bucket(self._nc.jetstream(), self._bucket)
+                watcher = await kv.watch(self._filter)
+            except Exception as exc:  # nats and JetStream API errors
+                if not started:
+                    raise
+                logger.warning("discovery of %s: cannot watch the bucket yet: %r", self.model, exc)
+                await anyio.sleep(_RECONNECT_POLL)
+                continue
+            try:
+                await self._follow(
+                    watcher, worker_set, known, reconnects, None if started else task_status
+                )
+                started = True
+            finally:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    try:
+                        await watcher.stop()  # type: ignore[no-untyped-call]
+                    except Exception as exc:
+                        logger.debug("discovery: stopping a stale watch: %r", exc)
+
+    async def _follow(
+        self,
+        watcher: KeyValue.KeyWatcher,
+        worker_set: WorkerSet[In, Out],
+        known: _Known[In, Out],
+        reconnects: int,
+        task_status: TaskStatus[None] | None,
+    ) -> None:
+        """Apply the watch's updates until the connection was re-established."""
+        snapshot: set[str] | None = set()  # ids present in the initial replay
+        while True:
+            entry: Any = _NOTHING
+            with anyio.move_on_after(_RECONNECT_POLL):
+                try:
+                    entry = await anext(watcher)
+                except StopAsyncIteration:  # stopped under us: renew it
+                    return
+            if self._nc.stats["reconnects"] != reconnects:
+                # An existing watch does not survive a server restart: renew it.
+                logger.info("discovery of %s: reconnected, renewing the watch", self.model)
+                return
+            if entry is _NOTHING:
+                continue
+            if entry is None:  # the initial replay is complete
+                if snapshot is not None:
+                    for gone in set(known) - snapshot:
+                        self._forget(worker_set, known, gone, lost="its registration is gone")
+                    snapshot = None
+                    if task_status is not None:
+                        task_status.started()
+                        task_status = None
+                continue
+            present = self._apply(worker_set, known, entry)
+            if snapshot is not None and present is not None:
+                snapshot.add(present)
+
+    def _apply(
+        self, worker_set: WorkerSet[In, Out], known: _Known[In, Out], entry: KeyValue.Entry
+    ) -> str | None:
+        """Apply one KV entry; the worker id when it is (still) registered."""
+        worker_id = entry.key.rsplit(".", 1)[-1]
+        if entry.operation == "DEL":
+            self._forget(worker_set, known, worker_id, lost=None)
+            return None
+        if entry.operation is not None:  # PURGE: an expired TTL, or purged by an operator
+            self._forget(worker_set, known, worker_id, lost="its discovery key expired")
+            return None
+        value = entry.value or b""
+        previous = known.get(worker_id)
+        if previous is not None and previous[0] == value:
+            return worker_id  # a TTL refresh: a new revision of the same value
+        try:
+            info = json.loads(value)
+            if info["id"] != worker_id:
+                raise ValueError(f"the key names worker {worker_id!r}")
+            engine: RemoteEngine[In, Out] = RemoteEngine(
+                self._nc,
+                worker_id=worker_id,
+                subject=str(info["subject"]),
+                control_subject=str(info["control"]),
+                codec=self._codec,
+                namespace=self._namespace,
+                timeouts=self._timeouts,
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("discovery: ignoring malformed registration %r: %r", value, exc)
+            return None
+        known[worker_id] = (value, engine)
+        worker_set.add(worker_id, engine)
+        logger.info("discovery of %s: worker %s joined", self.model, worker_id)
+        return worker_id
+
+    def _forget(
+        self,
+        worker_set: WorkerSet[In, Out],
+        known: _Known[In, Out],
+        worker_id: str,
+        *,
+        lost: str | None,
+    ) -> None:
+        """Remove a worker this discovery added; when ``lost``, fail its in-flight streams."""
+        previous = known.pop(worker_id, None)
+        if previous is None:
+            return
+        worker_set.remove(worker_id)
+        if lost is None:
+            logger.info("discovery of %s: worker %s left", self.model, worker_id)
+        else:
+            logger.warning("discovery of %s: worker %s lost: %s", self.model, worker_id, lost)
+            previous[1].abort(f"worker {worker_id} lost: {lost}")
+
+    def __repr__(self) -> str:
+        return f"NatsDiscovery(model={self.model!r}, role={self.role!r})"
+
+
+_NOTHING = object()

@@ -1,0 +1,508 @@
+"""The worker half of the NATS transport: :func:`serve`, :class:`NatsWorker` (see `.nats`)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, final
+
+import anyio
+import nats.errors
+from anyio.abc import TaskStatus
+
+from pipeline.context import Context
+from pipeline.errors import EngineError, StreamDisconnected
+from pipeline.streams import open_stream
+
+from . import _wire
+from ._wire import (
+    DEFAULT_BUCKET,
+    DEFAULT_NAMESPACE,
+    NatsTimeouts,
+    connect,
+    control_codec,
+    open_bucket,
+    quietly,
+    settle,
+)
+from .codec import Codec, MsgpackCodec
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+    from pipeline.operator import Engine
+
+__all__ = ("NatsWorker", "NatsWorkerStatistics", "serve")
+
+logger = logging.getLogger(__name__)
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+#: how long a deregistered worker still takes requests, for routers that picked it just before
+_DEREGISTER_GRACE = 0.1
+
+
+class _Served:
+    """One request a worker is serving."""
+
+    __slots__ = (
+        "beat",
+        "ctx",
+        "gone",
+        "inbox",
+        "kill_early",
+        "reply",
+        "seq",
+        "shutdown",
+        "stop_early",
+    )
+
+    def __init__(self, inbox: str, reply: str) -> None:
+        self.inbox = inbox  # the client's reply inbox: the stream's identity
+        self.reply = reply  # where NATS reports "no responders" on that inbox
+        self.ctx: Context[Any] | None = None
+        self.seq = 0  # frames sent
+        self.beat = 0  # ``seq`` at the previous heartbeat round
+        self.gone = False  # the client no longer reads: send nothing more
+        self.shutdown = False  # cut off by a worker shutdown
+        self.stop_early = False  # stop/kill arrived before the Context existed
+        self.kill_early = False
+
+    def stop(self) -> None:
+        if self.ctx is None:
+            self.stop_early = True
+        else:
+            self.ctx.stop_generating()
+
+    def kill(self) -> None:
+        if self.ctx is None:
+            self.kill_early = True
+        else:
+            self.ctx.kill()
+
+
+class NatsWorkerStatistics(NamedTuple):
+    """A snapshot of a worker, from :meth:`NatsWorker.statistics`."""
+
+    in_flight: int  #: requests being served now
+    requests: int  #: requests accepted since the worker started
+    clients_gone: int  #: requests cut short because the client cancelled or vanished
+
+
+@final
+class NatsWorker(Generic[In, Out]):
+    """Serves an Engine to other processes over NATS (build it with :func:`serve`).
+
+    Use it as an async context manager, or run it in a task group::
+
+        async with serve(engine, nc=nc, model="smollm2") as worker:
+            await worker.serve_forever()          # until worker.stop()
+
+        await task_group.start(serve(engine, url=url, model="smollm2").run)
+
+    Entering subscribes and registers the worker for discovery; a normal exit (after
+    :meth:`stop`) is a graceful shutdown: deregister, stop taking requests, let in-flight
+    ones finish for up to ``timeouts.drain`` seconds, then cut off the rest (their clients
+    get StreamDisconnected and migrate). Exiting by an exception or cancellation skips the
+    wait. Pass ``nc`` (a connected client, left open) or ``url`` (connected and closed
+    here). ``register=False`` serves without discovery (no JetStream needed).
+    """
+
+    def __init__(
+        self,
+        engine: Engine[In, Out],
+        *,
+        nc: Client | None = None,
+        url: str | None = None,
+        model: str,
+        role: str = "aggregated",
+        worker_id: str | None = None,
+        codec: Codec | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        bucket: str = DEFAULT_BUCKET,
+        timeouts: NatsTimeouts | None = None,
+        register: bool = True,
+    ) -> None:
+        if (nc is None) == (url is None):
+            raise ValueError("pass exactly one of nc= (a connected client) or url=")
+        self._engine = engine
+        self._nc_given = nc
+        self._url = url
+        self.model = model
+        self.role = _wire.check_role(role)
+        self.worker_id = _wire.check_token(
+            "worker_id", worker_id if worker_id is not None else uuid.uuid4().hex
+        )
+        subjects = _wire.Subjects(namespace)
+        #: where direct requests for this worker go
+        self.subject = subjects.worker(self.worker_id)
+        #: where stop, kill and pings for this worker go
+        self.control_subject = subjects.control(self.worker_id)
+        #: the model's load-balanced subject (and queue group)
+        self.model_subject = subjects.model(model, self.role)
+        self._codec: Codec = codec if codec is not None else MsgpackCodec()
+        self._bucket = bucket
+        self._key = f"{_wire.escape_token(model)}.{self.role}.{self.worker_id}"
+        self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
+        self._register = register
+        self._nc: Client | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._stopping: anyio.Event | None = None
+        self._drained: anyio.Event | None = None
+        self._served: dict[str, _Served] = {}
+        self._tokens = itertools.count()
+        self._by_reply: dict[str, _Served] = {}
+        self._gone_prefix = ""
+        self._requests = 0
+        self._clients_gone = 0
+        self._stop_requested = False
+        self._deregistered = False
+        self._closed_subjects: set[str] = set()
+        self._cm: AbstractAsyncContextManager[NatsWorker[In, Out]] | None = None
+
+    # -- lifecycle
+
+    async def __aenter__(self) -> NatsWorker[In, Out]:
+        if self._cm is not None:
+            raise RuntimeError(f"{self!r} is already serving; a worker serves once")
+        self._cm = self._serving()
+        return await self._cm.__aenter__()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._cm is not None, "__aexit__ without __aenter__"
+        return await self._cm.__aexit__(exc_type, exc, tb)
+
+    async def run(
+        self, *, task_status: TaskStatus[NatsWorker[In, Out]] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Serve until :meth:`stop`, then shut down gracefully; ``task_status`` gets the worker."""
+        async with self:
+            task_status.started(self)
+            await self.serve_forever()
+
+    async def serve_forever(self) -> None:
+        """Wait until :meth:`stop` is called (or the caller is cancelled)."""
+        if self._stopping is None:
+            raise RuntimeError("serve_forever() runs inside `async with worker:`")
+        await self._stopping.wait()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return, so the worker shuts down gracefully."""
+        self._stop_requested = True
+        if self._stopping is not None:
+            self._stopping.set()
+
+    def statistics(self) -> NatsWorkerStatistics:
+        """Requests in flight and served so far."""
+        return NatsWorkerStatistics(
+            in_flight=len(self._served),
+            requests=self._requests,
+            clients_gone=self._clients_gone,
+        )
+
+    @asynccontextmanager
+    async def _serving(self) -> AsyncGenerator[NatsWorker[In, Out]]:
+        self._stopping = anyio.Event()
+        if self._stop_requested:
+            self._stopping.set()
+        nc = self._nc_given
+        if nc is None:
+            assert self._url is not None
+            nc = await connect(self._url, name=f"llm-pipeline worker {self.worker_id}")
+        self._nc = nc
+        subscriptions: list[Subscription] = []
+        try:
+            js = nc.jetstream()
+            kv = await open_bucket(js, self._bucket) if self._register else None
+            self._gone_prefix = nc.new_inbox()
+            async with anyio.create_task_group() as tg:
+                # The task group exists before the first request can arrive.
+                self._tg = tg
+                try:
+                    for subject, queue, callback in (
+                        (self.control_subject, "", self._on_control),
+                        (f"{self._gone_prefix}.*", "", self._on_gone),
+                        (self.model_subject, self.model_subject, self._on_request),
+                        (self.subject, "", self._on_request),
+                    ):
+                        subscriptions.append(await nc.subscribe(subject, queue, cb=callback))
+                    await settle(nc)  # subscribed for real before anyone hears of us
+                    refresh = anyio.CancelScope()
+                    if kv is not None:
+                        await self._announce(js)
+                        tg.start_soon(self._refresh, js, refresh)
+                    tg.start_soon(self._heartbeats)
+                    logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)
+                    graceful = False
+                    try:
+                        yield self
+                        graceful = True
+                    finally:
+                        refresh.cancel()
+                        try:
+                            if graceful:  # cancellable: a second Ctrl-C cuts the drain short
+                                await self._shut_down(kv, subscriptions[2:], graceful=True)
+                        finally:
+                            with anyio.CancelScope(shield=True):
+                                await self._shut_down(kv, subscriptions[2:], graceful=False)
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        for subscription in subscriptions:
+                            await quietly(subscription.unsubscribe)
+                    tg.cancel_scope.cancel()
+        finally:
+            self._tg = None
+            if self._nc_given is None:
+                with anyio.CancelScope(shield=True):
+                    await quietly(nc.close)
+            logger.info("worker %s stopped", self.worker_id)
+
+    async def _shut_down(
+        self, kv: KeyValue | None, requests: list[Subscription], *, graceful: bool
+    ) -> None:
+        """Deregister, stop taking requests, drain (when graceful), cut off the rest.
+
+        Safe to call again (after a graceful drain was cancelled): it does what is left.
+        """
+        if kv is not None and not self._deregistered:
+            self._deregistered = True
+            with anyio.move_on_after(1.0):
+                try:
+                    await kv.delete(self._key)
+                except Exception as exc:  # nats or JetStream API errors: the TTL will expire
+                    logger.warning("worker %s could not deregister: %r", self.worker_id, exc)
+            if graceful:
+                # Routers that picked us just before they saw the deletion still reach us.
+                await anyio.sleep(_DEREGISTER_GRACE)
+        for subscription in requests:
+            if subscription.subject not in self._closed_subjects:
+                self._closed_subjects.add(subscription.subject)
+                with anyio.move_on_after(1.0):
+                    # Drain: serve the requests already delivered to us, then take no more.
+                    await quietly(subscription.drain if graceful else subscription.unsubscribe)
+        if self._served:
+            self._drained = anyio.Event()
+            if graceful:
+                with anyio.move_on_after(self._timeouts.drain):
+                    await self._drained.wait()
+            for served in self._served.values():
+                served.shutdown = True
+                served.kill()
+            with anyio.move_on_after(1.0):
+                await self._drained.wait()
+
+    async def _announce(self, js: JetStreamContext) -> None:
+        value = json.dumps(
+            {
+                "id": self.worker_id,
+                "subject": self.subject,
+                "control": self.control_subject,
+                "model": self.model,
+                "role": self.role,
+            }
+        ).encode()
+        # KeyValue.put() takes no TTL: publish the revision ourselves, with a message TTL.
+        await js.publish(
+            f"$KV.{self._bucket}.{self._key}",
+            value,
+            headers={"Nats-TTL": f"{math.ceil(self._timeouts.ttl)}s"},
+        )
+
+    async def _refresh(self, js: JetStreamContext, scope: anyio.CancelScope) -> None:
+        with scope:
+            while True:
+                await anyio.sleep(self._timeouts.ttl / 3)
+                try:
+                    await self._announce(js)
+                except Exception as exc:  # nats or JetStream API errors: retry next round
+                    logger.warning(
+                        "worker %s could not refresh its registration: %r", self.worker_id, exc
+                    )
+
+    async def _heartbeats(self) -> None:
+        interval = self._timeouts.heartbeat
+        while True:
+            await anyio.sleep(interval)
+            for served in list(self._served.values()):
+                if served.ctx is not None and served.seq == served.beat and not served.gone:
+                    await self._send(served, _wire.HB, None)
+                served.beat = served.seq
+
+    # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
+
+    async def _on_request(self, msg: Msg) -> None:
+        tg = self._tg
+        if tg is None or not msg.reply or msg.reply in self._served:
+            logger.warning(
+                "worker %s: ignoring a request without a fresh reply inbox", self.worker_id
+            )
+            return
+        served = _Served(msg.reply, f"{self._gone_prefix}.{next(self._tokens)}")
+        self._served[served.inbox] = served
+        self._by_reply[served.reply] = served
+        self._requests += 1
+        tg.start_soon(self._serve_one, served, msg.data)
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            op, *args = control_codec.decode(msg.data)
+        except Exception:
+            logger.warning("worker %s: malformed control message %r", self.worker_id, msg.data)
+            return
+        if op == _wire.PING:
+            if msg.reply and self._nc is not None:
+                known = args and args[0] in self._served
+                await quietly(self._nc.publish, msg.reply, _wire.KNOWN if known else _wire.UNKNOWN)
+            return
+        served = self._served.get(args[-1]) if args else None
+        if served is None:
+            return
+        if op == _wire.KILL:
+            self._client_gone(served)
+        elif op == _wire.STOP:
+            served.stop()
+
+    async def _on_gone(self, msg: Msg) -> None:
+        # A frame reached no subscriber: the client's inbox is gone (it crashed or closed).
+        served = self._by_reply.get(msg.subject)
+        if served is not None and (msg.headers or {}).get("Status") == "503":
+            self._client_gone(served)
+
+    def _client_gone(self, served: _Served) -> None:
+        if not served.gone:
+            served.gone = True
+            self._clients_gone += 1
+            served.kill()
+
+    # -- serving one request
+
+    async def _serve_one(self, served: _Served, data: bytes) -> None:
+        try:
+            await self._stream(served, data)
+        except Exception:  # a bug here must not take the other requests down
+            logger.exception("worker %s failed serving a request", self.worker_id)
+        finally:
+            del self._served[served.inbox]
+            del self._by_reply[served.reply]
+            if not self._served and self._drained is not None:
+                self._drained.set()
+
+    async def _stream(self, served: _Served, data: bytes) -> None:
+        try:
+            request = self._codec.decode(data)
+            timeout = request["timeout"]
+            ctx = Context.new(
+                request["data"],
+                id=str(request["id"]),
+                metadata=request["metadata"],
+                deadline=None if timeout is None else anyio.current_time() + max(0.0, timeout),
+            )
+        except Exception as exc:
+            undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
+            await self._send(served, _wire.ERR, _wire.error_body(undecodable, ""))
+            return
+        request_id = ctx.id
+        served.ctx = ctx
+        if served.kill_early:
+            ctx.kill()
+        elif served.stop_early:
+            ctx.stop_generating()
+        await self._send(served, _wire.START, self.worker_id)
+        error: Exception | None = None
+        try:
+            async with open_stream(self._engine, ctx) as stream:
+                async for item in stream:
+                    await self._send(served, _wire.DATA, item)
+        except Exception as exc:
+            error = exc
+        if served.gone:
+            return
+        if error is not None:
+            await self._send(served, _wire.ERR, _wire.error_body(error, request_id))
+        elif served.shutdown:
+            lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)
+            await self._send(served, _wire.ERR, _wire.error_body(lost, request_id))
+        elif not ctx.is_killed:  # killed by its deadline: the client gave up at the same time
+            await self._send(served, _wire.END, None)
+
+    async def _send(self, served: _Served, kind: int, body: Any) -> None:
+        """Publish one frame; a client that is gone (or unreachable) gets nothing more.
+
+        Raises:
+            EngineError: when ``body`` cannot be encoded or is too large for NATS.
+        """
+        if served.gone or self._nc is None:
+            return
+        try:
+            data = self._codec.encode([served.seq, kind, body])
+        except Exception as exc:
+            raise EngineError(
+                f"worker {self.worker_id} cannot encode a {type(body).__name__} output: {exc}"
+            ) from exc
+        served.seq += 1
+        try:
+            # The reply subject is how a vanished client is noticed: NATS answers a publish
+            # nobody receives with "no responders" there (see _on_gone).
+            await self._nc.publish(served.inbox, data, reply=served.reply)
+        except nats.errors.MaxPayloadError as exc:
+            served.seq -= 1  # nothing was sent (and nothing else could send meanwhile)
+            raise EngineError(
+                f"a {type(body).__name__} output of {len(data)} bytes is over the NATS limit"
+            ) from exc
+        except nats.errors.Error as exc:
+            logger.warning("worker %s cannot reach its client: %r", self.worker_id, exc)
+            self._client_gone(served)
+
+    def __repr__(self) -> str:
+        return f"NatsWorker({self.worker_id!r}, model={self.model!r}, role={self.role!r})"
+
+
+def serve(
+    engine: Engine[In, Out],
+    *,
+    nc: Client | None = None,
+    url: str | None = None,
+    model: str,
+    role: str = "aggregated",
+    worker_id: str | None = None,
+    codec: Codec | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    bucket: str = DEFAULT_BUCKET,
+    timeouts: NatsTimeouts | None = None,
+    register: bool = True,
+) -> NatsWorker[In, Out]:
+    """Expose ``engine`` as a NATS worker for ``model`` in ``role``.
+
+    Returns a :class:`NatsWorker` to enter: ``async with serve(engine, nc=nc, model="m") as
+    worker: await worker.serve_forever()``, or ``await tg.start(serve(...).run)``.
+    """
+    return NatsWorker(
+        engine,
+        nc=nc,
+        url=url,
+        model=model,
+        role=role,
+        worker_id=worker_id,
+        codec=codec,
+        namespace=namespace,
+        bucket=bucket,
+        timeouts=timeouts,
+        register=register,
+    )

@@ -1,0 +1,297 @@
+"""What the NATS worker, client and discovery share: names, frames, errors, timeouts.
+
+Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
+
+    {ns}.model.{model}.{role}     requests, load-balanced over a queue group of that name
+    {ns}.worker.{worker_id}       requests for one worker (direct routing)
+    {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox], [PING, inbox]
+
+Each request is published with a fresh reply inbox; the worker answers on it with frames
+``[seq, kind, body]``, ``seq`` counting from 0 with no gaps::
+
+    START  body: the worker id          first frame, sent before the engine runs
+    DATA   body: one output
+    END    body: None                   the stream finished
+    ERR    body: [class name, message, request id, param]
+    HB     body: None                   the worker is alive but had nothing to send
+
+A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata"}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, final
+
+import anyio
+import nats
+import nats.errors
+import nats.js.errors
+from nats.js.api import KeyValueConfig
+
+from pipeline import errors
+from pipeline.errors import EngineError, InvalidRequest, RequestError
+
+from .codec import MsgpackCodec
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
+
+__all__ = (
+    "DATA",
+    "DEFAULT_BUCKET",
+    "DEFAULT_NAMESPACE",
+    "END",
+    "ERR",
+    "HB",
+    "KILL",
+    "KNOWN",
+    "MARKER_TTL",
+    "NatsTimeouts",
+    "PING",
+    "ROLES",
+    "START",
+    "STOP",
+    "Subjects",
+    "UNKNOWN",
+    "check_role",
+    "check_token",
+    "connect",
+    "control_codec",
+    "error_body",
+    "error_from_body",
+    "escape_token",
+    "open_bucket",
+    "quietly",
+    "settle",
+)
+
+logger = logging.getLogger(__name__)
+
+#: the first token of every subject this transport uses
+DEFAULT_NAMESPACE: Final = "llm-pipeline"
+#: the JetStream KV bucket workers register in
+DEFAULT_BUCKET: Final = "llm-pipeline-workers"
+#: how long the server keeps the marker of an expired key (what tells watchers of a death)
+MARKER_TTL: Final = 60.0
+
+START: Final = 0
+DATA: Final = 1
+END: Final = 2
+ERR: Final = 3
+HB: Final = 4
+
+STOP: Final = "stop"
+KILL: Final = "kill"
+PING: Final = "ping"
+
+#: the roles a worker may announce in discovery
+ROLES: Final = ("aggregated", "prefill", "decode", "encode")
+
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+#: the request errors a worker can report by name, so the client raises the same type
+_REQUEST_ERRORS: Final[dict[str, type[RequestError]]] = {
+    name: cls
+    for name in errors.__all__
+    if isinstance(cls := getattr(errors, name), type) and issubclass(cls, RequestError)
+}
+
+
+def escape_token(text: str) -> str:
+    """``text`` as one subject token and KV key token: ``[A-Za-z0-9_-]`` and ``=XX`` escapes.
+
+    Raises:
+        ValueError: for an empty ``text``.
+    """
+    if not text:
+        raise ValueError("a model name must not be empty")
+    if _TOKEN.fullmatch(text):
+        return text
+    return _UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), text)
+
+
+def check_token(what: str, value: str) -> str:
+    """Return ``value`` if it is usable as a subject token, else raise ValueError."""
+    if not _TOKEN.fullmatch(value):
+        raise ValueError(f"{what} must match [A-Za-z0-9_-]+, got {value!r}")
+    return value
+
+
+@final
+class Subjects:
+    """The subject names of one namespace."""
+
+    __slots__ = ("namespace",)
+
+    def __init__(self, namespace: str) -> None:
+        for part in namespace.split("."):
+            check_token("each part of the namespace", part)
+        self.namespace = namespace
+
+    def model(self, model: str, role: str) -> str:
+        """Where load-balanced requests for ``model`` in ``role`` go (also the queue group)."""
+        return f"{self.namespace}.model.{escape_token(model)}.{role}"
+
+    def worker(self, worker_id: str) -> str:
+        """Where requests for one worker go."""
+        return f"{self.namespace}.worker.{worker_id}"
+
+    def control(self, worker_id: str) -> str:
+        """A worker's control subject: stop, kill, ping."""
+        return f"{self.namespace}.control.{worker_id}"
+
+
+def error_body(exc: BaseException, request_id: str) -> list[Any]:
+    """The ERR body for ``exc``: the nearest pipeline error class by name, and its message.
+
+    An error from outside the hierarchy keeps its own class name, which the client does not
+    know and reports as an EngineError.
+    """
+    param = None
+    name = type(exc).__name__
+    for cls in type(exc).__mro__:
+        if _REQUEST_ERRORS.get(cls.__name__) is cls:
+            name = cls.__name__
+            break
+    if isinstance(exc, RequestError):
+        message, rid = exc.message, exc.request_id
+        if isinstance(exc, InvalidRequest):
+            param = exc.param
+    else:
+        message, rid = str(exc), request_id
+    return [name, message, rid, param]
+
+
+def error_from_body(body: Any, request_id: str) -> RequestError:
+    """The exception an ERR body describes (EngineError for a class the client doesn't know)."""
+    try:
+        name, message, rid, param = body
+        name, message = str(name), str(message)
+    except (TypeError, ValueError):
+        return EngineError(
+            f"malformed error frame from the worker: {body!r}", request_id=request_id
+        )
+    cls = _REQUEST_ERRORS.get(name)
+    rid = rid if isinstance(rid, str) else None
+    if cls is None:
+        return EngineError(f"{name}: {message}", request_id=rid or request_id)
+    if cls is InvalidRequest:
+        return InvalidRequest(message, param=param, request_id=rid)
+    return cls(message, request_id=rid)
+
+
+def check_role(role: str) -> str:
+    """Return ``role`` if it is one of :data:`ROLES`, else raise ValueError."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}; got {role!r}")
+    return role
+
+
+#: control messages and ping answers use their own codec, whatever the payload codec is
+control_codec: Final = MsgpackCodec()
+KNOWN: Final = control_codec.encode(True)
+UNKNOWN: Final = control_codec.encode(False)
+
+
+@final
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NatsTimeouts:
+    """How the NATS transport tells a slow worker or client from a dead one. Seconds.
+
+    Raises:
+        ValueError: for a non-positive value, or a ``ttl`` under one second.
+    """
+
+    #: client: a stream silent this long gets a liveness ping to its worker
+    idle: float = 0.5
+    #: client: how long the worker has to answer that ping (then ResponseTimeout)
+    ping: float = 1.0
+    #: client, load-balanced requests: how long until some worker takes the request
+    start: float = 5.0
+    #: worker: a stream with nothing to send for this long gets a heartbeat frame
+    heartbeat: float = 0.25
+    #: worker: time-to-live of its discovery key (whole seconds, >= 1); refreshed at ttl/3
+    ttl: float = 3.0
+    #: worker: a graceful stop waits this long for in-flight requests, then cuts them off
+    drain: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("idle", "ping", "start", "heartbeat", "ttl", "drain"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"NatsTimeouts.{name} must be > 0, got {value!r}")
+        if self.ttl < 1:
+            raise ValueError(f"NatsTimeouts.ttl must be >= 1 (NATS message TTLs), got {self.ttl}")
+
+
+async def connect(url: str | list[str], *, name: str | None = None) -> Client:
+    """A NATS connection for serving or discovery: it reconnects forever, every 0.5 s.
+
+    Workers and frontends outlive server restarts; a connection that gives up would not.
+
+    Raises:
+        nats.errors.NoServersError: when no server at ``url`` answers at first.
+    """
+    return await nats.connect(
+        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2
+    )
+
+
+async def settle(nc: Client) -> None:
+    """Wait until the server has processed everything sent on ``nc`` so far.
+
+    ``Client.flush()`` does not promise that in nats-py 2.16: its PING is written ahead of
+    the commands still buffered, so a subscription made just before may not be active yet
+    (measured: 27 of 300 subscribe-flush-request rounds got "no responders"). A message to
+    ourselves travels behind those commands.
+
+    Raises:
+        TimeoutError: when the server does not answer within 5 seconds.
+    """
+    inbox = nc.new_inbox()
+    arrived = anyio.Event()
+
+    async def on_msg(msg: Msg) -> None:
+        arrived.set()
+
+    subscription = await nc.subscribe(inbox, cb=on_msg)
+    try:
+        await nc.publish(inbox, b"")
+        with anyio.fail_after(5.0):
+            await arrived.wait()
+    finally:
+        await quietly(subscription.unsubscribe)
+
+
+async def quietly(call: Callable[..., Any], *args: Any) -> None:
+    """Await ``call(*args)``, logging (not raising) NATS errors: for best-effort cleanup."""
+    try:
+        await call(*args)
+    except nats.errors.Error as exc:
+        logger.debug("ignored during cleanup: %r", exc)
+
+
+async def open_bucket(js: JetStreamContext, bucket: str = DEFAULT_BUCKET) -> KeyValue:
+    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on)."""
+    try:
+        return await js.key_value(bucket)
+    except nats.js.errors.BucketNotFoundError:
+        pass
+    except nats.js.errors.ServiceUnavailableError as exc:
+        raise RuntimeError(
+            "the NATS server has no JetStream, which discovery needs: start nats-server "
+            "with -js, or serve with register=False (load-balanced requests only)"
+        ) from exc
+    config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
+    try:
+        return await js.create_key_value(config)
+    except nats.js.errors.APIError:
+        return await js.key_value(bucket)  # another process created it first

@@ -1,0 +1,81 @@
+"""Engines across processes over NATS: a worker side, a client side, and discovery.
+
+::
+
+    frontend process                                   worker process
+    Router(WorkerSet) --> RemoteEngine --request-->  NatsWorker --> open_stream(engine, ctx)
+                      <-- frames on a reply inbox <--
+    NatsDiscovery <--- KV bucket (one key per worker, TTL) <--- registration, refreshed
+
+* :func:`serve` / :class:`NatsWorker` expose any Engine: requests arrive on the model's
+  queue-group subject (load-balanced) and on the worker's own subject (direct routing);
+  each gets its Context rebuilt (id, payload, deadline, metadata) and is streamed back as
+  frames ``[seq, kind, body]`` (START, DATA, END, ERR, HB; see ``_wire``).
+* :class:`RemoteEngine` is the client half, an Engine like any other. Errors raised by the
+  remote engine come back as the same :mod:`pipeline.errors` type; transport failures
+  become :class:`~pipeline.WorkerLost` (``ConnectFailed`` before the stream started,
+  ``StreamDisconnected`` after, ``ResponseTimeout`` when the worker stops answering), so
+  Migration retries them elsewhere.
+* :class:`NatsDiscovery` follows a JetStream KV bucket and keeps a
+  :class:`~pipeline.WorkerSet` current: workers appear when they register, leave when they
+  stop gracefully, and are declared lost (their in-flight streams fail) when their key's
+  TTL runs out.
+
+Cancellation travels both ways. The client's stop and kill are control messages to the
+worker's control subject. A client that vanished is noticed by the worker on its next
+frame: frames are published with a reply subject, so NATS answers "no responders" when
+nobody listens on the client's inbox any more; idle streams get heartbeat frames, so that
+also happens while the engine is silent. A worker that vanished is noticed by the client
+when a stream goes quiet: it pings the worker's control subject, and a dead worker has no
+responders (a slow one answers, so a long prefill is never mistaken for a death).
+
+A worker process and a frontend, in full::
+
+    async with anyio.create_task_group() as tg:                 # the worker
+        worker = await tg.start(serve(engine, url=URL, model="smollm2", codec=CODEC).run)
+        ...                                                     # worker.stop() on SIGTERM
+
+    nc = await connect(URL)                                     # the frontend
+    workers = WorkerSet("smollm2")
+    async with NatsDiscovery(nc, model="smollm2", codec=CODEC).watch(workers):
+        graph = link(Migration(), Backend(tokenizer), Router(workers))
+
+``RemoteEngine(nc, model="smollm2")`` skips discovery: NATS load-balances over the queue
+group. The codec must carry the payload types (:class:`~.codec.DataclassCodec`). The
+Context's state store does not travel: operators that keep state (the Backend) run on the
+frontend, in front of the remote engine.
+
+nats-py is asyncio-only; these modules are the one place that knows. Their callbacks only
+hand messages to anyio memory streams or start tasks in the worker's task group, and the
+client's idle timer is one event-loop timer per engine (not a task or a cancel scope per
+stream), so nothing outlives its owner and nothing is held across a ``yield``. Needs
+nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.
+"""
+
+from __future__ import annotations
+
+from ._nats_client import NatsEngine as NatsEngine
+from ._nats_client import RemoteEngine as RemoteEngine
+from ._nats_discovery import NatsDiscovery as NatsDiscovery
+from ._nats_worker import NatsWorker as NatsWorker
+from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
+from ._nats_worker import serve as serve
+from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
+from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
+from ._wire import ROLES as ROLES
+from ._wire import NatsTimeouts as NatsTimeouts
+from ._wire import connect as connect
+
+__all__ = (
+    "DEFAULT_BUCKET",
+    "DEFAULT_NAMESPACE",
+    "ROLES",
+    "NatsDiscovery",
+    "NatsEngine",
+    "NatsTimeouts",
+    "NatsWorker",
+    "NatsWorkerStatistics",
+    "RemoteEngine",
+    "connect",
+    "serve",
+)
