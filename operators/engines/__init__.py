@@ -1,0 +1,16 @@
+"""Engines that end a graph: they turn a PreprocessedRequest into EngineOutputs.
+
+- :class:`EchoEngine` — streams the prompt's token ids back (the CLI default; tests and
+  load tests).
+
+A user's own engine plugs in the same way: any object with
+``generate(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]``.
+"""
+
+from __future__ import annotations
+
+from .echo import DEFAULT_CYCLE_TOKENS as DEFAULT_CYCLE_TOKENS
+from .echo import EchoEngine as EchoEngine
+from .echo import echo_logprob as echo_logprob
+
+__all__ = ("DEFAULT_CYCLE_TOKENS", "EchoEngine", "echo_logprob")

@@ -1,0 +1,161 @@
+"""Prometheus metrics of the OpenAI HTTP server, in a registry of its own.
+
+Each :class:`ServerMetrics` owns a ``CollectorRegistry`` (never the process-global one), so
+two apps in one process, or a test that builds many, never collide. The per-request series
+use ``prometheus_client`` directly. The per-token series (inter-token latency) would pay a
+lock and a bucket scan per observation there, so the histograms here are plain lists
+updated from the event loop's single thread and exposed by a collector at scrape time:
+an observation is one ``bisect`` and two additions.
+
+Series::
+
+    llm_pipeline_requests_total{endpoint, status}    counter, one per finished request
+    llm_pipeline_inflight_requests                   gauge, generation requests in progress
+    llm_pipeline_output_tokens_total                 counter, completion tokens generated
+    llm_pipeline_time_to_first_token_seconds         histogram, request start -> first token
+    llm_pipeline_inter_token_latency_seconds         histogram, gap between token writes
+    llm_pipeline_request_duration_seconds            histogram, request start -> end
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+from typing import Final, final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+__all__ = ("CONTENT_TYPE", "Histogram", "ServerMetrics")
+
+#: the Content-Type of :meth:`ServerMetrics.render`'s output
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+_ITL_BUCKETS: Final = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
+)  # fmt: skip
+_DURATION_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+
+
+@final
+class Histogram:
+    """A lock-free histogram for the event loop's thread; exposed via :class:`ServerMetrics`.
+
+    Not thread-safe on purpose: every observation comes from the one thread running the
+    event loop, and a scrape runs on that thread too.
+    """
+
+    __slots__ = ("_bounds", "_counts", "_sum", "documentation", "name")
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float]) -> None:
+        self.name = name
+        self.documentation = documentation
+        self._bounds = tuple(sorted(buckets))
+        # one count per bound, plus one for +Inf
+        self._counts = [0] * (len(self._bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Record one observation (``le`` is inclusive, as in Prometheus)."""
+        self._counts[bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    @property
+    def count(self) -> int:
+        """How many observations so far."""
+        return sum(self._counts)
+
+    @property
+    def sum(self) -> float:
+        """The sum of all observations so far."""
+        return self._sum
+
+    def family(self) -> HistogramMetricFamily:
+        """The histogram as a Prometheus metric family (cumulative buckets)."""
+        buckets: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip(self._bounds, self._counts, strict=False):
+            total += count
+            buckets.append((repr(bound), total))
+        buckets.append(("+Inf", total + self._counts[-1]))
+        return HistogramMetricFamily(
+            self.name, self.documentation, buckets=buckets, sum_value=self._sum
+        )
+
+
+class _HistogramCollector(Collector):
+    def __init__(self, histograms: Sequence[Histogram]) -> None:
+        self._histograms = tuple(histograms)
+
+    def collect(self) -> Iterator[Metric]:
+        for histogram in self._histograms:
+            yield histogram.family()
+
+    def describe(self) -> Iterator[Metric]:
+        for histogram in self._histograms:
+            yield HistogramMetricFamily(histogram.name, histogram.documentation)
+
+
+@final
+class ServerMetrics:
+    """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.requests = Counter(
+            "llm_pipeline_requests",
+            "Finished HTTP requests by endpoint and status code (499: the client went away).",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "llm_pipeline_inflight_requests",
+            "Generation requests being served now.",
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "llm_pipeline_output_tokens",
+            "Completion tokens of finished responses (from their usage).",
+            registry=self.registry,
+        )
+        self.time_to_first_token = Histogram(
+            "llm_pipeline_time_to_first_token_seconds",
+            "From the request's arrival to the write of its first token.",
+            _TTFT_BUCKETS,
+        )
+        self.inter_token_latency = Histogram(
+            "llm_pipeline_inter_token_latency_seconds",
+            "Gap between consecutive token writes of one streamed response.",
+            _ITL_BUCKETS,
+        )
+        self.request_duration = Histogram(
+            "llm_pipeline_request_duration_seconds",
+            "From a generation request's arrival to the end of its response.",
+            _DURATION_BUCKETS,
+        )
+        self.registry.register(
+            _HistogramCollector(
+                (self.time_to_first_token, self.inter_token_latency, self.request_duration)
+            )
+        )
+        ProcessCollector(registry=self.registry)
+        self._request_counters: dict[tuple[str, int], Counter] = {}
+
+    def count_request(self, endpoint: str, status: int) -> None:
+        """Count one finished request."""
+        key = (endpoint, status)
+        counter = self._request_counters.get(key)
+        if counter is None:
+            counter = self._request_counters[key] = self.requests.labels(endpoint, str(status))
+        counter.inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""
+        return generate_latest(self.registry)
