@@ -18,17 +18,22 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import anyio
 
 from operators.engines import DEFAULT_CYCLE_TOKENS, EchoEngine
+from operators.engines.mocker import MockerEngine
 from operators.graph import default_graph
+from operators.llm import EngineOutput, PreprocessedRequest
+from operators.openai.images import ImagePolicy
+from operators.openai.metrics import ServerMetrics
 from operators.openai.runner import serve
 from operators.openai.server import OpenAIApp
 from operators.tokenizer import Tokenizer
+from pipeline import Engine, RoundRobin, Router, WorkerSet
 
-__all__ = ("DEFAULT_MODEL_NAME", "build_parser", "main")
+__all__ = ("DEFAULT_MODEL_NAME", "build_graph", "build_parser", "main")
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_parser.add_argument(
         "--engine",
-        choices=["echo"],
+        choices=["echo", "mocker"],
         default="echo",
-        help="the engine: 'echo' streams each prompt's tokens back (no model needed)",
+        help=(
+            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
+            "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
+        ),
     )
     serve_parser.add_argument(
         "--model-name",
@@ -143,6 +151,94 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve_parser.add_argument(
+        "--migration-limit",
+        type=_non_negative_int,
+        default=3,
+        metavar="N",
+        help="retries on another worker when a worker is lost mid-request (0: never)",
+    )
+    workers = serve_parser.add_argument_group(
+        "in-process worker sets",
+        "Several in-process workers of the chosen engine; prefill and encode workers need "
+        "--engine mocker.",
+    )
+    workers.add_argument(
+        "--decode-workers",
+        type=_positive_int,
+        default=1,
+        metavar="M",
+        help="decode (or aggregated) workers, round-robin",
+    )
+    workers.add_argument(
+        "--prefill-workers",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="prefill workers: prompts are prefilled there, then decoded on a decode worker",
+    )
+    workers.add_argument(
+        "--encode-workers",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="encode workers: image inputs are encoded there before prefill/decode",
+    )
+    workers.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="shorter prompts skip the prefill workers (conditional disaggregation)",
+    )
+    mocker = serve_parser.add_argument_group("mocker engine")
+    mocker.add_argument(
+        "--mocker-prefill-ms-per-token",
+        type=_non_negative_float,
+        default=0.05,
+        metavar="MS",
+        help="simulated prefill cost per prompt token",
+    )
+    mocker.add_argument(
+        "--mocker-decode-ms-per-step",
+        type=_non_negative_float,
+        default=5.0,
+        metavar="MS",
+        help="simulated cost of one decode step (all batched sequences advance one token)",
+    )
+    mocker.add_argument(
+        "--mocker-max-batch",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="sequences decoded together; more requests wait for a slot",
+    )
+    mocker.add_argument(
+        "--mocker-tokens",
+        choices=["echo", "random"],
+        default="echo",
+        help="generated tokens: the prompt cycled, or seeded pseudo-random ids",
+    )
+    mocker.add_argument(
+        "--mocker-seed", type=int, default=0, help="seed for --mocker-tokens random"
+    )
+    images = serve_parser.add_argument_group("image inputs")
+    images.add_argument(
+        "--allowed-image-hosts",
+        default="",
+        metavar="HOST[,HOST...]",
+        help=(
+            "hosts whose http(s) image URLs the server may fetch; others are refused "
+            "(data: URLs are always accepted)"
+        ),
+    )
+    images.add_argument(
+        "--max-image-bytes",
+        type=_positive_int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest image accepted",
+    )
+    serve_parser.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
         default="warning",
@@ -163,21 +259,72 @@ def _display_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-async def _serve(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
-    engine = EchoEngine.from_tokenizer(
+_Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+
+
+def _worker(args: argparse.Namespace, tokenizer: Tokenizer, role: str, index: int) -> Any:
+    if args.engine == "echo":
+        return EchoEngine.from_tokenizer(
+            tokenizer,
+            delay_ms=args.echo_delay_ms,
+            cycle=args.echo_cycle,
+            fail_after_tokens=args.fail_after_tokens,
+        )
+    return MockerEngine.from_tokenizer(
         tokenizer,
-        delay_ms=args.echo_delay_ms,
-        cycle=args.echo_cycle,
+        role=role,
+        worker_id=f"{role}-{index}",
+        prefill_ms_per_token=args.mocker_prefill_ms_per_token,
+        decode_ms_per_step=args.mocker_decode_ms_per_step,
+        max_batch=args.mocker_max_batch,
+        tokens=args.mocker_tokens,
+        seed=args.mocker_seed,
         fail_after_tokens=args.fail_after_tokens,
     )
-    graph = default_graph(
+
+
+def _worker_set(
+    args: argparse.Namespace, tokenizer: Tokenizer, role: str, count: int
+) -> _Workers | None:
+    if count == 0:
+        return None
+    return WorkerSet(role, {f"{role}-{i}": _worker(args, tokenizer, role, i) for i in range(count)})
+
+
+def build_graph(
+    args: argparse.Namespace, tokenizer: Tokenizer, metrics: ServerMetrics
+) -> Engine[Any, dict[str, Any]]:
+    """The default graph with the engine and worker sets that ``args`` ask for."""
+    decode_role = "decode" if args.prefill_workers else "aggregated"
+    decode = _worker_set(args, tokenizer, decode_role, args.decode_workers)
+    assert decode is not None
+    engine: Engine[PreprocessedRequest, EngineOutput] = (
+        decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
+    )
+    return default_graph(
         engine,
         tokenizer,
         model_name=args.model_name,
         max_model_len=args.max_model_len,
         default_max_tokens=args.default_max_tokens,
+        migration_limit=args.migration_limit,
+        on_migration=metrics.count_migration,
+        encode_workers=_worker_set(args, tokenizer, "encode", args.encode_workers),
+        prefill_workers=_worker_set(args, tokenizer, "prefill", args.prefill_workers),
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        images=ImagePolicy(
+            allowed_hosts=frozenset(
+                h.strip() for h in args.allowed_image_hosts.split(",") if h.strip()
+            ),
+            max_bytes=args.max_image_bytes,
+        ),
     )
-    app = OpenAIApp(graph, model_name=args.model_name)
+
+
+async def _serve(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
+    metrics = ServerMetrics()
+    graph = build_graph(args, tokenizer, metrics)
+    app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics)
 
     def announce(host: str, port: int) -> None:
         print(
@@ -196,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if args.engine == "echo" and (args.prefill_workers or args.encode_workers):
+        parser.error("--prefill-workers and --encode-workers need --engine mocker")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         try:

@@ -15,6 +15,7 @@ Series::
     llm_pipeline_time_to_first_token_seconds         histogram, request start -> first token
     llm_pipeline_inter_token_latency_seconds         histogram, gap between token writes
     llm_pipeline_request_duration_seconds            histogram, request start -> end
+    llm_pipeline_migrations_total{kind, outcome}     counter, one per lost worker
 """
 
 from __future__ import annotations
@@ -145,6 +146,14 @@ class ServerMetrics:
                 (self.time_to_first_token, self.inter_token_latency, self.request_duration)
             )
         )
+        self.migrations = Counter(
+            "llm_pipeline_migrations",
+            "Workers lost under a request: kind 'connect' (before any output) or 'stream' "
+            "(mid-stream); outcome 'retried' (moved to another worker) or 'exhausted' "
+            "(no retry left: the client got the error).",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         self._request_counters: dict[tuple[str, int], Counter] = {}
 
@@ -155,6 +164,10 @@ class ServerMetrics:
         if counter is None:
             counter = self._request_counters[key] = self.requests.labels(endpoint, str(status))
         counter.inc()
+
+    def count_migration(self, kind: str, outcome: str) -> None:
+        """Count one lost worker (the ``on_event`` hook of :class:`operators.Migration`)."""
+        self.migrations.labels(kind, outcome).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""
