@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run an OpenAI-compatible HTTP server over the default graph",
         description=(
             "Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
-            "over the default graph (OpenAI preprocessor -> Backend -> engine). "
+            "over the default graph (OpenAI preprocessor -> Migration -> Backend -> "
+            "EncoderRouter -> PrefillRouter -> engine). "
             "SIGINT/SIGTERM shut it down gracefully (in-flight streams end; exit code 0)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -109,21 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PATH",
-        help="tokenizer.json (or its directory) or a .gguf file; default: bundled SmolLM2",
+        help="tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2)",
     )
     serve_parser.add_argument(
         "--max-model-len",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="context length: prompt plus output must fit (default: unlimited)",
+        help="context length: prompt plus output must fit (None: unlimited)",
     )
     serve_parser.add_argument(
         "--default-max-tokens",
         type=_positive_int,
         default=None,
         metavar="N",
-        help="output limit for requests that set none (default: none)",
+        help="output limit for requests that set none (None: no limit)",
     )
     serve_parser.add_argument(
         "--echo-delay-ms",
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help=(
-            "echo engine, fault injection: the first attempt of every request loses its "
+            "fault injection (echo, mocker): the first attempt of every request loses its "
             "worker (StreamDisconnected) after N tokens"
         ),
     )
