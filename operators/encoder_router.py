@@ -43,26 +43,19 @@ class EncoderRouter:
     ``workers`` is the encode WorkerSet, kept current by discovery; None means no encode
     workers will ever exist (a permanent passthrough).
 
-    :attr:`state` follows the WorkerSet's membership. It is computed when read (and on
-    every request), not by a task watching the set: a watcher task would need an owner
-    and a shutdown, and could outlive the graph. The price is that a set which gained and
-    lost all its members without anyone looking reads as ``"pending"`` rather than
-    ``"unavailable"``; both serve requests the same way (passthrough).
+    :attr:`state` is the WorkerSet's lifecycle (pending, active, unavailable), read from
+    the set itself: no task watches membership, so there is nothing to stop or leak.
     """
 
     def __init__(self, workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None) -> None:
         #: the encode workers (None: never any)
         self.workers = workers
         self._router = None if workers is None else Router(workers, RoundRobin())
-        self._had_members = False
 
     @property
     def state(self) -> RouterState:
         """``"pending"`` (never had encode workers), ``"active"``, or ``"unavailable"``."""
-        if self.workers is not None and self.workers.members:
-            self._had_members = True
-            return "active"
-        return "unavailable" if self._had_members else "pending"
+        return "pending" if self.workers is None else self.workers.lifecycle
 
     async def aclose(self) -> None:
         """Nothing to release (the router owns no task); here for symmetry with workers."""

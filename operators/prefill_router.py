@@ -66,15 +66,11 @@ class PrefillRouter:
         self.workers = workers
         self.min_prompt_tokens = min_prompt_tokens
         self._router = None if workers is None else Router(workers, RoundRobin())
-        self._had_members = False
 
     @property
     def state(self) -> RouterState:
         """``"pending"`` (never had prefill workers), ``"active"``, or ``"unavailable"``."""
-        if self.workers is not None and self.workers.members:
-            self._had_members = True
-            return "active"
-        return "unavailable" if self._had_members else "pending"
+        return "pending" if self.workers is None else self.workers.lifecycle
 
     async def aclose(self) -> None:
         """Nothing to release (the router owns no task); here for symmetry with workers."""

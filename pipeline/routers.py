@@ -15,7 +15,7 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, final
 
 import anyio
 
@@ -83,6 +83,7 @@ class WorkerSet(Generic[In, Out]):
         self._members: tuple[Worker[In, Out], ...] = ()
         self._changed: anyio.Event | None = None
         self._waiting = 0
+        self._ever_had_members = False
         for worker_id, engine in (workers or {}).items():
             self.add(worker_id, engine)
 
@@ -107,6 +108,7 @@ class WorkerSet(Generic[In, Out]):
         else:
             self._workers[worker_id] = Worker(worker_id, engine)
             self._members = tuple(self._workers.values())
+            self._ever_had_members = True
         self._notify()
 
     def remove(self, worker_id: str) -> None:
@@ -114,6 +116,15 @@ class WorkerSet(Generic[In, Out]):
         if self._workers.pop(worker_id, None) is not None:
             self._members = tuple(self._workers.values())
             self._notify()
+
+    @property
+    def lifecycle(self) -> Literal["pending", "active", "unavailable"]:
+        """``"pending"`` until the first member joins, ``"active"`` while there are members,
+        ``"unavailable"`` once all have left (routers in front of it serve as passthroughs
+        or fail, as their kind dictates)."""
+        if self._members:
+            return "active"
+        return "unavailable" if self._ever_had_members else "pending"
 
     def __len__(self) -> int:
         return len(self._members)

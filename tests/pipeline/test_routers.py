@@ -392,3 +392,13 @@ async def test_in_flight_is_released_when_the_consumer_stops_early() -> None:
             assert router.statistics().in_flight == 1
             break
     assert router.statistics().in_flight == 0
+
+
+def test_worker_set_lifecycle_follows_membership_even_unobserved() -> None:
+    workers: WorkerSet[str, str] = WorkerSet("encode")
+    assert workers.lifecycle == "pending"
+    workers.add("a", ScriptedEngine(["x"]))
+    workers.remove("a")  # joined and left with nobody looking
+    assert workers.lifecycle == "unavailable"
+    workers.add("b", ScriptedEngine(["y"]))
+    assert workers.lifecycle == "active"
