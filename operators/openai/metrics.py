@@ -16,16 +16,17 @@ Series::
     llm_pipeline_inter_token_latency_seconds         histogram, gap between token writes
     llm_pipeline_request_duration_seconds            histogram, request start -> end
     llm_pipeline_migrations_total{kind, outcome}     counter, one per lost worker
+    llm_pipeline_speculative_{proposed,accepted}_tokens_total   counters, draft tokens
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Final, final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
@@ -104,6 +105,24 @@ class _HistogramCollector(Collector):
             yield HistogramMetricFamily(histogram.name, histogram.documentation)
 
 
+class _SpeculationCollector(Collector):
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        proposed, accepted = self._counts()
+        yield CounterMetricFamily(
+            "llm_pipeline_speculative_proposed_tokens",
+            "Draft tokens proposed by speculative decoding.",
+            value=proposed,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_speculative_accepted_tokens",
+            "Draft tokens that matched the model's own choice and were kept.",
+            value=accepted,
+        )
+
+
 @final
 class ServerMetrics:
     """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
@@ -168,6 +187,13 @@ class ServerMetrics:
     def count_migration(self, kind: str, outcome: str) -> None:
         """Count one lost worker (the ``on_event`` hook of :class:`operators.Migration`)."""
         self.migrations.labels(kind, outcome).inc()
+
+    def watch_speculation(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Expose an engine's speculative-decoding counts, read at scrape time.
+
+        ``counts()`` returns (draft tokens proposed, draft tokens accepted) so far.
+        """
+        self.registry.register(_SpeculationCollector(counts))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 __all__ = ("ServerProcess", "run_cli")
 
@@ -28,6 +28,7 @@ class ServerProcess:
 
     def __init__(self, *options: str, startup_timeout: float = 30.0) -> None:
         self._stderr: IO[bytes] = tempfile.TemporaryFile()  # closed in stop()
+        self._last_stderr = ""
         self.process = subprocess.Popen(
             [sys.executable, "-m", "operators.cli", "serve", "--port", "0", *options],
             stdout=subprocess.PIPE,
@@ -48,13 +49,16 @@ class ServerProcess:
         with selectors.DefaultSelector() as selector:
             selector.register(self.process.stdout, selectors.EVENT_READ)
             if not selector.select(timeout):
-                self.stop()
-                raise RuntimeError(f"server did not start within {timeout}s: {self.stderr()}")
+                self._fail(f"server did not start within {timeout}s")
         line = self.process.stdout.readline().decode()
         if not line:
-            self.stop()
-            raise RuntimeError(f"server exited at startup: {self.stderr()}")
+            self._fail("server exited at startup")
         return line
+
+    def _fail(self, what: str) -> NoReturn:
+        stopped = self.process.poll() is not None
+        self.stop()  # closes the stderr file: read it first
+        raise RuntimeError(f"{what}{'' if stopped else ' (stopped it)'}: {self._last_stderr}")
 
     @property
     def base_url(self) -> str:
@@ -62,7 +66,9 @@ class ServerProcess:
         return f"{self.url}/v1"
 
     def stderr(self) -> str:
-        """Everything the server wrote to stderr so far."""
+        """Everything the server wrote to stderr so far (after stop(): all it wrote)."""
+        if self._stderr.closed:
+            return self._last_stderr
         self._stderr.seek(0)
         return self._stderr.read().decode(errors="replace")
 
@@ -73,6 +79,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         """Stop the server however it takes, and release its files."""
+        if not self._stderr.closed:
+            self._last_stderr = self.stderr()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
