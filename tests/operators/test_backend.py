@@ -421,3 +421,16 @@ async def test_any_split_any_stops_any_terminal_path(case: Case) -> None:
         # Nothing was swallowed by a hidden stop string: every text token was delivered.
         text_tokens = sum(1 for o in outputs for i in o.token_ids if i != EOS)
         assert delivered == text_tokens
+
+
+@pytest.mark.parametrize("skip", [True, False])
+async def test_skip_special_tokens_is_respected(skip: bool) -> None:
+    tok = Tokenizer.default()
+    ids = [*tok.encode("Hi"), 1, *tok.encode(" there")]  # 1 = <|im_start|>, a special token
+    req = request(max_tokens=len(ids))
+    req.output.skip_special_tokens = skip
+    outputs = await collect(link(Backend(tok), ScriptedEngine(outputs_for(ids))), make_context(req))
+    assert joined(outputs) == ("Hi there" if skip else "Hi<|im_start|> there")
+    assert [t for o in outputs for t in o.tokens] == (
+        ["Hi", "", " there"] if skip else ["Hi", "<|im_start|>", " there"]
+    )
