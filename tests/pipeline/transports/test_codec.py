@@ -14,22 +14,12 @@ from operators.llm import (
     BackendOutput,
     EngineOutput,
     MultimodalItem,
-    OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
+from operators.transport import LLM_TYPES
 from pipeline.transports.codec import Codec, DataclassCodec, MsgpackCodec
-
-LLM_TYPES = [
-    PreprocessedRequest,
-    StopConditions,
-    SamplingOptions,
-    OutputOptions,
-    MultimodalItem,
-    EngineOutput,
-    BackendOutput,
-]
 
 json_like = st.recursive(
     st.none()

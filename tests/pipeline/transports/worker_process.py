@@ -15,14 +15,10 @@ import anyio
 
 from operators.llm import (
     EngineOutput,
-    MultimodalItem,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
+from operators.transport import llm_codec
 from pipeline import Context
-from pipeline.transports.codec import DataclassCodec
 from pipeline.transports.nats import NatsTimeouts, serve
 
 __all__ = ("CODEC", "MODEL", "SCRIPT", "Countdown")
@@ -30,17 +26,8 @@ __all__ = ("CODEC", "MODEL", "SCRIPT", "Countdown")
 MODEL = "counting"
 #: the token ids every request generates: "abcdefghijklmnopqrst"
 SCRIPT = list(range(ord("a"), ord("t") + 1))
-#: the LLM layer's request and engine output types, as that layer will register them
-CODEC = DataclassCodec(
-    [
-        PreprocessedRequest,
-        StopConditions,
-        SamplingOptions,
-        OutputOptions,
-        MultimodalItem,
-        EngineOutput,
-    ]
-)
+#: the codec the LLM layer uses for its request and output types
+CODEC = llm_codec()
 
 
 class Countdown:
