@@ -30,6 +30,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "openai"), str(HERE.parent / "pipeline" / "transports")]
 
+from client_view import chat_once, chat_stream  # noqa: E402
 from nats_server import NatsServer  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
@@ -208,43 +209,6 @@ def local_mocker() -> Iterator[ServerProcess]:
 
 def client(server: ServerProcess, timeout: float = 10) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=timeout)
-
-
-async def chat_stream(api: openai.AsyncOpenAI, **request: Any) -> dict[str, Any]:
-    """A streamed chat as the client sees it: text, finishes, usage, logprob tokens."""
-    stream = await api.chat.completions.create(
-        model="echo", stream=True, stream_options={"include_usage": True}, **request
-    )
-    text, finishes, tokens, usage = "", [], [], None
-    async for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage.model_dump()
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            if choice.finish_reason:
-                finishes.append(choice.finish_reason)
-            if choice.logprobs and choice.logprobs.content:
-                tokens += [
-                    (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
-                    for t in choice.logprobs.content
-                ]
-    return {"text": text, "finishes": finishes, "usage": usage, "logprobs": tokens}
-
-
-async def chat_once(api: openai.AsyncOpenAI, **request: Any) -> dict[str, Any]:
-    """A non-streamed chat as the client sees it (the same fields as :func:`chat_stream`)."""
-    response = await api.chat.completions.create(model="echo", **request)
-    choice = response.choices[0]
-    content = choice.logprobs.content if choice.logprobs else None
-    tokens = [
-        (t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content or []
-    ]
-    return {
-        "text": choice.message.content,
-        "finishes": [choice.finish_reason],
-        "usage": response.usage.model_dump() if response.usage else None,
-        "logprobs": tokens,
-    }
 
 
 async def metric(server: ServerProcess, name: str) -> float:

@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import client_view
 import httpx
 import openai
 import pytest
@@ -73,37 +74,13 @@ async def metric(server: ServerProcess, name: str, labels: str = "") -> float:
 
 
 async def chat_stream(server: ServerProcess, **request: Any) -> dict[str, Any]:
-    """What a client sees of a streamed chat: text, finish, usage and logprob tokens."""
     async with client(server) as api:
-        stream = await api.chat.completions.create(
-            model="echo", stream=True, stream_options={"include_usage": True}, **request
-        )
-        text, finishes, tokens, usage = "", [], [], None
-        async for chunk in stream:
-            if chunk.usage is not None:
-                usage = chunk.usage.model_dump()
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                if choice.finish_reason:
-                    finishes.append(choice.finish_reason)
-                if choice.logprobs and choice.logprobs.content:
-                    tokens += [(t.token, t.logprob) for t in choice.logprobs.content]
-    return {"text": text, "finishes": finishes, "usage": usage, "logprobs": tokens}
+        return await client_view.chat_stream(api, **request)
 
 
 async def chat_once(server: ServerProcess, **request: Any) -> dict[str, Any]:
     async with client(server) as api:
-        response = await api.chat.completions.create(model="echo", **request)
-    choice = response.choices[0]
-    tokens = (
-        [(t.token, t.logprob) for t in (choice.logprobs.content or [])] if choice.logprobs else []
-    )
-    return {
-        "text": choice.message.content,
-        "finishes": [choice.finish_reason],
-        "usage": response.usage.model_dump() if response.usage else None,
-        "logprobs": tokens,
-    }
+        return await client_view.chat_once(api, **request)
 
 
 REQUESTS: list[dict[str, Any]] = [
