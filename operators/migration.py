@@ -68,6 +68,7 @@ class Migration:
         retries_left = self.limit if self._migratable(original) else 0
         generated: list[int] = []
         attempt = original
+        bounded = self._max_seq_len is not None  # else no per-output length check
         while True:
             armed = retries_left > 0 and self._fits(original, generated)
             ctx.state.set(RESUMABLE, armed)
@@ -78,7 +79,7 @@ class Migration:
                     async for output in stream:
                         started = True
                         generated.extend(output.token_ids)
-                        if armed and not self._fits(original, generated):
+                        if bounded and armed and not self._fits(original, generated):
                             armed = False  # too long to replay: this attempt is the last
                             ctx.state.set(RESUMABLE, False)
                         yield output
