@@ -39,8 +39,10 @@ from operators.engines import DEFAULT_CYCLE_TOKENS, EchoEngine
 from operators.engines.mocker import MockerEngine
 from operators.graph import default_graph
 from operators.llm import EngineOutput, PreprocessedRequest
+from operators.openai.events import OpenAIEvent
 from operators.openai.images import ImagePolicy
 from operators.openai.metrics import ServerMetrics
+from operators.openai.preprocessor import OpenAIRequest
 from operators.openai.runner import serve
 from operators.openai.server import OpenAIApp
 from operators.tokenizer import Tokenizer
@@ -522,7 +524,7 @@ def build_graph(
     workers: WorkerSets | None = None,
     *,
     engine: Engine[PreprocessedRequest, EngineOutput] | None = None,
-) -> Engine[Any, dict[str, Any]]:
+) -> Engine[OpenAIRequest, OpenAIEvent]:
     """The default graph with the engine and worker sets that ``args`` ask for.
 
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.

@@ -21,7 +21,7 @@ ordinary Engine: serve it with :class:`operators.openai.server.OpenAIApp`, drive
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline import link
 
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pipeline import Engine, WorkerSet
 
     from .llm import EngineOutput, PreprocessedRequest
+    from .openai.events import OpenAIEvent
     from .openai.images import ImagePolicy
     from .tokenizer import Tokenizer
 
@@ -55,7 +56,7 @@ def default_graph(
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
     disagg_min_prompt_tokens: int = 0,
     images: ImagePolicy | None = None,
-) -> Engine[OpenAIRequest, dict[str, Any]]:
+) -> Engine[OpenAIRequest, OpenAIEvent]:
     """The full default graph around ``engine``, all sharing ``tokenizer``.
 
     ``model_name`` is reported in responses; ``max_model_len`` bounds prompt plus output

@@ -5,6 +5,7 @@ The parts:
 - :class:`Context` — one request: payload, id, typed :class:`State`, stop/kill, deadline.
 - :class:`Engine` and :class:`Operator` — the two Protocols; :func:`link` composes them.
 - :func:`open_stream` — the driver that owns cancellation; :class:`FunctionEngine`.
+- :func:`next_or_wait` — await a stream's next item, flushing first if it would wait.
 - :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
@@ -32,6 +33,7 @@ from .errors import WorkerLost as WorkerLost
 from .link import link as link
 from .operator import Engine as Engine
 from .operator import Operator as Operator
+from .ready import next_or_wait as next_or_wait
 from .routers import Direct as Direct
 from .routers import LeastLoaded as LeastLoaded
 from .routers import MemoryDiscovery as MemoryDiscovery
@@ -72,5 +74,6 @@ __all__ = (
     "WorkerSet",
     "WorkerSetStatistics",
     "link",
+    "next_or_wait",
     "open_stream",
 )

@@ -1,11 +1,10 @@
-"""OpenAI stream chunks: built from the Backend's outputs, folded into whole responses.
+"""OpenAI response events built from the Backend's outputs: the preprocessor's backward edge.
 
-The backward edge of :class:`~operators.openai.OpenAIPreprocessor` lives here.
-:class:`ChatChunks` and :class:`CompletionChunks` hold the state of one response (its id,
-``created``, model, and one small :class:`ChoiceState` per choice) and turn each
-:class:`~operators.llm.BackendOutput` into ``chat.completion.chunk`` or ``text_completion``
-chunk dicts. :func:`aggregate_chat` and :func:`aggregate_completion` fold a response's
-chunks into the non-streamed object, so both shapes come from the same stream.
+:class:`ChatChunks` and :class:`CompletionChunks` hold the state of one response (its
+:class:`~operators.openai.events.ResponseHead` and one small :class:`ChoiceState` per
+choice) and turn each :class:`~operators.llm.BackendOutput` into typed events
+(:mod:`operators.openai.events`), which the server renders to bytes once
+(:mod:`operators.openai.sse`) or folds into a non-streamed response.
 
 Rules every response keeps (``research/anchors.md`` B4, B8, B11, B14):
 
@@ -16,7 +15,7 @@ Rules every response keeps (``research/anchors.md`` B4, B8, B11, B14):
   order: tokens swallowed by a hidden stop never appear;
 * ``completion_tokens`` counts every generated token once, delivered or not.
 
-Chunks are plain dicts copied from a per-response head: no pydantic, no per-token work for
+Events are small ``slots`` objects: no pydantic, no dict per token, no per-token work for
 logprobs unless they were asked for.
 """
 
@@ -25,26 +24,20 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Final, Protocol
+from collections.abc import Sequence
+from typing import Any, Final, Literal, Protocol
 
 from operators.llm import BackendOutput, TopLogprobs
+
+from .events import ChoiceDelta, ChoiceStart, OpenAIEvent, ResponseHead, Usage
 
 __all__ = (
     "ChatChunks",
     "ChoiceState",
-    "Chunk",
     "CompletionChunks",
     "TokenDecoder",
     "TokenTexts",
-    "aggregate_chat",
-    "aggregate_completion",
 )
-
-Chunk = dict[str, Any]
-"""One OpenAI stream chunk, ready for ``orjson.dumps``."""
-
-_COMPLETION_LOGPROB_KEYS: Final = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
 # A generated token waiting for delivery: (token id, its text, logprob, alternatives), or
 # None when the engine sent no logprob for it.
@@ -158,35 +151,21 @@ class ChoiceState:
 class _Chunks:
     """What chat and completions responses share: the head, the choices, the usage."""
 
-    __slots__ = (
-        "_base",
-        "_choices",
-        "_echo",
-        "_head",
-        "_logprobs",
-        "_texts",
-        "completion_tokens",
-    )
+    __slots__ = ("_base", "_choices", "_echo", "_logprobs", "_texts", "completion_tokens", "head")
 
     def __init__(
         self,
         *,
         id_prefix: str,
-        obj: str,
+        obj: Literal["chat.completion.chunk", "text_completion"],
         model: str,
         logprobs: int | None,
-        usage_field: bool,
         texts: TokenTexts,
     ) -> None:
-        self._head: Chunk = {
-            "id": f"{id_prefix}-{uuid.uuid4().hex}",
-            "object": obj,
-            "created": int(time.time()),
-            "model": model,
-            "choices": None,
-        }
-        if usage_field:
-            self._head["usage"] = None
+        #: the response's constant part, the first event of its stream
+        self.head = ResponseHead(
+            id=f"{id_prefix}-{uuid.uuid4().hex}", object=obj, created=int(time.time()), model=model
+        )
         self._logprobs = logprobs
         self._texts = texts
         self._choices: dict[int, ChoiceState] = {}
@@ -197,8 +176,8 @@ class _Chunks:
 
     @property
     def id(self) -> str:
-        """The response id, the same on every chunk."""
-        return str(self._head["id"])
+        """The response id."""
+        return self.head.id
 
     def start_prompt(self, base: int, echo: str = "") -> None:
         """The outputs that follow are the next prompt's (a completions batch): output
@@ -206,22 +185,9 @@ class _Chunks:
         self._base = base
         self._echo = echo
 
-    def _chunk(self, choice: Chunk) -> Chunk:
-        chunk = self._head.copy()
-        chunk["choices"] = [choice]
-        return chunk
-
-    def usage_chunk(self, prompt_tokens: int) -> Chunk:
-        """The last chunk: no choices, the response's token counts."""
-        chunk = self._head.copy()
-        chunk["choices"] = []
-        completion = self.completion_tokens
-        chunk["usage"] = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-        }
-        return chunk
+    def usage(self, prompt_tokens: int) -> Usage:
+        """The last event: the response's token counts."""
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens)
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         raw = self._texts.get(token_id)[1]
@@ -229,47 +195,34 @@ class _Chunks:
 
 
 class ChatChunks(_Chunks):
-    """The ``chat.completion.chunk`` stream of one chat response.
+    """The events of one chat response (``chat.completion.chunk`` when rendered).
 
     ``logprobs``: None, or how many alternatives each token's entry lists.
-    ``usage_field``: put ``"usage": None`` on every chunk (``include_usage`` streams).
     """
 
     __slots__ = ()
 
-    def __init__(
-        self, *, model: str, logprobs: int | None, usage_field: bool, texts: TokenTexts
-    ) -> None:
+    def __init__(self, *, model: str, logprobs: int | None, texts: TokenTexts) -> None:
         super().__init__(
             id_prefix="chatcmpl",
             obj="chat.completion.chunk",
             model=model,
             logprobs=logprobs,
-            usage_field=usage_field,
             texts=texts,
         )
 
-    def feed(self, output: BackendOutput) -> list[Chunk]:
-        """The chunks for one output: a role chunk first for a new choice, then one chunk
+    def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
+        """The events for one output: a ChoiceStart first for a new choice, then one delta
         unless there is nothing to say (no text, no logprobs, no finish)."""
         self.completion_tokens += len(output.token_ids)
         index = self._base + output.index
         choice = self._choices.get(index)
-        chunks: list[Chunk] = []
+        events: list[OpenAIEvent] = []
         if choice is None:
             choice = self._choices[index] = ChoiceState(index)
-            chunks.append(
-                self._chunk(
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                )
-            )
+            events.append(ChoiceStart(index))
         elif choice.finished:
-            return chunks
+            return events
         logprobs = None
         if self._logprobs is not None:
             entries = choice.delivered(output)
@@ -282,17 +235,8 @@ class ChatChunks(_Chunks):
         if text or logprobs is not None or finish is not None:
             if finish is not None:
                 choice.finished = True
-            chunks.append(
-                self._chunk(
-                    {
-                        "index": index,
-                        "delta": {"content": text} if text else {},
-                        "logprobs": logprobs,
-                        "finish_reason": finish,
-                    }
-                )
-            )
-        return chunks
+            events.append(ChoiceDelta(index, text, logprobs, finish))
+        return events
 
     def _entry(self, entry: tuple[int, str, float, TopLogprobs | None]) -> dict[str, Any]:
         token_id, token, logprob, top = entry
@@ -317,24 +261,21 @@ class ChatChunks(_Chunks):
 
 
 class CompletionChunks(_Chunks):
-    """The ``text_completion`` stream of one completions response (see :class:`ChatChunks`)."""
+    """The events of one completions response (``text_completion`` when rendered)."""
 
     __slots__ = ()
 
-    def __init__(
-        self, *, model: str, logprobs: int | None, usage_field: bool, texts: TokenTexts
-    ) -> None:
+    def __init__(self, *, model: str, logprobs: int | None, texts: TokenTexts) -> None:
         super().__init__(
             id_prefix="cmpl",
             obj="text_completion",
             model=model,
             logprobs=logprobs,
-            usage_field=usage_field,
             texts=texts,
         )
 
-    def feed(self, output: BackendOutput) -> list[Chunk]:
-        """The chunk for one output, unless there is nothing to say."""
+    def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
+        """The delta for one output, unless there is nothing to say."""
         self.completion_tokens += len(output.token_ids)
         index = self._base + output.index
         choice = self._choices.get(index)
@@ -356,11 +297,7 @@ class CompletionChunks(_Chunks):
             return []
         if finish is not None:
             choice.finished = True
-        return [
-            self._chunk(
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            )
-        ]
+        return [ChoiceDelta(index, text, logprobs, finish)]
 
     def _logprobs_of(self, choice: ChoiceState, entries: list[_Entry]) -> dict[str, Any] | None:
         tokens: list[str] = []
@@ -391,103 +328,3 @@ class CompletionChunks(_Chunks):
             "top_logprobs": top_logprobs,
             "text_offset": text_offset,
         }
-
-
-# -------------------------------------------------------------------- non-streamed
-
-
-def aggregate_chat(chunks: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Fold the chunks of one chat response into a ``chat.completion`` object.
-
-    Raises:
-        ValueError: ``chunks`` is empty.
-    """
-    head: Mapping[str, Any] | None = None
-    usage = None
-    contents: dict[int, list[str]] = {}
-    logprobs: dict[int, list[Any]] = {}
-    finishes: dict[int, str | None] = {}
-    for chunk in chunks:
-        if head is None:
-            head = chunk
-        if chunk.get("usage") is not None:
-            usage = chunk["usage"]
-        for choice in chunk["choices"]:
-            index = choice["index"]
-            parts = contents.setdefault(index, [])
-            finishes.setdefault(index, None)
-            content = choice["delta"].get("content")
-            if content:
-                parts.append(content)
-            if choice.get("logprobs") is not None:
-                logprobs.setdefault(index, []).extend(choice["logprobs"]["content"])
-            if choice["finish_reason"] is not None:
-                finishes[index] = choice["finish_reason"]
-    if head is None:
-        raise ValueError("no chunks to aggregate")
-    return {
-        "id": head["id"],
-        "object": "chat.completion",
-        "created": head["created"],
-        "model": head["model"],
-        "choices": [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(contents[index])},
-                "logprobs": (
-                    {"content": logprobs[index], "refusal": None} if index in logprobs else None
-                ),
-                "finish_reason": finishes[index],
-            }
-            for index in sorted(contents)
-        ],
-        "usage": usage,
-    }
-
-
-def aggregate_completion(chunks: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Fold the chunks of one completions response into a ``text_completion`` object.
-
-    Raises:
-        ValueError: ``chunks`` is empty.
-    """
-    head: Mapping[str, Any] | None = None
-    usage = None
-    texts: dict[int, list[str]] = {}
-    logprobs: dict[int, dict[str, list[Any]]] = {}
-    finishes: dict[int, str | None] = {}
-    for chunk in chunks:
-        if head is None:
-            head = chunk
-        if chunk.get("usage") is not None:
-            usage = chunk["usage"]
-        for choice in chunk["choices"]:
-            index = choice["index"]
-            texts.setdefault(index, []).append(choice["text"])
-            finishes.setdefault(index, None)
-            if choice.get("logprobs") is not None:
-                merged = logprobs.get(index)
-                if merged is None:
-                    merged = logprobs[index] = {key: [] for key in _COMPLETION_LOGPROB_KEYS}
-                for key, values in merged.items():
-                    values.extend(choice["logprobs"][key])
-            if choice["finish_reason"] is not None:
-                finishes[index] = choice["finish_reason"]
-    if head is None:
-        raise ValueError("no chunks to aggregate")
-    return {
-        "id": head["id"],
-        "object": "text_completion",
-        "created": head["created"],
-        "model": head["model"],
-        "choices": [
-            {
-                "index": index,
-                "text": "".join(texts[index]),
-                "logprobs": logprobs.get(index),
-                "finish_reason": finishes[index],
-            }
-            for index in sorted(texts)
-        ],
-        "usage": usage,
-    }

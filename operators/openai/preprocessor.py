@@ -4,19 +4,20 @@ Forward, it turns a validated :class:`~operators.openai.protocol.ChatCompletionR
 :class:`~operators.openai.protocol.CompletionRequest` into a tokenized
 :class:`~operators.llm.PreprocessedRequest` (chat template, tokenization, stop conditions,
 sampling and output options, context-length checks). Backward, it turns the Backend's
-:class:`~operators.llm.BackendOutput` stream into OpenAI stream chunks, plain dicts::
+:class:`~operators.llm.BackendOutput` stream into typed OpenAI events
+(:mod:`operators.openai.events`)::
 
     ChatCompletionRequest --[render template, encode]--> PreprocessedRequest --> Backend ...
-    chat.completion.chunk <--[one dict per output]------ BackendOutput      <-- Backend ...
+    ResponseHead, ChoiceStart, ChoiceDelta.., Usage <--- BackendOutput      <-- Backend ...
 
-The output is *always* stream-shaped. The HTTP server sends the chunks as server-sent
-events, or folds them into one response with :func:`aggregate_chat` /
+The output is *always* stream-shaped: a :class:`~.events.ResponseHead` first, a
+:class:`~.events.Usage` last. The HTTP server renders the events as server-sent events
+(:mod:`operators.openai.sse`, which writes the usage chunk only when the client asked for
+it), or folds them into one response with :func:`aggregate_chat` /
 :func:`aggregate_completion`, so streamed and non-streamed responses come from the same
-code. Usage arrives as one last chunk with ``choices: []``: for ``stream: true`` only with
-``stream_options.include_usage`` (and then every other chunk carries ``"usage": None``, as
-OpenAI's do), for ``stream: false`` always (the aggregators move it into the response).
+code.
 
-The chunk building itself (per-choice state, logprobs of delivered tokens, usage) lives in
+The event building itself (per-choice state, logprobs of delivered tokens, usage) lives in
 :mod:`operators.openai.chunks`; this module is the forward edge and the stream loop.
 """
 
@@ -33,15 +34,8 @@ from operators.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, InvalidRequest, State
 
 from .chat_template import ChatTemplate
-from .chunks import (
-    ChatChunks,
-    Chunk,
-    CompletionChunks,
-    TokenDecoder,
-    TokenTexts,
-    aggregate_chat,
-    aggregate_completion,
-)
+from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
+from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .images import ImagePolicy, ImageRef, load_images
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 
@@ -237,8 +231,8 @@ class OpenAIPreprocessor:
         self,
         ctx: Context[OpenAIRequest],
         downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> AsyncIterator[Chunk]:
-        """Serve one OpenAI request with ``downstream``, yielding stream chunks.
+    ) -> AsyncIterator[OpenAIEvent]:
+        """Serve one OpenAI request with ``downstream``, yielding its response events.
 
         A completions batch (several prompts) runs its prompts one after another, each as
         a child leg with its own state scope, so the Backends' decoders never collide.
@@ -249,27 +243,21 @@ class OpenAIPreprocessor:
         request = ctx.data
         legs = self._legs(request)
         model = request.model or self._model_name
-        usage_field = request.include_usage
         chunks: ChatChunks | CompletionChunks
         if isinstance(request, ChatCompletionRequest):
             chunks = ChatChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                usage_field=usage_field,
-                texts=self._token_texts,
+                model=model, logprobs=request.logprobs_count, texts=self._token_texts
             )
         else:
             chunks = CompletionChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                usage_field=usage_field,
-                texts=self._token_texts,
+                model=model, logprobs=request.logprobs_count, texts=self._token_texts
             )
         n = request.n
         for leg in legs:
             if leg.images:
                 multimodal = await load_images(leg.images, self._images)
                 leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
+        yield chunks.head
         for position, leg in enumerate(legs):
             chunks.start_prompt(position * n, leg.echo)
             leg_ctx = (
@@ -280,12 +268,9 @@ class OpenAIPreprocessor:
             stream = cast("AsyncGenerator[BackendOutput, None]", downstream.generate(leg_ctx))
             async with aclosing(stream):
                 async for output in stream:
-                    for chunk in chunks.feed(output):
-                        yield chunk
-        # Usage ends every non-streamed response (the aggregators move it into the body),
-        # and a streamed one only when the client asked for it.
-        if usage_field or not request.stream:
-            yield chunks.usage_chunk(sum(leg.request.prompt_tokens for leg in legs))
+                    for event in chunks.feed(output):
+                        yield event
+        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs))
 
 
 @dataclass(slots=True)

@@ -2,11 +2,11 @@
 
 The app does not care what is inside the graph: it parses a request body into a protocol
 model, runs ``graph.generate(ctx)`` under :func:`pipeline.open_stream`, and writes the
-OpenAI chunk dicts the graph yields, either as server-sent events or, aggregated, as one
-JSON response::
+typed events the graph yields (:mod:`.events`), either as server-sent events or,
+aggregated, as one JSON response::
 
-    POST /v1/chat/completions   ChatCompletionRequest --[graph]--> chat.completion.chunk dicts
-    POST /v1/completions        CompletionRequest     --[graph]--> text_completion dicts
+    POST /v1/chat/completions   ChatCompletionRequest --[graph]--> events -> chat.completion.chunk
+    POST /v1/completions        CompletionRequest     --[graph]--> events -> text_completion
     GET  /v1/models, /v1/models/{model}, /health, /metrics
 
 This is the one place where exceptions become HTTP errors, all OpenAI-shaped
@@ -22,14 +22,15 @@ An error after a stream has started is sent as one ``data: {"error": {...}}`` ev
 the stream then closes *without* ``data: [DONE]`` (as OpenAI does), so a client can tell a
 failed stream from a finished one.
 
-Why it is raw ASGI and not a framework route: the per-token path is "dump a dict with
-orjson, frame it, write it". Chunks that carry no visible text (the chat role preamble,
-finish-only and usage chunks) are held and written together with the next one, so the
-role chunk travels with the first token and the finish chunk, usage and ``[DONE]`` leave
-in one write. HTTP headers are sent only with the first visible token (or at the end), so
-an error before any output still gets its proper status code. The usage chunk doubles as
-the server's token count: streams always ask the graph for it, and it is dropped from the
-response when the client did not ask for it.
+Why it is raw ASGI and not a framework route: the per-token path is "render the event to
+bytes once (:mod:`.sse`), buffer it, write". Writes are coalesced, events are not: every
+event is its own SSE ``data:`` line, but the events that are ready when the server asks
+for the next one leave in one socket write, made the moment the graph would wait
+(:mod:`.ready`). Nothing is written before the first visible text, so the role chunk
+travels with the first token, an error before any output still gets its proper status
+code, and the finish chunk, usage and ``[DONE]`` leave in one write. The graph always ends
+with a :class:`~.events.Usage` (the server's token count); the renderer writes it only when
+the client asked for it.
 
 A client that disconnects kills its request down to the engine (``ctx.kill()``), noticed
 by a watcher task waiting on ``http.disconnect``. :meth:`OpenAIApp.drain` stops every
@@ -55,17 +56,15 @@ from pipeline import (
     InvalidRequest,
     RequestError,
     WorkerLost,
+    next_or_wait,
     open_stream,
 )
 
+from .events import OpenAIEvent, ResponseHead, Usage, aggregate_chat, aggregate_completion
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .preprocessor import OpenAIRequest, aggregate_chat, aggregate_completion
-from .protocol import (
-    ChatCompletionRequest,
-    StreamOptions,
-    parse_chat_request,
-    parse_completion_request,
-)
+from .preprocessor import OpenAIRequest
+from .protocol import ChatCompletionRequest, parse_chat_request, parse_completion_request
+from .sse import DONE, SseRenderer, is_visible
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -84,15 +83,16 @@ Message: TypeAlias = MutableMapping[str, Any]
 Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
 
-_Chunk: TypeAlias = dict[str, Any]
-
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 
 _CLIENT_GONE: Final = 499  # nginx's "client closed request", for the metrics label
-_DONE: Final = b"data: [DONE]\n\n"
+#: a stream writes at the latest when this many rendered events are waiting ...
+_MAX_PENDING: Final = 64
+#: ... or when the oldest of them has waited this long (seconds)
+_MAX_HOLD: Final = 0.005
 _JSON: Final = (b"content-type", b"application/json")
 _SSE_HEADERS: Final = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
@@ -101,11 +101,14 @@ _SSE_HEADERS: Final = (
 )
 _GET_PATHS: Final = frozenset({"/v1/models", "/health", "/metrics"})
 _INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
-_WITH_USAGE: Final = StreamOptions(include_usage=True)
 
 
 class _BodyTooLarge(Exception):
     pass
+
+
+class _WriteFailed(Exception):
+    """A write to the client failed; the cause is the transport's own exception."""
 
 
 def _error_body(
@@ -128,32 +131,6 @@ def _describe_failure(exc: Exception, request_id: str) -> tuple[int, bytes]:
         return 500, _error_body(exc.message, "server_error")
     logger.error("request %s failed unexpectedly", request_id, exc_info=exc)
     return 500, _error_body(f"{_INTERNAL_MESSAGE} (request id {request_id})", "server_error")
-
-
-def _is_held(chunk: _Chunk) -> bool:
-    """True for a chunk with no visible text in its first choice, or one that finishes it.
-
-    Such chunks are written together with the next one (or the end of the stream): they
-    add nothing a client could show, and are usually followed at once by more.
-    """
-    choices = chunk.get("choices")
-    if not choices:
-        return True  # usage
-    choice = choices[0]
-    if choice.get("finish_reason") is not None:
-        return True
-    delta = choice.get("delta")
-    if delta is not None:
-        return not delta.get("content") and not delta.get("tool_calls")
-    return not choice.get("text")
-
-
-def _completion_tokens(response: _Chunk) -> int:
-    usage = response.get("usage")
-    if not usage:
-        return 0
-    tokens = usage.get("completion_tokens")
-    return tokens if isinstance(tokens, int) else 0
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -208,8 +185,8 @@ class OpenAIApp:
     """The ASGI app: OpenAI endpoints over ``graph``, serving one model name.
 
     Args:
-        graph: takes a validated :data:`OpenAIRequest` and yields OpenAI chunk dicts
-            (usually :func:`operators.graph.default_graph`).
+        graph: takes a validated :data:`OpenAIRequest` and yields its response's
+            :mod:`~operators.openai.events` (usually :func:`operators.graph.default_graph`).
         model_name: the one model served; a request naming another gets 404 (a request
             that names none is served).
         metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
@@ -218,7 +195,7 @@ class OpenAIApp:
 
     def __init__(
         self,
-        graph: Engine[OpenAIRequest, _Chunk],
+        graph: Engine[OpenAIRequest, OpenAIEvent],
         *,
         model_name: str,
         metrics: ServerMetrics | None = None,
@@ -375,111 +352,152 @@ class OpenAIApp:
             body = _error_body("The server is shutting down.", "service_unavailable_error")
             await _send_json(send, 503, body)
             return 503
-        # The usage chunk is the server's token count too: a stream asks for it always,
-        # and it is stripped from the response when the client did not ask for it.
-        strip_usage = request.stream and not request.include_usage
-        if strip_usage:
-            request = request.model_copy(update={"stream_options": _WITH_USAGE})
         ctx = Context.new(request)
         self._contexts.add(ctx)
         status = _CLIENT_GONE
+        failed: BaseException | None = None
         try:
             async with anyio.create_task_group() as watcher:
                 watcher.start_soon(_kill_on_disconnect, receive, ctx)
                 try:
                     if request.stream:
-                        status = await self._stream(ctx, send, started, strip_usage)
+                        status = await self._stream(ctx, send, started, request.include_usage)
                     else:
                         status = await self._complete(ctx, send)
+                except _WriteFailed as exc:
+                    failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
                     watcher.cancel_scope.cancel()
         finally:
             self._contexts.discard(ctx)
+        if failed is not None:
+            raise failed
         return status
 
     async def _complete(self, ctx: Context[OpenAIRequest], send: Send) -> int:
         """Run the graph to the end and send the aggregated response as one JSON body."""
-        chunks: list[_Chunk] = []
         try:
             async with open_stream(self._graph, ctx) as stream:
-                chunks.extend([chunk async for chunk in stream])
+                events = [event async for event in stream]
             if ctx.is_killed:
                 return _CLIENT_GONE
             if isinstance(ctx.data, ChatCompletionRequest):
-                response = aggregate_chat(chunks)
+                response = aggregate_chat(events)
             else:
-                response = aggregate_completion(chunks)
+                response = aggregate_completion(events)
         except Exception as exc:
             if ctx.is_killed:
                 return _CLIENT_GONE
             status, body = _describe_failure(exc, ctx.id)
             await _send_json(send, status, body)
             return status
-        self.metrics.output_tokens.inc(_completion_tokens(response))
+        usage = response["usage"]
+        if usage is not None:
+            self.metrics.output_tokens.inc(usage["completion_tokens"])
         await _send_json(send, 200, orjson.dumps(response))
         return 200
 
     async def _stream(
-        self, ctx: Context[OpenAIRequest], send: Send, started: float, strip_usage: bool
+        self, ctx: Context[OpenAIRequest], send: Send, started: float, include_usage: bool
     ) -> int:
-        """Stream the graph's chunks as server-sent events."""
+        """Stream the graph's events as server-sent events, coalescing ready ones.
+
+        Every event is rendered once, into ``pending``. Nothing is written before the first
+        visible text (so an early error still gets its status code); that write carries
+        the headers and everything held so far. After it, ``pending`` is written whenever
+        the graph would wait for its next event (:func:`pipeline.next_or_wait`), once it
+        holds :data:`_MAX_PENDING` events or its oldest is :data:`_MAX_HOLD` seconds old,
+        and at the end. A failed write is the connection's problem, not the graph's: it
+        propagates (the stream is closed on the way out) instead of becoming an error event.
+        """
         metrics = self.metrics
-        observe_itl = metrics.inter_token_latency.observe
-        dumps = orjson.dumps
-        held: list[bytes] = []
-        headers_sent = False
+        pending: list[bytes] = []
+        committed = False
+        held_since = 0.0  # when the oldest pending event was rendered
         last_write = 0.0
         tokens = 0
+        observe_gap = metrics.inter_token_latency.observe
+
+        async def write(more_body: bool = True) -> None:
+            nonlocal last_write
+            data = b"".join(pending)
+            pending.clear()
+            try:
+                await send({"type": "http.response.body", "body": data, "more_body": more_body})
+            except Exception as exc:
+                raise _WriteFailed from exc
+            now = perf_counter()
+            if last_write:
+                observe_gap(now - last_write)
+            last_write = now
+
         try:
             async with open_stream(self._graph, ctx) as stream:
-                async for chunk in stream:
-                    if _is_held(chunk):
-                        if not chunk.get("choices"):
-                            tokens = _completion_tokens(chunk)
-                            if strip_usage:
-                                continue
-                        elif strip_usage:
-                            chunk.pop("usage", None)
-                        held.append(b"data: " + dumps(chunk) + b"\n\n")
+                next_event = stream.__anext__
+                head = await next_event()
+                if not isinstance(head, ResponseHead):
+                    raise TypeError(
+                        f"the graph's first event is {type(head).__name__}, not a ResponseHead"
+                    )
+                render = SseRenderer(head, include_usage=include_usage).render
+                while True:
+                    try:
+                        if pending and committed:
+                            event = await next_or_wait(next_event(), write)
+                        else:
+                            event = await next_event()
+                    except StopAsyncIteration:
+                        break
+                    if type(event) is Usage:
+                        tokens = event.completion_tokens
+                    data = render(event)
+                    if not data:
                         continue
-                    if strip_usage:
-                        chunk.pop("usage", None)
-                    data = b"data: " + dumps(chunk) + b"\n\n"
-                    if held:
-                        held.append(data)
-                        data = b"".join(held)
-                        held.clear()
-                    if not headers_sent:
-                        await send(self._stream_start(ctx))
-                        headers_sent = True
-                        await send({"type": "http.response.body", "body": data, "more_body": True})
-                        last_write = perf_counter()
-                        metrics.time_to_first_token.observe(last_write - started)
-                        continue
-                    await send({"type": "http.response.body", "body": data, "more_body": True})
-                    now = perf_counter()
-                    observe_itl(now - last_write)
-                    last_write = now
+                    if committed:
+                        if not pending:
+                            held_since = perf_counter()
+                        pending.append(data)
+                        if len(pending) >= _MAX_PENDING or (
+                            perf_counter() - held_since >= _MAX_HOLD
+                        ):
+                            await write()
+                    else:
+                        pending.append(data)
+                        if is_visible(event):
+                            committed = True
+                            try:
+                                await send(self._stream_start(ctx))
+                            except Exception as exc:
+                                raise _WriteFailed from exc
+                            await write()
+                            metrics.time_to_first_token.observe(last_write - started)
+            if ctx.is_killed:
+                return _CLIENT_GONE
+            if not committed:
+                try:
+                    await send(self._stream_start(ctx))
+                except Exception as exc:
+                    raise _WriteFailed from exc
+            pending.append(DONE)
+            await write(more_body=False)
+            return 200
+        except _WriteFailed:
+            if ctx.is_killed:  # the client went away: its writes may fail on the way
+                return _CLIENT_GONE
+            raise
         except Exception as exc:
             if ctx.is_killed:
                 return _CLIENT_GONE
             status, body = _describe_failure(exc, ctx.id)
-            if not headers_sent:
+            if not committed:
                 await _send_json(send, status, body)
                 return status
-            held.append(b"data: " + body + b"\n\n")
-            await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
+            pending.append(b"data: " + body + b"\n\n")
+            await write(more_body=False)
             return status
         finally:
             if tokens:
                 metrics.output_tokens.inc(tokens)
-        if ctx.is_killed:
-            return _CLIENT_GONE
-        if not headers_sent:
-            await send(self._stream_start(ctx))
-        held.append(_DONE)
-        await send({"type": "http.response.body", "body": b"".join(held), "more_body": False})
-        return 200
 
     @staticmethod
     def _stream_start(ctx: Context[Any]) -> Message:

@@ -21,14 +21,15 @@ import httpx
 import openai
 import orjson
 import pytest
+from anyio.lowlevel import checkpoint
 from server_process import ServerProcess, run_cli
 
 from operators.engines import echo_logprob
 from operators.graph import default_graph
-from operators.llm import EngineOutput
+from operators.llm import EngineOutput, PreprocessedRequest
 from operators.openai.server import OpenAIApp
 from operators.tokenizer import Tokenizer
-from pipeline import CapacityExhausted, EngineError
+from pipeline import CapacityExhausted, Context, EngineError, FunctionEngine
 from pipeline.testing import ScriptedEngine
 
 pytestmark = pytest.mark.slow
@@ -664,13 +665,13 @@ async def test_chunks_without_new_text_travel_with_the_next_write() -> None:
     sent = await call_asgi(app, "/v1/chat/completions", body)
     assert sent[0]["type"] == "http.response.start"
     writes = [sse_events(message["body"].decode()) for message in sent[1:]]
-    # the role chunk rides with the first token; the finish chunk with [DONE]
+    # the role chunk rides with the first token; " beta" waits for the engine's next step,
+    # which ends the stream at once, so the finish chunk and [DONE] share its write
     assert [[_delta(event) for event in write] for write in writes] == [
         [{"role": "assistant", "content": ""}, {"content": "alpha"}],
-        [{"content": " beta"}],
-        [{}, "[DONE]"],
+        [{"content": " beta"}, {}, "[DONE]"],
     ]
-    assert writes[-1][0]["choices"][0]["finish_reason"] == "stop"
+    assert writes[-1][1]["choices"][0]["finish_reason"] == "stop"
     assert sent[-1]["more_body"] is False
 
 
@@ -691,3 +692,107 @@ async def test_a_disconnect_kills_the_request_down_to_the_engine() -> None:
     metrics = app.metrics.render().decode()
     assert 'llm_pipeline_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
     assert "llm_pipeline_inflight_requests 0.0" in metrics
+
+
+async def test_ready_events_share_a_write_and_a_wait_flushes_them() -> None:
+    """Tokens that are ready when the server asks leave in one write, made when the engine
+    next waits; every token is still its own SSE event."""
+    proceed = anyio.Event()
+    ids = TOKENIZER.encode("one two three four five")
+
+    async def bursty(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+        await checkpoint()
+        for token_id in ids[:4]:  # a burst: no wait between these
+            yield EngineOutput(token_ids=[token_id])
+        await proceed.wait()  # a real wait: what is buffered must go out first
+        yield EngineOutput(token_ids=[ids[4]], finish_reason="length")
+
+    app = OpenAIApp(
+        default_graph(FunctionEngine(bursty), TOKENIZER, model_name="m"), model_name="m"
+    )
+    sent: list[dict[str, Any]] = []
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if requested:  # the client stays connected
+            await anyio.sleep_forever()
+        requested = True
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+        return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(dict(message))
+        if b" four" in message.get("body", b""):
+            proceed.set()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    await app(scope, receive, send)
+    writes = [sse_events(message["body"].decode()) for message in sent[1:]]
+    assert [[_delta(event) for event in write] for write in writes] == [
+        [{"role": "assistant", "content": ""}, {"content": "one"}],
+        [{"content": " two"}, {"content": " three"}, {"content": " four"}],
+        [{"content": " five"}, "[DONE]"],
+    ]
+    assert writes[-1][0]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_a_write_failing_while_the_engine_waits_closes_the_engine() -> None:
+    engine = ScriptedEngine(token_outputs("a b c d"), then="hang")
+    app = in_process_app(engine)
+    writes = 0
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if requested:  # the client stays connected
+            await anyio.sleep_forever()
+        requested = True
+        body = {"model": "m", "prompt": "x", "stream": True}
+        return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        nonlocal writes
+        if message["type"] == "http.response.body":
+            writes += 1
+            if writes == 2:
+                raise OSError("connection reset")
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    with pytest.raises(OSError, match="connection reset"):
+        await app(scope, receive, send)
+    assert engine.open_streams == 0
+    assert app.inflight == 0
+
+
+async def test_a_disconnect_during_a_blocked_write_kills_the_request() -> None:
+    engine = ScriptedEngine(token_outputs("a b c d"), then="hang")
+    app = in_process_app(engine)
+    blocked = anyio.Event()
+    requested = False
+    writes = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            body = {"model": "m", "prompt": "x", "stream": True}
+            return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+        await blocked.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        nonlocal writes
+        if message["type"] == "http.response.body":
+            writes += 1
+            if writes == 2:  # a client that stopped reading: the write never completes
+                blocked.set()
+                await anyio.sleep_forever()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await app(scope, receive, send)
+    (leg,) = engine.requests
+    assert leg.is_killed
+    assert engine.open_streams == 0
+    assert app.inflight == 0
+    assert 'status="499"} 1.0' in app.metrics.render().decode()

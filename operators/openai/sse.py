@@ -1,0 +1,132 @@
+"""Rendering one response's events as server-sent events: bytes, once per event.
+
+The per-request constant part of every chunk (``id``, ``object``, ``created``, ``model``)
+is rendered once, when the :class:`SseRenderer` is made; a plain text delta, the event
+nearly every token becomes, is then a single ``bytes %`` of a prepared template around
+``orjson.dumps(text)``. Events with logprobs or a finish reason are rare and take the
+general path (a small dict through orjson). The JSON is the same either way::
+
+    data: {"id":"chatcmpl-..","object":"chat.completion.chunk","created":1700000000,
+           "model":"m","choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":null,
+           "finish_reason":null}]}\\n\\n
+
+``include_usage`` decides two things the event stream itself does not: whether every
+chunk carries ``"usage": null`` and whether the final :class:`~.events.Usage` is written
+(as a chunk with ``choices: []``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Final, final
+
+import orjson
+
+from .events import ChoiceDelta, ChoiceStart, OpenAIEvent, ResponseHead, Usage
+
+__all__ = ("DONE", "SseRenderer", "is_visible", "stream_chunks")
+
+#: the last event of a successful stream
+DONE: Final = b"data: [DONE]\n\n"
+
+_dumps = orjson.dumps
+
+
+def is_visible(event: OpenAIEvent) -> bool:
+    """True for an event that shows the client text: the first one commits the response.
+
+    Everything else (the head, a chat role chunk, a finish-only delta, usage) is written
+    together with what follows it.
+    """
+    return type(event) is ChoiceDelta and bool(event.text)
+
+
+@final
+class SseRenderer:
+    """Renders the events of one response (the one ``head`` names) as SSE bytes."""
+
+    __slots__ = ("_chat", "_general", "_include_usage", "_start", "_text", "_usage")
+
+    def __init__(self, head: ResponseHead, *, include_usage: bool) -> None:
+        self._chat = head.object == "chat.completion.chunk"
+        self._include_usage = include_usage
+        common = (
+            b'data: {"id":'
+            + _dumps(head.id)
+            + b',"object":'
+            + _dumps(head.object)
+            + b',"created":'
+            + _dumps(head.created)
+            + b',"model":'
+            + _dumps(head.model)
+        )
+        suffix = b"]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
+        prefix = common + b',"choices":['
+        # The templates are used with ``%``: the head's own bytes must not be read as format.
+        escaped = prefix.replace(b"%", b"%%")
+        suffix_escaped = suffix.replace(b"%", b"%%")
+        if self._chat:
+            text = b'{"index":%d,"delta":{"content":%s},"logprobs":null,"finish_reason":null}'
+            start = b'{"index":%d,"delta":{"role":"assistant","content":""},"logprobs":null,'
+            start += b'"finish_reason":null}'
+        else:
+            text = b'{"index":%d,"text":%s,"logprobs":null,"finish_reason":null}'
+            start = b""
+        self._text = escaped + text + suffix_escaped
+        self._start = escaped + start + suffix_escaped
+        self._general = (prefix, suffix)
+        self._usage = common + b',"choices":[],"usage":'
+
+    def render(self, event: OpenAIEvent) -> bytes:
+        """The bytes for ``event``: one ``data:`` line, or b"" for what is not written."""
+        kind = type(event)
+        if kind is ChoiceDelta:
+            delta: ChoiceDelta = event  # type: ignore[assignment]
+            if delta.logprobs is None and delta.finish_reason is None and delta.text:
+                return self._text % (delta.index, _dumps(delta.text))
+            prefix, suffix = self._general
+            return prefix + _dumps(self._choice(delta)) + suffix
+        if kind is ChoiceStart:
+            return self._start % event.index  # type: ignore[union-attr]
+        if kind is Usage:
+            if not self._include_usage:
+                return b""
+            return self._usage + _dumps(event.as_dict()) + b"}\n\n"  # type: ignore[union-attr]
+        return b""  # the head: already part of every chunk
+
+    def _choice(self, delta: ChoiceDelta) -> dict[str, Any]:
+        if self._chat:
+            return {
+                "index": delta.index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": delta.logprobs,
+                "finish_reason": delta.finish_reason,
+            }
+        return {
+            "index": delta.index,
+            "text": delta.text,
+            "logprobs": delta.logprobs,
+            "finish_reason": delta.finish_reason,
+        }
+
+
+def stream_chunks(events: Iterable[OpenAIEvent], *, include_usage: bool) -> list[dict[str, Any]]:
+    """The chunk objects a streaming client receives for ``events`` (tests, debugging).
+
+    Raises:
+        ValueError: the events do not start with a :class:`~.events.ResponseHead`.
+    """
+    chunks: list[dict[str, Any]] = []
+    renderer: SseRenderer | None = None
+    for event in events:
+        if renderer is None:
+            if not isinstance(event, ResponseHead):
+                raise ValueError("a response's events start with a ResponseHead")
+            renderer = SseRenderer(event, include_usage=include_usage)
+            continue
+        data = renderer.render(event)
+        if data:
+            chunks.append(orjson.loads(data.removeprefix(b"data: ")))
+    if renderer is None:
+        raise ValueError("a response's events start with a ResponseHead")
+    return chunks
