@@ -87,6 +87,8 @@ class SseRenderer:
             prefix, suffix = self._general
             return prefix + _dumps(self._choice(delta)) + suffix
         if kind is ChoiceStart:
+            if not self._chat:  # completions choices have no role chunk
+                return b""
             return self._start % event.index  # type: ignore[union-attr]
         if kind is Usage:
             if not self._include_usage:

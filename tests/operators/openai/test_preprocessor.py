@@ -1,9 +1,13 @@
-"""The OpenAI preprocessor: templates and tokens forward, OpenAI chunks backward.
+"""The OpenAI preprocessor: templates and tokens forward, typed OpenAI events backward.
 
-The backward edge is checked against BackendOutputs written by hand (role chunk first,
-one finish per choice, interleaved choices, usage once, logprobs only for delivered
-tokens), against the real Backend and echo engine, and as a Hypothesis property: for any
-split of any outputs, the non-streamed response equals the concatenation of the stream.
+The backward edge is checked against BackendOutputs written by hand, both as the event
+stream the preprocessor yields (one ResponseHead first, one Usage last with the right
+counts, chat choices opening with a ChoiceStart, one finish per choice, interleaved
+choices, logprobs only for delivered tokens) and as what a client sees once the events are
+rendered (:func:`stream_chunks`, with and without ``include_usage``; the non-streamed
+:func:`aggregate_chat` / :func:`aggregate_completion`); against the real Backend and echo
+engine; and as a Hypothesis property: for any split of any outputs, the non-streamed
+response equals the concatenation of the stream.
 """
 
 from __future__ import annotations
@@ -28,21 +32,28 @@ from operators.llm import (
 )
 from operators.openai import (
     ChatTemplate,
+    ChoiceDelta,
+    ChoiceStart,
+    OpenAIEvent,
     OpenAIPreprocessor,
+    ResponseHead,
+    Usage,
     aggregate_chat,
     aggregate_completion,
     parse_chat_request,
     parse_completion_request,
+    stream_chunks,
 )
 from operators.openai.protocol import ChatCompletionRequest, CompletionRequest
 from operators.tokenizer import Tokenizer
-from pipeline import EngineError, InvalidRequest, link
+from pipeline import EngineError, InvalidRequest, link, open_stream
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
 TOKENIZER = Tokenizer.default()
 SYSTEM_DEFAULT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 Chunk = dict[str, Any]
+ChoiceEvent = ChoiceStart | ChoiceDelta
 
 
 def preprocessor(**options: Any) -> OpenAIPreprocessor:
@@ -89,7 +100,8 @@ async def run(
     request: ChatCompletionRequest | CompletionRequest,
     outputs: Sequence[BackendOutput],
     **options: Any,
-) -> list[Chunk]:
+) -> list[OpenAIEvent]:
+    """The events the preprocessor yields for ``request`` when downstream plays ``outputs``."""
     engine = ScriptedEngine(outputs)
     return await collect(link(preprocessor(**options), engine), make_context(request))
 
@@ -98,6 +110,49 @@ def tid(text: str) -> int:
     """The id of a text that is one token."""
     [token_id] = TOKENIZER.encode(text)
     return token_id
+
+
+def prompt_tokens(request: ChatCompletionRequest | CompletionRequest) -> int:
+    """The prompt tokens of ``request``, over all its prompts."""
+    return sum(leg.prompt_tokens for leg in preprocessor().preprocess(request))
+
+
+def check_events(events: list[OpenAIEvent]) -> tuple[ResponseHead, list[ChoiceEvent], Usage]:
+    """The rules the events of every complete response keep: ``(head, choice events, usage)``.
+
+    Exactly one ResponseHead, first; exactly one Usage, last; only choice events between
+    them; a chat choice opens with its only ChoiceStart (completions have none); every
+    choice finishes exactly once, on its last event.
+    """
+    assert len(events) >= 2
+    head, *middle, usage = events
+    assert isinstance(head, ResponseHead)
+    assert isinstance(usage, Usage)
+    body = [event for event in middle if isinstance(event, ChoiceStart | ChoiceDelta)]
+    assert body == middle  # no second head, no second usage
+    chat_response = head.object == "chat.completion.chunk"
+    for index in {event.index for event in body}:
+        mine = choice_events(body, index)
+        starts = [event for event in mine if isinstance(event, ChoiceStart)]
+        if chat_response:
+            assert len(starts) == 1
+            assert isinstance(mine[0], ChoiceStart)
+        else:
+            assert starts == []
+        finishes = [
+            event.finish_reason
+            for event in mine
+            if isinstance(event, ChoiceDelta) and event.finish_reason is not None
+        ]
+        assert len(finishes) == 1
+        last = mine[-1]
+        assert isinstance(last, ChoiceDelta)
+        assert last.finish_reason is not None
+    return head, body, usage
+
+
+def choice_events(events: Sequence[OpenAIEvent], index: int) -> list[ChoiceEvent]:
+    return [e for e in events if isinstance(e, ChoiceStart | ChoiceDelta) and e.index == index]
 
 
 def choices_of(chunks: list[Chunk], index: int) -> list[Chunk]:
@@ -303,21 +358,33 @@ def test_default_max_tokens(
 
 
 async def test_chat_stream_shape() -> None:
-    chunks = await run(
-        chat(stream=True),
+    request = chat(stream=True)
+    events = await run(
+        request,
         [
             out("Hel", delivered=1),
             out("lo", delivered=2),
             out("", tokens=[""], ids=[2], delivered=2, finish="stop"),
         ],
     )
-    ids = {chunk["id"] for chunk in chunks}
-    assert len(ids) == 1
-    assert next(iter(ids)).startswith("chatcmpl-")
+    head, body, usage = check_events(events)
+    assert head.id.startswith("chatcmpl-")
+    assert head.object == "chat.completion.chunk"
+    assert head.model == "m"
+    assert isinstance(head.created, int)
+    assert body == [
+        ChoiceStart(0),
+        ChoiceDelta(0, "Hel"),
+        ChoiceDelta(0, "lo"),
+        ChoiceDelta(0, "", None, "stop"),
+    ]
+    assert usage == Usage(prompt_tokens=prompt_tokens(request), completion_tokens=3)
+    chunks = stream_chunks(events, include_usage=request.include_usage)
+    assert {chunk["id"] for chunk in chunks} == {head.id}
     for chunk in chunks:
         assert chunk["object"] == "chat.completion.chunk"
         assert chunk["model"] == "m"
-        assert isinstance(chunk["created"], int)
+        assert chunk["created"] == head.created
         assert "usage" not in chunk
         assert "stop_reason" not in chunk["choices"][0]
     assert [c["delta"] for c in choices_of(chunks, 0)] == [
@@ -331,7 +398,7 @@ async def test_chat_stream_shape() -> None:
 
 
 async def test_finish_may_ride_with_the_last_text_and_silent_outputs_are_skipped() -> None:
-    chunks = await run(
+    events = await run(
         chat(stream=True),
         [
             out("", tokens=[""], delivered=0),  # first half of a character: nothing to say
@@ -339,6 +406,10 @@ async def test_finish_may_ride_with_the_last_text_and_silent_outputs_are_skipped
             out("!", delivered=3, finish="length"),
         ],
     )
+    _, body, usage = check_events(events)
+    assert body == [ChoiceStart(0), ChoiceDelta(0, "é"), ChoiceDelta(0, "!", None, "length")]
+    assert usage.completion_tokens == 3  # the silent output's token is counted
+    chunks = stream_chunks(events, include_usage=False)
     assert [(c["delta"], c["finish_reason"]) for c in choices_of(chunks, 0)] == [
         ({"role": "assistant", "content": ""}, None),
         ({"content": "é"}, None),
@@ -354,8 +425,14 @@ async def test_n2_interleaved_choices_each_open_and_finish_once() -> None:
         out("y", index=0, delivered=2, finish="length"),
         out("c", index=1, delivered=3, finish="stop"),
     ]
-    chunks = await run(chat(n=2, stream=True), outputs)
+    events = await run(chat(n=2, stream=True), outputs)
+    _, body, usage = check_events(events)
+    assert usage.completion_tokens == 5
+    chunks = stream_chunks(events, include_usage=False)
     for index, text, finish in [(0, "xy", "length"), (1, "abc", "stop")]:
+        mine_events = choice_events(body, index)
+        assert mine_events[0] == ChoiceStart(index)
+        assert "".join(e.text for e in mine_events if isinstance(e, ChoiceDelta)) == text
         mine = choices_of(chunks, index)
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == text
@@ -365,12 +442,18 @@ async def test_n2_interleaved_choices_each_open_and_finish_once() -> None:
 
 
 async def test_outputs_after_a_finish_are_dropped_but_counted() -> None:
-    chunks = await run(
+    events = await run(
         chat(),
         [out("a", delivered=1, finish="stop"), out("b", delivered=2, finish="stop")],
     )
+    _, body, usage = check_events(events)
+    assert body == [ChoiceStart(0), ChoiceDelta(0, "a", None, "stop")]
+    assert usage.completion_tokens == 2
+    chunks = stream_chunks(events, include_usage=False)
     assert [c["finish_reason"] for c in choices_of(chunks, 0)] == [None, "stop"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 2
+    whole = aggregate_chat(events)
+    assert whole["choices"][0]["message"]["content"] == "a"
+    assert whole["usage"]["completion_tokens"] == 2
 
 
 async def test_usage_once_at_the_end_with_include_usage() -> None:
@@ -382,32 +465,69 @@ async def test_usage_once_at_the_end_with_include_usage() -> None:
         out("d", index=1, delivered=2, finish="stop"),
     ]
     request = chat(n=2, stream=True, stream_options={"include_usage": True})
-    chunks = await run(request, outputs)
+    assert request.include_usage
+    events = await run(request, outputs)
+    _, _, usage = check_events(events)
+    assert [event for event in events if isinstance(event, Usage)] == [events[-1]]
+    count = prompt_tokens(request)
+    expected = {"prompt_tokens": count, "completion_tokens": 5, "total_tokens": count + 5}
+    assert usage.as_dict() == expected
+    chunks = stream_chunks(events, include_usage=True)
     usage_chunks = [chunk for chunk in chunks if chunk["usage"] is not None]
     assert usage_chunks == [chunks[-1]]
     assert chunks[-1]["choices"] == []
-    prompt_tokens = len(preprocessor().preprocess(request)[0].token_ids)
-    assert chunks[-1]["usage"] == {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": 5,
-        "total_tokens": prompt_tokens + 5,
-    }
+    assert chunks[-1]["usage"] == expected
     assert all("usage" in chunk for chunk in chunks)  # None on every other chunk, as OpenAI
+    # without include_usage the same events show the same chunks, minus all usage
+    plain = stream_chunks(events, include_usage=False)
+    assert plain == [
+        {key: value for key, value in chunk.items() if key != "usage"} for chunk in chunks[:-1]
+    ]
+    assert aggregate_chat(events)["usage"] == expected
 
 
-async def test_usage_only_when_asked_for_or_not_streaming() -> None:
+async def test_usage_always_ends_the_events_and_shows_only_when_asked_for_or_not_streaming() -> (
+    None
+):
     outputs = [out("a", delivered=1, finish="stop")]
-    streamed = await run(chat(stream=True), outputs)
+    plain_request = chat(stream=True)
+    asked_request = chat(stream=True, stream_options={"include_usage": True})
+    whole_request = chat(stream=False)
+    count = prompt_tokens(plain_request)
+    bodies = []
+    responses = []
+    for request in (plain_request, asked_request, whole_request):
+        events = await run(request, outputs)
+        _, body, usage = check_events(events)
+        assert usage == Usage(prompt_tokens=count, completion_tokens=1)
+        bodies.append(body)
+        responses.append(events)
+    # the event stream is the same however the response will be shown
+    assert bodies[0] == bodies[1] == bodies[2]
+    plain, asked, whole = responses
+    streamed = stream_chunks(plain, include_usage=plain_request.include_usage)
     assert all(chunk["choices"] for chunk in streamed)
-    whole = await run(chat(stream=False), outputs)
-    assert whole[-1]["choices"] == []
-    assert whole[-1]["usage"]["completion_tokens"] == 1
-    assert all("usage" not in chunk for chunk in whole[:-1])
+    assert all("usage" not in chunk for chunk in streamed)
+    shown = stream_chunks(asked, include_usage=asked_request.include_usage)
+    assert shown[-1]["choices"] == []
+    assert shown[-1]["usage"]["completion_tokens"] == 1
+    assert all(chunk["choices"] and chunk["usage"] is None for chunk in shown[:-1])
+    assert aggregate_chat(whole)["usage"] == {
+        "prompt_tokens": count,
+        "completion_tokens": 1,
+        "total_tokens": count + 1,
+    }
 
 
 async def test_prompt_tokens_are_the_users_prompt() -> None:
-    chunks = await run(completion(prompt=[5, 6, 7]), [out("a", delivered=1, finish="stop")])
-    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    events = await run(completion(prompt=[5, 6, 7]), [out("a", delivered=1, finish="stop")])
+    _, _, usage = check_events(events)
+    assert usage == Usage(prompt_tokens=3, completion_tokens=1)
+    assert aggregate_completion(events)["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 1,
+        "total_tokens": 4,
+    }
 
 
 async def test_chat_logprobs_only_for_delivered_tokens() -> None:
@@ -427,20 +547,32 @@ async def test_chat_logprobs_only_for_delivered_tokens() -> None:
             finish="stop",
         ),
     ]
-    chunks = await run(chat(logprobs=True, top_logprobs=1), outputs)
-    mine = choices_of(chunks, 0)
-    entries = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
+    events = await run(chat(logprobs=True, top_logprobs=1), outputs)
+    _, body, usage = check_events(events)
+    assert usage.completion_tokens == 5
+    start, *rest = body
+    assert start == ChoiceStart(0)
+    deltas = [event for event in rest if isinstance(event, ChoiceDelta)]
+    assert deltas == rest
+    assert [(d.text, d.finish_reason) for d in deltas] == [("A", None), (" Sx", None), ("", "stop")]
+    entries = [e for d in deltas if d.logprobs for e in d.logprobs["content"]]
     assert [e["token"] for e in entries] == ["A", " S", "x"]
-    assert [c["delta"].get("content") for c in mine] == ["", "A", " Sx", None]
-    # the withheld " S" arrives with the chunk that releases its text
-    assert [e["token"] for e in mine[2]["logprobs"]["content"]] == [" S", "x"]
+    released = deltas[1].logprobs
+    assert released is not None
+    # the withheld " S" arrives with the delta that releases its text
+    assert [e["token"] for e in released["content"]] == [" S", "x"]
+    assert deltas[2].logprobs is None  # nothing new was delivered with the finish
     first = entries[0]
     assert first["logprob"] == -0.5
     assert first["bytes"] == list(b"A")
     assert first["top_logprobs"] == [{"token": "A", "logprob": -0.5, "bytes": list(b"A")}]
+    assert released["refusal"] is None
+    mine = choices_of(stream_chunks(events, include_usage=False), 0)
+    assert [c["delta"].get("content") for c in mine] == ["", "A", " Sx", None]
+    assert [c["logprobs"] for c in mine] == [None, *(d.logprobs for d in deltas)]
+    assert [e["token"] for e in mine[2]["logprobs"]["content"]] == [" S", "x"]
     assert mine[2]["logprobs"]["refusal"] is None
-    assert chunks[-1]["usage"]["completion_tokens"] == 5
-    whole = aggregate_chat(chunks)
+    whole = aggregate_chat(events)
     assert [e["token"] for e in whole["choices"][0]["logprobs"]["content"]] == ["A", " S", "x"]
 
 
@@ -459,8 +591,13 @@ async def test_logprob_bytes_are_the_tokens_real_bytes() -> None:
             finish_reason="stop",
         )
     ]
-    chunks = await run(chat(logprobs=True, top_logprobs=1), outputs)
-    entries = choices_of(chunks, 0)[1]["logprobs"]["content"]
+    events = await run(chat(logprobs=True, top_logprobs=1), outputs)
+    _, body, _ = check_events(events)
+    delta = body[1]
+    assert isinstance(delta, ChoiceDelta)
+    assert delta.logprobs is not None
+    entries = choices_of(stream_chunks(events, include_usage=False), 0)[1]["logprobs"]["content"]
+    assert entries == delta.logprobs["content"]
     assert [e["token"] for e in entries] == tokens
     assert b"".join(bytes(e["bytes"]) for e in entries) == " 😀".encode()
     assert all(e["bytes"] for e in entries)  # each token reports its own bytes
@@ -475,10 +612,20 @@ async def test_completion_chunks_and_logprobs() -> None:
             " there", tokens=["ere"], ids=[tid("ere")], delivered=3, logprobs=True, finish="length"
         ),
     ]
-    chunks = await run(completion(logprobs=1, stream=True), outputs)
-    assert {chunk["id"] for chunk in chunks} == {chunks[0]["id"]}
-    assert chunks[0]["id"].startswith("cmpl-")
+    request = completion(logprobs=1, stream=True)
+    events = await run(request, outputs)
+    head, body, usage = check_events(events)
+    assert head.id.startswith("cmpl-")
+    assert head.object == "text_completion"
+    assert [(e.text, e.finish_reason) for e in body if isinstance(e, ChoiceDelta)] == [
+        ("Hi", None),
+        (" there", "length"),
+    ]
+    assert usage.completion_tokens == 3
+    chunks = stream_chunks(events, include_usage=request.include_usage)
+    assert {chunk["id"] for chunk in chunks} == {head.id}
     assert all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert all("usage" not in chunk for chunk in chunks)
     mine = choices_of(chunks, 0)
     assert [c["text"] for c in mine] == ["Hi", " there"]
     assert mine[-1]["finish_reason"] == "length"
@@ -492,24 +639,26 @@ async def test_completion_chunks_and_logprobs() -> None:
     }
     assert second["tokens"] == [" th", "ere"]
     assert second["text_offset"] == [2, 5]
-    whole = aggregate_completion(chunks)
+    whole = aggregate_completion(events)
     assert whole["choices"][0]["logprobs"]["text_offset"] == [0, 2, 5]
 
 
 async def test_completion_echo_prefixes_the_prompt() -> None:
-    chunks = await run(
+    events = await run(
         completion(prompt="Say", echo=True, n=2),
         [
             out(" hi", index=0, delivered=1, finish="stop"),
             out("", index=1, delivered=0, finish="stop"),
         ],
     )
-    whole = aggregate_completion(chunks)
+    check_events(events)
+    whole = aggregate_completion(events)
     assert [c["text"] for c in whole["choices"]] == ["Say hi", "Say"]
     ids = await run(
         completion(prompt=TOKENIZER.encode("Say so"), echo=True),
         [out("!", delivered=1, finish="stop")],
     )
+    check_events(ids)
     assert aggregate_completion(ids)["choices"][0]["text"] == "Say so!"
 
 
@@ -521,8 +670,11 @@ async def test_completion_batch_numbers_choices_per_prompt() -> None:
         ]
     )
     request = completion(prompt=[[5], [6, 6]], n=2)
-    chunks = await collect(link(preprocessor(), engine), make_context(request))
-    whole = aggregate_completion(chunks)
+    events = await collect(link(preprocessor(), engine), make_context(request))
+    # one response: one head and one usage over both prompts
+    _, _, usage = check_events(events)
+    assert usage == Usage(prompt_tokens=3, completion_tokens=4)
+    whole = aggregate_completion(events)
     assert [(c["index"], c["text"]) for c in whole["choices"]] == [
         (0, "<5:0>"),
         (1, "<5:1>"),
@@ -539,23 +691,45 @@ async def test_completion_batch_numbers_choices_per_prompt() -> None:
 async def test_downstream_error_propagates_without_a_synthetic_finish() -> None:
     error = EngineError("boom")
     engine = ScriptedEngine([out("a", delivered=1)], then=error)
-    seen: list[Chunk] = []
+    seen: list[OpenAIEvent] = []
     ctx = make_context(chat(stream=True, stream_options={"include_usage": True}))
     with pytest.raises(EngineError) as caught:
-        async for chunk in link(preprocessor(), engine).generate(ctx):
-            seen.append(chunk)
+        async for event in link(preprocessor(), engine).generate(ctx):
+            seen.append(event)
     assert caught.value is error
-    assert [c["finish_reason"] for chunk in seen for c in chunk["choices"]] == [None, None]
-    assert all(chunk["usage"] is None for chunk in seen)
+    head, *rest = seen
+    assert isinstance(head, ResponseHead)
+    assert rest == [ChoiceStart(0), ChoiceDelta(0, "a")]  # no finish, no Usage
+    chunks = stream_chunks(seen, include_usage=True)
+    assert [c["finish_reason"] for chunk in chunks for c in chunk["choices"]] == [None, None]
+    assert all(chunk["usage"] is None for chunk in chunks)
 
 
-async def test_invalid_request_is_raised_before_downstream_is_called() -> None:
+async def test_invalid_request_is_raised_before_anything_is_yielded() -> None:
     engine = ScriptedEngine([out("a", delivered=1)])
+    ctx = make_context(completion(prompt=[1] * 9))
+    seen: list[OpenAIEvent] = []
     with pytest.raises(InvalidRequest):
-        await collect(
-            link(preprocessor(max_model_len=4), engine), make_context(completion(prompt=[1] * 9))
-        )
+        async for event in link(preprocessor(max_model_len=4), engine).generate(ctx):
+            seen.append(event)
+    assert seen == []  # not even a ResponseHead
     assert engine.requests == []
+
+
+async def test_a_consumer_stopping_after_the_first_choice_event_closes_downstream() -> None:
+    # check_operator's early stop comes right after the ResponseHead, which is yielded
+    # before downstream is called; this one stops once downstream is streaming.
+    engine = ScriptedEngine([out("a", delivered=1), out("b", delivered=2)], then="hang")
+    seen: list[OpenAIEvent] = []
+    async with open_stream(link(preprocessor(), engine), make_context(chat(stream=True))) as s:
+        async for event in s:
+            seen.append(event)
+            if isinstance(event, ChoiceDelta):
+                break
+    assert [type(event) for event in seen] == [ResponseHead, ChoiceStart, ChoiceDelta]
+    assert len(engine.requests) == 1
+    assert engine.closed_early
+    assert engine.open_streams == 0
 
 
 @pytest.mark.parametrize(
@@ -599,11 +773,23 @@ async def test_streamed_and_whole_responses_agree_through_the_echo_graph() -> No
         echo_graph(),
         make_context(chat(stream=True, stream_options={"include_usage": True}, **fields)),
     )
-    whole_chunks = await collect(echo_graph(), make_context(chat(**fields)))
+    whole_events = await collect(echo_graph(), make_context(chat(**fields)))
+    check_events(streamed)
+    check_events(whole_events)
     streamed_whole = aggregate_chat(streamed)
-    whole = aggregate_chat(whole_chunks)
+    whole = aggregate_chat(whole_events)
     for key in ("choices", "usage", "model"):
         assert streamed_whole[key] == whole[key]
+    # what the streaming client received adds up to the whole response
+    chunks = stream_chunks(streamed, include_usage=True)
+    assert chunks[-1]["usage"] == whole["usage"]
+    for choice in whole["choices"]:
+        mine = choices_of(chunks, choice["index"])
+        assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
+        assert [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]] == choice[
+            "logprobs"
+        ]["content"]
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [choice["finish_reason"]]
     expected = TOKENIZER.decode(
         [
             i
@@ -630,14 +816,15 @@ async def test_hidden_stop_through_the_backend_counts_swallowed_tokens() -> None
     )
     graph = link(preprocessor(), Backend(TOKENIZER), engine)
     request = completion(prompt="x", stop=[" friend"], logprobs=0)
-    chunks = await collect(graph, make_context(request))
-    whole = aggregate_completion(chunks)
+    events = await collect(graph, make_context(request))
+    _, _, usage = check_events(events)
+    whole = aggregate_completion(events)
     [choice] = whole["choices"]
     assert choice["text"] == "Hello there,"
     assert choice["finish_reason"] == "stop"
     assert "".join(choice["logprobs"]["tokens"]) == "Hello there,"
     swallowed = ids.index(TOKENIZER.encode(" friend")[0]) + 1
-    assert whole["usage"]["completion_tokens"] == swallowed
+    assert whole["usage"]["completion_tokens"] == swallowed == usage.completion_tokens
 
 
 # ------------------------------------------------------------- stream vs aggregate
@@ -705,8 +892,10 @@ async def test_chat_aggregate_is_the_concatenation_of_the_stream(
     request = chat(
         n=n, stream=True, logprobs=True, top_logprobs=top, stream_options={"include_usage": True}
     )
-    chunks = await run(request, outputs)
-    whole = aggregate_chat(chunks)
+    events = await run(request, outputs)
+    head, _, usage = check_events(events)
+    chunks = stream_chunks(events, include_usage=request.include_usage)
+    whole = aggregate_chat(events)
     assert [c["index"] for c in whole["choices"]] == list(range(n))
     for choice in whole["choices"]:
         want = expected[choice["index"]]
@@ -719,12 +908,14 @@ async def test_chat_aggregate_is_the_concatenation_of_the_stream(
         assert choice["message"]["content"] == "".join(c["delta"].get("content", "") for c in mine)
         entries = (choice["logprobs"] or {"content": []})["content"]
         assert [e["token"] for e in entries] == want["delivered"]
+        assert [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]] == entries
         assert all(len(e["top_logprobs"]) == top for e in entries)
         assert choice["finish_reason"] == want["finish"]
     assert chunks[-1]["choices"] == []
     assert [chunk for chunk in chunks if chunk["usage"] is not None] == [chunks[-1]]
+    assert chunks[-1]["usage"] == whole["usage"] == usage.as_dict()
     assert whole["usage"]["completion_tokens"] == sum(w["generated"] for w in expected.values())
-    assert len({chunk["id"] for chunk in chunks}) == 1
+    assert {chunk["id"] for chunk in chunks} == {head.id} == {whole["id"]}
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -733,8 +924,11 @@ async def test_completion_aggregate_is_the_concatenation_of_the_stream(
     script: tuple[int, list[BackendOutput], dict[int, dict[str, Any]]],
 ) -> None:
     n, outputs, expected = script
-    chunks = await run(completion(n=n, logprobs=1), outputs)
-    whole = aggregate_completion(chunks)
+    events = await run(completion(n=n, logprobs=1), outputs)
+    _, _, usage = check_events(events)
+    chunks = stream_chunks(events, include_usage=False)
+    whole = aggregate_completion(events)
+    assert [c["index"] for c in whole["choices"]] == list(range(n))
     for choice in whole["choices"]:
         want = expected[choice["index"]]
         mine = choices_of(chunks, choice["index"])
@@ -742,15 +936,23 @@ async def test_completion_aggregate_is_the_concatenation_of_the_stream(
         assert [c["finish_reason"] for c in mine if c["finish_reason"]] == [want["finish"]]
         logprobs = choice["logprobs"] or {"tokens": [], "text_offset": []}
         assert logprobs["tokens"] == want["delivered"]
+        assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == want[
+            "delivered"
+        ]
         offsets = [
             sum(len(t) for t in want["delivered"][:i]) for i in range(len(want["delivered"]))
         ]
         assert logprobs["text_offset"] == offsets
+    assert whole["usage"] == usage.as_dict()
     assert whole["usage"]["completion_tokens"] == sum(w["generated"] for w in expected.values())
 
 
 def test_aggregating_nothing_is_an_error() -> None:
-    with pytest.raises(ValueError, match="no chunks"):
-        aggregate_chat([])
-    with pytest.raises(ValueError, match="no chunks"):
-        aggregate_completion([])
+    no_head: list[OpenAIEvent] = [Usage(prompt_tokens=1, completion_tokens=1)]
+    for events in ([], no_head):
+        with pytest.raises(ValueError, match="start with a ResponseHead"):
+            aggregate_chat(events)
+        with pytest.raises(ValueError, match="start with a ResponseHead"):
+            aggregate_completion(events)
+        with pytest.raises(ValueError, match="start with a ResponseHead"):
+            stream_chunks(events, include_usage=True)
