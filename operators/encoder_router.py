@@ -104,18 +104,30 @@ class EncoderRouter:
             )
         return None
 
-    async def generate(
+    def generate(
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
     ) -> AsyncIterator[EngineOutput]:
-        """Encode ``ctx``'s images on an encode worker if possible, then serve downstream."""
+        """Encode ``ctx``'s images on an encode worker if possible, then serve downstream.
+
+        A request with nothing to encode gets downstream's own stream: the router adds no
+        hop per token (see :func:`pipeline.link`).
+        """
         if self._should_encode(ctx):
-            result = await self._encode(ctx)
-            if ctx.is_killed:
-                return
-            if result is not None:
-                ctx = ctx.replace(dataclasses.replace(ctx.data, encoder_result=result))
+            return self._encoded(ctx, downstream)
+        return downstream.generate(ctx)
+
+    async def _encoded(
+        self,
+        ctx: Context[PreprocessedRequest],
+        downstream: Engine[PreprocessedRequest, EngineOutput],
+    ) -> AsyncIterator[EngineOutput]:
+        result = await self._encode(ctx)
+        if ctx.is_killed:
+            return
+        if result is not None:
+            ctx = ctx.replace(dataclasses.replace(ctx.data, encoder_result=result))
         async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
             async for output in stream:
                 yield output

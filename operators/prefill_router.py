@@ -131,48 +131,55 @@ class PrefillRouter:
             prefill_result=handle,
         )
 
-    async def generate(
+    def generate(
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
     ) -> AsyncIterator[EngineOutput]:
         """Serve ``ctx`` disaggregated when prefill workers exist, else aggregated.
 
+        An aggregated request gets downstream's own stream: the router adds no hop per
+        token (see :func:`pipeline.link`).
+
         Raises:
             EngineError: the prefill worker returned no token, or no object-shaped
                 transfer handle for a request that needs decoding.
         """
+        if self._disaggregate(ctx.data):
+            return self._disaggregated(ctx, downstream)
+        return downstream.generate(ctx)
+
+    async def _disaggregated(
+        self,
+        ctx: Context[PreprocessedRequest],
+        downstream: Engine[PreprocessedRequest, EngineOutput],
+    ) -> AsyncIterator[EngineOutput]:
         request = ctx.data
-        if self._disaggregate(request):
-            first = await self._prefill(ctx)
-            if first is None:
-                return
-            handle = first.prefill_result
-            first.prefill_result = None
-            # The leg runs with min_tokens=0, so its "stop" ends the request only when the
-            # request allows a stop at its first token.
-            stopped = first.finish_reason == "stop" and request.stop.min_tokens == 0
-            if stopped or request.stop.max_tokens == 1:
-                # The first token ends the request: there is nothing to decode.
-                first.finish_reason = first.finish_reason or "length"
-                yield first
-                return
-            first.finish_reason = None
-            if not isinstance(handle, dict):
-                raise EngineError(
-                    "prefill worker returned no transfer handle (prefill_result is "
-                    f"{type(handle).__name__}, not an object)",
-                    request_id=ctx.id,
-                )
-            # Decode is routed even if the request was stopped meanwhile, so the decode
-            # side can release the transfer; a stopped stream ends at once.
-            ctx = ctx.replace(dataclasses.replace(request, prefill_result=handle))
-            async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
-                yield first
-                async for output in stream:
-                    yield output
+        first = await self._prefill(ctx)
+        if first is None:
             return
+        handle = first.prefill_result
+        first.prefill_result = None
+        # The leg runs with min_tokens=0, so its "stop" ends the request only when the
+        # request allows a stop at its first token.
+        stopped = first.finish_reason == "stop" and request.stop.min_tokens == 0
+        if stopped or request.stop.max_tokens == 1:
+            # The first token ends the request: there is nothing to decode.
+            first.finish_reason = first.finish_reason or "length"
+            yield first
+            return
+        first.finish_reason = None
+        if not isinstance(handle, dict):
+            raise EngineError(
+                "prefill worker returned no transfer handle (prefill_result is "
+                f"{type(handle).__name__}, not an object)",
+                request_id=ctx.id,
+            )
+        # Decode is routed even if the request was stopped meanwhile, so the decode
+        # side can release the transfer; a stopped stream ends at once.
+        ctx = ctx.replace(dataclasses.replace(request, prefill_result=handle))
         async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+            yield first
             async for output in stream:
                 yield output
 

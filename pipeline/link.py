@@ -5,6 +5,7 @@
 only thing a link adds is bookkeeping of the downstream streams an operator opened, so that
 when the caller closes the stream early every generator down to the engine is closed too,
 in order, in the caller's task, even if the operator's author never wrote ``aclosing``.
+An operator that returns downstream's own stream (a passthrough) gets it back unwrapped.
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ class _Linked:
     def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
         downstream = _Downstream(self._downstream)
         stream = _as_stream(self._operator.generate(ctx, downstream), self._operator)
+        opened = downstream.opened
+        if len(opened) == 1 and opened[0] is stream:
+            # The operator handed downstream's stream through: closing it closes all the
+            # operator opened, so there is nothing to record and no hop to add.
+            return stream
         return _LinkedStream(stream, downstream)
 
     def __repr__(self) -> str:

@@ -10,6 +10,11 @@ Both are Protocols: write a plain class whose ``generate`` is an async generator
 class, no decorator, no registration. :func:`pipeline.link` folds operators onto an engine
 and the result is again an Engine, so graphs nest.
 
+An operator with nothing to do for some request may hand downstream's stream straight
+back: write ``generate`` as a plain method that returns ``downstream.generate(ctx)`` for
+those requests and its own async generator for the others. ``link`` then adds nothing per
+item for them (a passthrough router costs no hop per token).
+
 Operators run in the consumer's task: stage N's generator is iterated directly by stage
 N-1, so exceptions, cancellation and context variables flow through unchanged. Never hold a
 task group or cancel scope open across a ``yield``.

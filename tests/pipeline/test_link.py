@@ -244,6 +244,46 @@ async def test_an_operator_that_closes_downstream_itself_is_not_closed_twice() -
     assert engine.saw_close
 
 
+class Sometimes:
+    """Tags requests that start with "tag"; hands every other one downstream's own stream."""
+
+    def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+        if ctx.data.startswith("tag"):
+            return Tag("t").generate(ctx, downstream)
+        return downstream.generate(ctx)
+
+
+async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(10, log)
+    seen: list[AsyncIterator[Any]] = []
+
+    class Spy:
+        def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+            stream = engine.generate(ctx)
+            seen.append(stream)
+            return stream
+
+    graph = link(Sometimes(), Spy())
+    stream = graph.generate(make_context("plain"))
+    assert seen == [stream]  # no wrapper, so no hop per item
+    assert await stream.__anext__() == 0
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert engine.saw_close
+    assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("tag")) == ["a<t"]
+    assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("x")) == ["a"]
+
+
+async def test_an_early_stop_closes_a_chain_with_passthroughs_down_to_the_engine() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(10, log)
+    graph = link(Recorded("a", log), Sometimes(), Recorded("b", log), Sometimes(), engine)
+    await _consume(graph, make_context("plain"), "break", after=2)
+    me = anyio.get_current_task().id
+    assert log == [("a", me), ("b", me), ("engine", me)]
+    assert engine.saw_close
+
+
 async def test_a_stream_closed_before_its_first_item_never_starts_the_engine() -> None:
     engine = ScriptedEngine(["a"])
     async with open_stream(link(Tag("t"), engine), make_context("r")):
