@@ -60,6 +60,7 @@ MAX_BATCH: Final = 32
 MAX_HOLD: Final = 0.005
 
 
+@final
 class Served:
     """One request a worker is serving: its reply inbox, sequence and held outputs."""
 
