@@ -9,17 +9,13 @@ import math
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar, final
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar, final
 
 import anyio
-import nats.errors
 from anyio.abc import TaskStatus
 
-from pipeline.context import Context
-from pipeline.errors import EngineError, StreamDisconnected
-from pipeline.streams import open_stream
-
 from . import _wire
+from ._nats_serving import Served, StreamServer
 from ._wire import (
     DEFAULT_BUCKET,
     DEFAULT_NAMESPACE,
@@ -54,51 +50,14 @@ Out = TypeVar("Out")
 _DEREGISTER_GRACE = 0.1
 
 
-class _Served:
-    """One request a worker is serving."""
-
-    __slots__ = (
-        "beat",
-        "ctx",
-        "gone",
-        "inbox",
-        "kill_early",
-        "reply",
-        "seq",
-        "shutdown",
-        "stop_early",
-    )
-
-    def __init__(self, inbox: str, reply: str) -> None:
-        self.inbox = inbox  # the client's reply inbox: the stream's identity
-        self.reply = reply  # where NATS reports "no responders" on that inbox
-        self.ctx: Context[Any] | None = None
-        self.seq = 0  # frames sent
-        self.beat = 0  # ``seq`` at the previous heartbeat round
-        self.gone = False  # the client no longer reads: send nothing more
-        self.shutdown = False  # cut off by a worker shutdown
-        self.stop_early = False  # stop/kill arrived before the Context existed
-        self.kill_early = False
-
-    def stop(self) -> None:
-        if self.ctx is None:
-            self.stop_early = True
-        else:
-            self.ctx.stop_generating()
-
-    def kill(self) -> None:
-        if self.ctx is None:
-            self.kill_early = True
-        else:
-            self.ctx.kill()
-
-
 class NatsWorkerStatistics(NamedTuple):
     """A snapshot of a worker, from :meth:`NatsWorker.statistics`."""
 
     in_flight: int  #: requests being served now
     requests: int  #: requests accepted since the worker started
     clients_gone: int  #: requests cut short because the client cancelled or vanished
+    messages: int  #: stream messages published (START, DATA, BATCH, END, ERR, HB)
+    outputs: int  #: outputs published (one per DATA, several per BATCH)
 
 
 @final
@@ -137,7 +96,6 @@ class NatsWorker(Generic[In, Out]):
     ) -> None:
         if (nc is None) == (url is None):
             raise ValueError("pass exactly one of nc= (a connected client) or url=")
-        self._engine = engine
         self._nc_given = nc
         self._url = url
         self.model = model
@@ -152,7 +110,9 @@ class NatsWorker(Generic[In, Out]):
         self.control_subject = subjects.control(self.worker_id)
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
-        self._codec: Codec = codec if codec is not None else MsgpackCodec()
+        self._streams: StreamServer[In, Out] = StreamServer(
+            engine, codec if codec is not None else MsgpackCodec(), self.worker_id
+        )
         self._bucket = bucket
         self._key = f"{_wire.escape_token(model)}.{self.role}.{self.worker_id}"
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
@@ -161,12 +121,11 @@ class NatsWorker(Generic[In, Out]):
         self._tg: anyio.abc.TaskGroup | None = None
         self._stopping: anyio.Event | None = None
         self._drained: anyio.Event | None = None
-        self._served: dict[str, _Served] = {}
+        self._served: dict[str, Served] = {}
         self._tokens = itertools.count()
-        self._by_reply: dict[str, _Served] = {}
+        self._by_reply: dict[str, Served] = {}
         self._gone_prefix = ""
         self._requests = 0
-        self._clients_gone = 0
         self._stop_requested = False
         self._deregistered = False
         self._closed_subjects: set[str] = set()
@@ -214,7 +173,9 @@ class NatsWorker(Generic[In, Out]):
         return NatsWorkerStatistics(
             in_flight=len(self._served),
             requests=self._requests,
-            clients_gone=self._clients_gone,
+            clients_gone=self._streams.clients_gone,
+            messages=self._streams.messages,
+            outputs=self._streams.outputs,
         )
 
     @asynccontextmanager
@@ -227,6 +188,7 @@ class NatsWorker(Generic[In, Out]):
             assert self._url is not None
             nc = await connect(self._url, name=f"llm-pipeline worker {self.worker_id}")
         self._nc = nc
+        self._streams.nc = nc
         subscriptions: list[Subscription] = []
         try:
             js = nc.jetstream()
@@ -272,7 +234,14 @@ class NatsWorker(Generic[In, Out]):
             if self._nc_given is None:
                 with anyio.CancelScope(shield=True):
                     await quietly(nc.close)
-            logger.info("worker %s stopped", self.worker_id)
+            stats = self.statistics()
+            logger.info(
+                "worker %s stopped after %d requests: %d outputs in %d messages",
+                self.worker_id,
+                stats.requests,
+                stats.outputs,
+                stats.messages,
+            )
 
     async def _shut_down(
         self, kv: KeyValue | None, requests: list[Subscription], *, graceful: bool
@@ -342,7 +311,7 @@ class NatsWorker(Generic[In, Out]):
             await anyio.sleep(interval)
             for served in list(self._served.values()):
                 if served.ctx is not None and served.seq == served.beat and not served.gone:
-                    await self._send(served, _wire.HB, None)
+                    await self._streams.send(served, _wire.HB, None)
                 served.beat = served.seq
 
     # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
@@ -354,7 +323,7 @@ class NatsWorker(Generic[In, Out]):
                 "worker %s: ignoring a request without a fresh reply inbox", self.worker_id
             )
             return
-        served = _Served(msg.reply, f"{self._gone_prefix}.{next(self._tokens)}")
+        served = Served(msg.reply, f"{self._gone_prefix}.{next(self._tokens)}")
         self._served[served.inbox] = served
         self._by_reply[served.reply] = served
         self._requests += 1
@@ -375,7 +344,7 @@ class NatsWorker(Generic[In, Out]):
         if served is None:
             return
         if op == _wire.KILL:
-            self._client_gone(served)
+            self._streams.client_gone(served)
         elif op == _wire.STOP:
             served.stop()
 
@@ -383,19 +352,13 @@ class NatsWorker(Generic[In, Out]):
         # A frame reached no subscriber: the client's inbox is gone (it crashed or closed).
         served = self._by_reply.get(msg.subject)
         if served is not None and (msg.headers or {}).get("Status") == "503":
-            self._client_gone(served)
-
-    def _client_gone(self, served: _Served) -> None:
-        if not served.gone:
-            served.gone = True
-            self._clients_gone += 1
-            served.kill()
+            self._streams.client_gone(served)
 
     # -- serving one request
 
-    async def _serve_one(self, served: _Served, data: bytes) -> None:
+    async def _serve_one(self, served: Served, data: bytes) -> None:
         try:
-            await self._stream(served, data)
+            await self._streams.serve(served, data)
         except Exception:  # a bug here must not take the other requests down
             logger.exception("worker %s failed serving a request", self.worker_id)
         finally:
@@ -403,72 +366,6 @@ class NatsWorker(Generic[In, Out]):
             del self._by_reply[served.reply]
             if not self._served and self._drained is not None:
                 self._drained.set()
-
-    async def _stream(self, served: _Served, data: bytes) -> None:
-        try:
-            request = self._codec.decode(data)
-            timeout = request["timeout"]
-            ctx = Context.new(
-                request["data"],
-                id=str(request["id"]),
-                metadata=request["metadata"],
-                deadline=None if timeout is None else anyio.current_time() + max(0.0, timeout),
-            )
-        except Exception as exc:
-            undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
-            await self._send(served, _wire.ERR, _wire.error_body(undecodable, ""))
-            return
-        request_id = ctx.id
-        served.ctx = ctx
-        if served.kill_early:
-            ctx.kill()
-        elif served.stop_early:
-            ctx.stop_generating()
-        await self._send(served, _wire.START, self.worker_id)
-        error: Exception | None = None
-        try:
-            async with open_stream(self._engine, ctx) as stream:
-                async for item in stream:
-                    await self._send(served, _wire.DATA, item)
-        except Exception as exc:
-            error = exc
-        if served.gone:
-            return
-        if error is not None:
-            await self._send(served, _wire.ERR, _wire.error_body(error, request_id))
-        elif served.shutdown:
-            lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)
-            await self._send(served, _wire.ERR, _wire.error_body(lost, request_id))
-        elif not ctx.is_killed:  # killed by its deadline: the client gave up at the same time
-            await self._send(served, _wire.END, None)
-
-    async def _send(self, served: _Served, kind: int, body: Any) -> None:
-        """Publish one frame; a client that is gone (or unreachable) gets nothing more.
-
-        Raises:
-            EngineError: when ``body`` cannot be encoded or is too large for NATS.
-        """
-        if served.gone or self._nc is None:
-            return
-        try:
-            data = self._codec.encode([served.seq, kind, body])
-        except Exception as exc:
-            raise EngineError(
-                f"worker {self.worker_id} cannot encode a {type(body).__name__} output: {exc}"
-            ) from exc
-        served.seq += 1
-        try:
-            # The reply subject is how a vanished client is noticed: NATS answers a publish
-            # nobody receives with "no responders" there (see _on_gone).
-            await self._nc.publish(served.inbox, data, reply=served.reply)
-        except nats.errors.MaxPayloadError as exc:
-            served.seq -= 1  # nothing was sent (and nothing else could send meanwhile)
-            raise EngineError(
-                f"a {type(body).__name__} output of {len(data)} bytes is over the NATS limit"
-            ) from exc
-        except nats.errors.Error as exc:
-            logger.warning("worker %s cannot reach its client: %r", self.worker_id, exc)
-            self._client_gone(served)
 
     def __repr__(self) -> str:
         return f"NatsWorker({self.worker_id!r}, model={self.model!r}, role={self.role!r})"

@@ -6,16 +6,23 @@ Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
     {ns}.worker.{worker_id}       requests for one worker (direct routing)
     {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox], [PING, inbox]
 
-Each request is published with a fresh reply inbox; the worker answers on it with frames
-``[seq, kind, body]``, ``seq`` counting from 0 with no gaps::
+A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata", "wire"}``,
+``wire`` being the highest wire version the client reads (absent: 1). Each request is
+published with a fresh reply inbox; the worker answers on it with one frame per message,
+``[seq, kind, body]``, ``seq`` counting the messages from 0 with no gaps::
 
     START  body: the worker id          first frame, sent before the engine runs
     DATA   body: one output
+    BATCH  body: [output, ...]          two or more outputs, in order (wire version 2)
     END    body: None                   the stream finished
     ERR    body: [class name, message, request id, param]
     HB     body: None                   the worker is alive but had nothing to send
 
-A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata"}``.
+Wire version 2 adds BATCH: outputs the engine had ready together share one message
+(a NATS message costs more Python CPU on each side than a token's payload does), and
+the client hands them on one by one, so what the stream yields is the same item
+sequence whichever way the outputs were grouped. A worker sends BATCH only to a client
+whose request says ``"wire": 2`` or more, so either side may be one version behind.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
 __all__ = (
+    "BATCH",
     "DATA",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
@@ -60,6 +68,7 @@ __all__ = (
     "STOP",
     "Subjects",
     "UNKNOWN",
+    "WIRE_VERSION",
     "check_role",
     "check_token",
     "connect",
@@ -86,6 +95,10 @@ DATA: Final = 1
 END: Final = 2
 ERR: Final = 3
 HB: Final = 4
+BATCH: Final = 5
+
+#: the wire version this side speaks (see the module docstring)
+WIRE_VERSION: Final = 2
 
 STOP: Final = "stop"
 KILL: Final = "kill"

@@ -17,8 +17,12 @@ it decodes tagged dataclasses 2.5x faster than JSON, whose decoder has no object
 
 A registered dataclass travels as a tagged map ``{None: tag, field: value, ...}`` (a nil
 key, so it can never collide with a JSON-style dict); fields are matched by name on the
-way back, so a peer one version behind still decodes what it knows. Both codecs are
-stateful buffers: use one from one thread (the event loop's).
+way back, so a peer one version behind still decodes what it knows. A field that holds
+its declared default itself (``value is default``: the ``None`` values and zeros of a
+typical token output) is left out and the receiver's default fills it in, so a
+one-token output of the LLM layer is 2 keys instead of 8 and encodes and decodes in
+about half the time (both sides must declare the same defaults, as they declare the same
+types). Both codecs are stateful buffers: use one from one thread (the event loop's).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import msgpack
 __all__ = ("Codec", "DataclassCodec", "MsgpackCodec")
 
 _TUPLE_TAG = "()"
+#: a registered type: its tag, the getter of its fields, and each field's (name, default)
+_Spec = tuple[str, Callable[[Any], tuple[Any, ...]], tuple[tuple[str, Any], ...]]
 #: builtins whose subclasses (enums, named tuples aside) are sent as the plain value
 _BUILTINS: tuple[type[Any], ...] = (int, float, str, bytes, list, dict)
 
@@ -109,8 +115,7 @@ class DataclassCodec:
         tagged = (
             types.items() if isinstance(types, Mapping) else ((t.__qualname__, t) for t in types)
         )
-        self._by_type: dict[type, tuple[str, Callable[[Any], tuple[Any, ...]], tuple[str, ...]]]
-        self._by_type = {}
+        self._by_type: dict[type, _Spec] = {}
         self._by_tag: dict[str, type] = {}
         for tag, cls in tagged:
             if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
@@ -119,10 +124,13 @@ class DataclassCodec:
                 raise ValueError(
                     f"two types are tagged {tag!r}; pass a mapping of distinct tags to types"
                 )
-            names = tuple(field.name for field in dataclasses.fields(cls) if field.init)
+            sent = [field for field in dataclasses.fields(cls) if field.init]
+            names = tuple(field.name for field in sent)
+            # MISSING (no plain default, or a default_factory) is never a field's value.
+            defaults = tuple(field.default for field in sent)
             # attrgetter of one name returns the value, not a 1-tuple: keep the shape uniform.
             get = operator.attrgetter(*names) if len(names) > 1 else _getter(names)
-            self._by_type[cls] = (tag, get, names)
+            self._by_type[cls] = (tag, get, tuple(zip(names, defaults, strict=True)))
             self._by_tag[tag] = cls
         # strict_types: tuples (and subclasses of builtins) reach _default instead of being
         # packed as plain arrays.
@@ -156,9 +164,11 @@ class DataclassCodec:
     def _default(self, obj: Any) -> Any:
         spec = self._by_type.get(type(obj))
         if spec is not None:
-            tag, get, names = spec
-            fields: dict[Any, Any] = dict(zip(names, get(obj), strict=True))
-            fields[None] = tag
+            tag, get, defaults = spec
+            fields: dict[Any, Any] = {None: tag}
+            for (name, default), value in zip(defaults, get(obj), strict=True):
+                if value is not default:
+                    fields[name] = value
             return fields
         if isinstance(obj, tuple):
             return {None: _TUPLE_TAG, 0: list(obj)}

@@ -10,7 +10,9 @@
 * :func:`serve` / :class:`NatsWorker` expose any Engine: requests arrive on the model's
   queue-group subject (load-balanced) and on the worker's own subject (direct routing);
   each gets its Context rebuilt (id, payload, deadline, metadata) and is streamed back as
-  frames ``[seq, kind, body]`` (START, DATA, END, ERR, HB; see ``_wire``).
+  frames ``[seq, kind, body]`` (START, DATA, BATCH, END, ERR, HB; see ``_wire``). Outputs
+  the engine has ready together share one BATCH message; the worker sends what it holds
+  the moment the engine would wait (see ``_nats_serving``).
 * :class:`RemoteEngine` is the client half, an Engine like any other. Errors raised by the
   remote engine come back as the same :mod:`pipeline.errors` type; transport failures
   become :class:`~pipeline.WorkerLost` (``ConnectFailed`` before the stream started,
@@ -46,7 +48,7 @@ Context's state store does not travel: operators that keep state (the Backend) r
 frontend, in front of the remote engine.
 
 nats-py is asyncio-only; these modules are the one place that knows. Their callbacks only
-hand messages to anyio memory streams or start tasks in the worker's task group, and the
+hand messages to a stream's buffer or start tasks in the worker's task group, and the
 client's idle timer is one event-loop timer per engine (not a task or a cancel scope per
 stream), so nothing outlives its owner and nothing is held across a ``yield``. Needs
 nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -111,3 +112,27 @@ def test_registration_is_checked() -> None:
     codec = DataclassCodec({"eo": EngineOutput})
     assert codec.types == {"eo": EngineOutput}
     assert codec.decode(codec.encode(EngineOutput(token_ids=[1]))) == EngineOutput(token_ids=[1])
+
+
+def test_fields_holding_their_default_are_left_out() -> None:
+    codec = DataclassCodec(LLM_TYPES)
+    output = EngineOutput(token_ids=[7], finish_reason="stop")
+    sent = msgpack.unpackb(codec.encode(output), strict_map_key=False)
+    assert sent == {None: "EngineOutput", "token_ids": [7], "finish_reason": "stop"}
+    assert codec.decode(codec.encode(output)) == output
+
+
+@given(
+    output=st.builds(
+        EngineOutput,
+        token_ids=st.lists(st.integers(0, 2**31)),
+        logprobs=st.none() | st.lists(st.floats(allow_nan=False)),
+        finish_reason=st.sampled_from([None, "stop", "length"]),
+        index=st.integers(0, 3),
+        text=st.none() | st.text(),
+        prefill_result=st.none() | st.dictionaries(st.text(), st.integers(-(2**63), 2**63 - 1)),
+    )
+)
+def test_outputs_round_trip_whichever_fields_hold_defaults(output: EngineOutput) -> None:
+    codec = DataclassCodec(LLM_TYPES)
+    assert codec.decode(codec.encode(output)) == output
