@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol
 from pipeline import Context, Engine, StateKey, WorkerLost
 
 from .llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
-from .stop_jail import StopJail, Stopped
+from .stop_jail import Released, StopJail, Stopped
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -73,10 +73,12 @@ class ChoiceDecoder:
         "_eos",
         "_hidden_ids",
         "_jail",
+        "_jail_active",
         "_max_tokens",
         "_min_tokens",
         "_pending",
         "_released",
+        "_stop_ids",
         "_text_len",
         "_user_ids",
         "_visible_ids",
@@ -97,6 +99,8 @@ class ChoiceDecoder:
         self._eos = frozenset(() if stop.ignore_eos else stop.eos_token_ids)
         self._hidden_ids = self._user_ids | self._eos
         self._visible_ids = frozenset(stop.visible_stop_token_ids) - self._hidden_ids
+        self._stop_ids = self._hidden_ids | self._visible_ids
+        self._jail_active = self._jail.active
         #: tokens generated so far (every id the engine produced for this choice, once)
         self.generated = 0
         #: tokens whose text, or part of it, has been released
@@ -114,6 +118,47 @@ class ChoiceDecoder:
     def step(self, output: EngineOutput) -> BackendOutput:
         """Decode one engine output and apply the stop conditions."""
         ids = output.token_ids
+        if len(ids) == 1 and output.text is None and output.finish_reason is None:
+            # The common case, one token that cannot end the choice by its id or count,
+            # takes a short path: the same state changes as the general one below.
+            token_id = ids[0]
+            generated = self.generated + 1
+            max_tokens = self._max_tokens
+            if (
+                generated > self._min_tokens
+                and token_id not in self._stop_ids
+                and (max_tokens is None or generated < max_tokens)
+            ):
+                piece = self._detok.step(token_id) or ""
+                result = self._jail.push(piece) if self._jail_active else None
+                if result is None or type(result) is not Stopped:
+                    self.generated = generated
+                    pending = self._pending
+                    pending.append(self._text_len)
+                    self._text_len += len(piece)
+                    text = piece if result is None else result.text
+                    released = self._released = self._released + len(text)
+                    while pending and pending[0] < released:
+                        pending.popleft()
+                        self.delivered += 1
+                    return BackendOutput(
+                        token_ids=ids,
+                        tokens=[piece],
+                        text=text,
+                        logprobs=output.logprobs,
+                        top_logprobs=output.top_logprobs,
+                        index=self.index,
+                        delivered_tokens=self.delivered,
+                    )
+                return self._general(output, piece, result)
+        return self._general(output, None, None)
+
+    def _general(
+        self, output: EngineOutput, first_piece: str | None, first_result: Stopped | None
+    ) -> BackendOutput:
+        """Any output: ``first_piece`` and ``first_result`` are the already decoded and
+        jailed first token when the short path found that it completes a stop string."""
+        ids = output.token_ids
         tokens: list[str] = []
         text_parts: list[str] = []
         finish: FinishReason | None = None
@@ -124,7 +169,9 @@ class ChoiceDecoder:
         for position, token_id in enumerate(ids):
             count = position + 1
             self.generated += 1
-            if engine_text is not None:
+            if first_piece is not None and position == 0:
+                piece = first_piece
+            elif engine_text is not None:
                 piece = engine_text if position == 0 else ""
             else:
                 piece = self._detok.step(token_id) or ""
@@ -143,7 +190,10 @@ class ChoiceDecoder:
                 swallow_from = start
                 break
             else:
-                result = self._jail.push(piece)
+                if first_result is not None and position == 0:
+                    result: Released | Stopped = first_result
+                else:
+                    result = self._jail.push(piece)
                 text_parts.append(result.text)
                 self._released += len(result.text)
                 if isinstance(result, Stopped):

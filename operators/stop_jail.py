@@ -232,6 +232,11 @@ class StopJail:
         return self._include
 
     @property
+    def active(self) -> bool:
+        """False when there is no stop string: every push releases its text whole."""
+        return self._active
+
+    @property
     def stopped(self) -> bool:
         """True once `push` has returned `Stopped`."""
         return self._stopped
