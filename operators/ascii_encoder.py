@@ -12,7 +12,8 @@ the tokenizer's own model and remembered::
 It applies only where it is exactly the tokenizer's own result: no normalizer, the
 pre-tokenizer ``ByteLevel(add_prefix_space=False, use_regex=True)``, optionally after
 ``Digits(individual_digits=True)`` (SmolLM2's), a plain BPE model, added tokens without
-``lstrip``/``rstrip``/``single_word``, and nothing added by ``add_special_tokens``.
+``lstrip``/``rstrip``/``single_word`` (``add_special_tokens`` that adds BOS/EOS is left
+to the tokenizer).
 :meth:`AsciiEncoder.for_tokenizer` returns None for any other tokenizer, and
 :meth:`AsciiEncoder.encode` returns None for text that is not ASCII; callers then use the
 tokenizer itself. The tests compare both on random text.
@@ -89,13 +90,23 @@ def _supported(config: dict[str, Any]) -> bool:
 class AsciiEncoder:
     """Token ids of ASCII text, equal to ``tokenizer.encode(text).ids`` (see the module)."""
 
-    __slots__ = ("_added", "_cache", "_digits", "_model", "_split", "_translate")
+    __slots__ = (
+        "_added",
+        "_adds_special",
+        "_cache",
+        "_digits",
+        "_model",
+        "_split",
+        "_translate",
+    )
 
     def __init__(self, inner: Any, config: dict[str, Any]) -> None:
         self._model = inner.model
         self._translate = str.maketrans({chr(b): c for b, c in _byte_to_char().items() if b < 128})
         self._cache: dict[str, tuple[int, ...]] = {}
         self._digits = _isolates_digits(config)
+        #: whether ``add_special_tokens=True`` adds ids (BOS/EOS): those calls are declined
+        self._adds_special = False
         added = {
             True: {t["content"]: t["id"] for t in config.get("added_tokens") or ()},
             False: {
@@ -119,15 +130,21 @@ class AsciiEncoder:
         config = json.loads(inner.to_str())
         if not _supported(config):
             return None
-        probe = "Hi <|x|> 12 there"
-        if inner.encode(probe, add_special_tokens=True).ids != inner.encode(probe).ids:
-            return None  # add_special_tokens adds something: leave those to the tokenizer
-        return cls(inner, config)
+        encoder = cls(inner, config)
+        probe = "Hi 12"
+        plain = inner.encode(probe, add_special_tokens=False).ids
+        encoder._adds_special = inner.encode(probe, add_special_tokens=True).ids != plain
+        return encoder
 
-    def encode(self, text: str, *, parse_special: bool) -> list[int] | None:
-        """The ids of ``text``, or None when it is not ASCII (then ask the tokenizer)."""
-        if not text.isascii():
+    def encode(
+        self, text: str, *, parse_special: bool, add_special_tokens: bool = False
+    ) -> list[int] | None:
+        """The ids of ``text``, or None when it is not ASCII or the tokenizer would add
+        special tokens (then ask the tokenizer)."""
+        if add_special_tokens and self._adds_special:
             return None
+        if type(text) is not str or not text.isascii():
+            return None  # (anything else: the tokenizer answers, or raises its own error)
         ids: list[int] = []
         split = self._split[parse_special]
         if split is None:

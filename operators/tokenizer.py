@@ -33,6 +33,8 @@ from typing import Any, Final
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
+from .ascii_encoder import AsciiEncoder
+
 __all__ = (
     "CONFIG_FILE",
     "IncrementalDecoder",
@@ -53,6 +55,7 @@ CONFIG_FILE: Final = "tokenizer_config.json"
 # leading space of the first token of a text; priming with context that precedes the generated
 # ids makes the first generated token decode exactly as it does inside the full text.
 _PREFILL_IDS: Final = 8
+_UNSET: Final = object()  # a lazily built attribute not built yet
 
 # llama.cpp token types (gguf.TokenType); kept here so that reading them needs no import.
 _TOKEN_TYPE_UNKNOWN: Final = 2
@@ -297,12 +300,13 @@ class IncrementalDecoder:
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids and chat template of its model."""
 
-    __slots__ = ("_inner", "_metadata", "_special_token_ids")
+    __slots__ = ("_ascii", "_inner", "_metadata", "_special_token_ids")
 
     def __init__(
         self, inner: tokenizers.Tokenizer, metadata: TokenizerMetadata | None = None
     ) -> None:
         self._inner = inner
+        self._ascii: AsciiEncoder | object | None = _UNSET
         self._metadata = metadata if metadata is not None else TokenizerMetadata()
         self._special_token_ids = frozenset(
             token_id
@@ -491,6 +495,13 @@ class Tokenizer:
         templates need the default ``True``. ``add_special_tokens`` adds BOS/EOS only if the
         model asks for them (SmolLM2 does not).
         """
+        fast = self._ascii_encoder()
+        if fast is not None:
+            ids = fast.encode(
+                text, parse_special=parse_special, add_special_tokens=add_special_tokens
+            )
+            if ids is not None:
+                return ids
         inner = self._inner
         treat_as_text = not parse_special
         if inner.encode_special_tokens == treat_as_text:
@@ -501,6 +512,12 @@ class Tokenizer:
             return inner.encode(text, add_special_tokens=add_special_tokens).ids
         finally:
             inner.encode_special_tokens = previous
+
+    def _ascii_encoder(self) -> AsciiEncoder | None:
+        """The ASCII fast path for this tokenizer (built on first use), if it applies."""
+        if self._ascii is _UNSET:
+            self._ascii = AsciiEncoder.for_tokenizer(self._inner)
+        return self._ascii  # type: ignore[return-value]
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that do not form a whole character become U+FFFD."""
