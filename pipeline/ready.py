@@ -27,6 +27,7 @@ is never left half-run; then the exception propagates.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
@@ -35,43 +36,40 @@ __all__ = ("next_or_wait",)
 T = TypeVar("T")
 
 
-class _NextOrWait:
-    __slots__ = ("_next", "_on_wait")
-
-    def __init__(self, next_: Awaitable[Any], on_wait: Callable[[], Awaitable[None]]) -> None:
-        self._next = next_
-        self._on_wait = on_wait
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        inner = self._next.__await__()
+@types.coroutine
+def _next_or_wait(
+    next_: Awaitable[Any], on_wait: Callable[[], Awaitable[None]]
+) -> Generator[Any, Any, Any]:
+    # A generator function, not an awaitable class: one object per item instead of two.
+    inner = next_.__await__()
+    try:
+        suspended = inner.send(None)
+    except StopIteration as done:
+        return done.value  # ready: no suspension at all
+    while suspended is None:
+        # A bare yield (asyncio's ``sleep(0)``, anyio's ``checkpoint()``): the producer
+        # gives the loop a turn for fairness but waits for nothing; it is still ready.
         try:
-            suspended = inner.send(None)
-        except StopIteration as done:
-            return done.value  # ready: no suspension at all
-        while suspended is None:
-            # A bare yield (asyncio's ``sleep(0)``, anyio's ``checkpoint()``): the producer
-            # gives the loop a turn for fairness but waits for nothing; it is still ready.
+            sent = yield None
+        except GeneratorExit:
+            inner.close()
+            raise
+        except BaseException as exc:  # cancellation at the producer's checkpoint
             try:
-                sent = yield None
-            except GeneratorExit:
-                inner.close()
-                raise
-            except BaseException as exc:  # cancellation at the producer's checkpoint
-                try:
-                    suspended = inner.throw(exc)
-                except StopIteration as done:
-                    return done.value
-                continue
-            try:
-                suspended = inner.send(sent)
+                suspended = inner.throw(exc)
             except StopIteration as done:
                 return done.value
+            continue
         try:
-            yield from self._on_wait().__await__()
-        except BaseException as exc:
-            yield from _unwind(inner, exc)
-            raise
-        return (yield from _delegate(inner, suspended))
+            suspended = inner.send(sent)
+        except StopIteration as done:
+            return done.value
+    try:
+        yield from on_wait().__await__()
+    except BaseException as exc:
+        yield from _unwind(inner, exc)
+        raise
+    return (yield from _delegate(inner, suspended))
 
 
 def _delegate(inner: Generator[Any, Any, Any], suspended: Any) -> Generator[Any, Any, Any]:
@@ -109,4 +107,4 @@ def _unwind(inner: Generator[Any, Any, Any], exc: BaseException) -> Generator[An
 def next_or_wait(next_: Awaitable[T], on_wait: Callable[[], Awaitable[None]]) -> Awaitable[T]:
     """Await ``next_`` (a stream's ``__anext__()``), running ``on_wait()`` first if it would
     suspend. StopAsyncIteration and the producer's errors propagate unchanged."""
-    return _NextOrWait(next_, on_wait)
+    return _next_or_wait(next_, on_wait)
