@@ -141,14 +141,18 @@ class ChoiceDecoder:
                     while pending and pending[0] < released:
                         pending.popleft()
                         self.delivered += 1
+                    # positional (half the cost): ids, tokens, text, logprobs, top_logprobs,
+                    # finish_reason, stop_reason, index, delivered_tokens
                     return BackendOutput(
-                        token_ids=ids,
-                        tokens=[piece],
-                        text=text,
-                        logprobs=output.logprobs,
-                        top_logprobs=output.top_logprobs,
-                        index=self.index,
-                        delivered_tokens=self.delivered,
+                        ids,
+                        [piece],
+                        text,
+                        output.logprobs,
+                        output.top_logprobs,
+                        None,
+                        None,
+                        self.index,
+                        self.delivered,
                     )
                 return self._general(output, piece, result)
         return self._general(output, None, None)

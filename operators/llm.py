@@ -113,9 +113,13 @@ class PreprocessedRequest:
         return len(self.token_ids) - self.replayed_tokens
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class EngineOutput:
-    """One step of an engine for one choice: usually one token, a burst when speculating."""
+    """One step of an engine for one choice: usually one token, a burst when speculating.
+
+    Not keyword-only, unlike the request types: one is built per token, and a positional
+    call costs half a keyword one. The field order is therefore part of the API.
+    """
 
     token_ids: list[int]
     #: the sampled tokens' logprobs, aligned with ``token_ids`` (when asked for)
@@ -133,9 +137,11 @@ class EngineOutput:
     prefill_result: dict[str, Any] | None = None
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True)
 class BackendOutput:
     """One step of the Backend for one choice: token ids with their text, and what to show.
+
+    Positional construction is allowed for the same reason as :class:`EngineOutput`.
 
     ``token_ids`` is the exact record of what the engine generated in this step (every
     generated id appears in exactly one output), and ``tokens[i]`` is the text of

@@ -183,8 +183,8 @@ class EchoEngine:
                 return
             finish = finish_reason if step == last else None
             if top_k is None:
-                for index in choices:
-                    yield EngineOutput(token_ids=[token_id], finish_reason=finish, index=index)
+                for index in choices:  # (token_ids, logprobs, top_logprobs, finish, index)
+                    yield EngineOutput([token_id], None, None, finish, index)
             else:
                 logprob = echo_logprob(token_id)
                 for index in choices:
