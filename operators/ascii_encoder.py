@@ -25,6 +25,8 @@ import json
 import re
 from typing import Any, Final, final
 
+from .detokenizer import byte_level_alphabet
+
 __all__ = ("AsciiEncoder",)
 
 #: distinct pre-tokens remembered before the cache starts afresh
@@ -38,22 +40,6 @@ _GPT2_ASCII: Final = re.compile(
     rf"|[{_WS}]+(?![^{_WS}])|[{_WS}]+"
 )
 _DIGITS: Final = re.compile(r"([0-9])")
-
-
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: the character each byte is written as in the vocab."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in table:
-            table[byte] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def _isolates_digits(config: dict[str, Any]) -> bool:
@@ -102,7 +88,9 @@ class AsciiEncoder:
 
     def __init__(self, inner: Any, config: dict[str, Any]) -> None:
         self._model = inner.model
-        self._translate = str.maketrans({chr(b): c for b, c in _byte_to_char().items() if b < 128})
+        self._translate = str.maketrans(
+            {chr(byte): char for char, byte in byte_level_alphabet().items() if byte < 128}
+        )
         self._cache: dict[str, tuple[int, ...]] = {}
         self._digits = _isolates_digits(config)
         #: whether ``add_special_tokens=True`` adds ids (BOS/EOS): those calls are declined

@@ -4,8 +4,8 @@ The Backend sits between the request-shaping operators and the engine. Forward i
 the :class:`~operators.llm.PreprocessedRequest` on unchanged; backward it turns each
 :class:`~operators.llm.EngineOutput` into a :class:`~operators.llm.BackendOutput`:
 
-* incremental detokenization (one ``DecodeStream`` per choice), so a character split
-  across tokens arrives whole and never as U+FFFD;
+* incremental detokenization (one :class:`~operators.detokenizer.IncrementalDecoder` per
+  choice), so a character split across tokens arrives whole and never as U+FFFD;
 * stop strings through a :class:`~operators.stop_jail.StopJail` per choice, which
   withholds exactly the text that may still become a hidden stop string;
 * stop token ids (hidden: EOS and the user's; visible), ``min_tokens``, ``max_tokens``.

@@ -13,8 +13,10 @@ for the same GGUF; otherwise prefix caches miss and token counts drift. So:
 * :meth:`Tokenizer.encode` with ``parse_special=False`` treats ``<|im_start|>`` typed by a user
   as plain text, like llama.cpp's ``tokenize(..., special=False)``; rendered chat templates are
   encoded with ``parse_special=True`` (the default) so control tokens become single ids.
-* :class:`IncrementalDecoder` turns generated ids into text one id at a time (the hot path:
-  one call per generated token) without ever emitting half of a multi-byte character.
+* :meth:`Tokenizer.decode_stream` gives an :class:`~operators.detokenizer.IncrementalDecoder`
+  that turns generated ids into text one id at a time (the hot path: one call per generated
+  token) without ever emitting half of a multi-byte character; :mod:`operators.detokenizer`
+  holds the decoders (a dictionary lookup per token for byte-level tokenizers such as ours).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
 from .ascii_encoder import AsciiEncoder
+from .detokenizer import (
+    ByteLevelDecoder,
+    ByteLevelVocabulary,
+    IncrementalDecoder,
+    StreamDecoder,
+    has_byte_level_decoder,
+)
 
 __all__ = (
     "CONFIG_FILE",
@@ -51,10 +60,6 @@ SMOLLM2_GGUF_FILENAME: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TOKENIZER_FILE: Final = "tokenizer.json"
 CONFIG_FILE: Final = "tokenizer_config.json"
 
-# How many trailing prompt ids prime an IncrementalDecoder. Decoders such as Metaspace strip the
-# leading space of the first token of a text; priming with context that precedes the generated
-# ids makes the first generated token decode exactly as it does inside the full text.
-_PREFILL_IDS: Final = 8
 _UNSET: Final = object()  # a lazily built attribute not built yet
 
 # llama.cpp token types (gguf.TokenType); kept here so that reading them needs no import.
@@ -240,67 +245,10 @@ class TokenizerMetadata:
         )
 
 
-class IncrementalDecoder:
-    """Generated ids -> text, one id at a time, never splitting a multi-byte character.
-
-    A thin wrapper over ``tokenizers.decoders.DecodeStream`` (Rust, ~1-2 µs per id). ``step``
-    returns None while the text is incomplete (the first bytes of an emoji or CJK character, or
-    a special token skipped by ``skip_special_tokens``) and otherwise all text completed since
-    the last non-None result. Joining every result, plus :meth:`flush` at the end, equals
-    ``Tokenizer.decode`` of all generated ids.
-    """
-
-    __slots__ = ("_inner", "_pending", "_skip_special_tokens", "_step")
-
-    def __init__(
-        self,
-        inner: tokenizers.Tokenizer,
-        *,
-        skip_special_tokens: bool,
-        prompt_ids: Sequence[int] = (),
-    ) -> None:
-        self._inner = inner
-        self._skip_special_tokens = skip_special_tokens
-        # ids fed since the last non-None result (only touched on the rare None path).
-        self._pending: list[int] = []
-        prefill = list(prompt_ids[-_PREFILL_IDS:])
-        # A prefill that ends inside a character would make DecodeStream re-emit the prompt
-        # (it only adopts a prefix that does not end in U+FFFD); without it the continuation
-        # bytes decode as U+FFFD, exactly as in decode(prompt + generated) minus the prompt.
-        if prefill and inner.decode(prefill, skip_special_tokens=skip_special_tokens).endswith(
-            "\ufffd"
-        ):
-            prefill = []
-        stream = decoders.DecodeStream(ids=prefill or None, skip_special_tokens=skip_special_tokens)
-        self._step = stream.step
-
-    def step(self, token_id: int) -> str | None:
-        """Feed one generated id; the newly completed text, or None if nothing completed."""
-        text = self._step(self._inner, token_id)
-        if text is None:
-            self._pending.append(token_id)
-        elif self._pending:
-            self._pending.clear()
-        return text
-
-    def flush(self) -> str:
-        """Text held back at the end of generation ("" normally; U+FFFD for a cut character).
-
-        Call once when generation stops (e.g. max_tokens reached in the middle of an emoji).
-        The decoder starts afresh afterwards.
-        """
-        if not self._pending:
-            return ""
-        text = self._inner.decode(self._pending, skip_special_tokens=self._skip_special_tokens)
-        self._pending.clear()
-        self._step = decoders.DecodeStream(skip_special_tokens=self._skip_special_tokens).step
-        return text
-
-
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids and chat template of its model."""
 
-    __slots__ = ("_ascii", "_inner", "_metadata", "_special_token_ids")
+    __slots__ = ("_ascii", "_byte_level", "_inner", "_metadata", "_special_token_ids")
 
     def __init__(
         self, inner: tokenizers.Tokenizer, metadata: TokenizerMetadata | None = None
@@ -312,6 +260,16 @@ class Tokenizer:
             token_id
             for token_id, token in inner.get_added_tokens_decoder().items()
             if token.special
+        )
+        # Per skip_special_tokens value (index False/True), filled lazily by the decoders; None
+        # when the decoder is not plain ByteLevel (then DecodeStream does the work).
+        self._byte_level: tuple[ByteLevelVocabulary, ByteLevelVocabulary] | None = (
+            (
+                ByteLevelVocabulary(inner, skip_special_tokens=False),
+                ByteLevelVocabulary(inner, skip_special_tokens=True),
+            )
+            if has_byte_level_decoder(inner)
+            else None
         )
 
     # ----------------------------------------------------------------------------- loading
@@ -529,9 +487,15 @@ class Tokenizer:
         """A fresh :class:`IncrementalDecoder` for one generation.
 
         ``prompt_ids``: the prompt the generated ids continue; its last few ids give the
-        decoder context (only the generated text is returned).
+        decoder context (only the generated text is returned). A byte-level tokenizer gets the
+        fast :class:`~operators.detokenizer.ByteLevelDecoder` (which needs no context), any
+        other one a ``DecodeStream``-backed :class:`~operators.detokenizer.StreamDecoder`; both
+        return the same results.
         """
-        return IncrementalDecoder(
+        byte_level = self._byte_level
+        if byte_level is not None:
+            return ByteLevelDecoder(byte_level[skip_special_tokens])
+        return StreamDecoder(
             self._inner, skip_special_tokens=skip_special_tokens, prompt_ids=prompt_ids
         )
 

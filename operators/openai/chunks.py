@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, Final, Literal, Protocol
 
+from operators.detokenizer import byte_level_alphabet
 from operators.llm import BackendOutput, TopLogprobs
 
 from .events import ChoiceDelta, ChoiceStart, OpenAIEvent, ResponseHead, Usage
@@ -52,23 +53,7 @@ class TokenDecoder(Protocol):
     def id_to_token(self, token_id: int) -> str | None: ...
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: vocabulary character -> the byte it stands for."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {chr(b): b for b in printable}
-    extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            table[chr(256 + extra)] = byte
-            extra += 1
-    return table
-
-
-_BYTE_LEVEL: Final = _byte_level_table()
+_BYTE_LEVEL: Final = byte_level_alphabet()
 
 
 class TokenTexts:
