@@ -42,6 +42,37 @@ _GPT2_ASCII: Final = re.compile(
 _DIGITS: Final = re.compile(r"([0-9])")
 
 
+def _config_of(inner: Any) -> dict[str, Any]:
+    """The parts of the tokenizer's configuration that decide, in ``tokenizer.json`` form.
+
+    Read piece by piece: serialising the whole tokenizer (vocabulary and merges) to JSON
+    and parsing it back takes ~0.15 s, which the first request would wait for.
+    """
+    model = inner.model
+    pre = inner.pre_tokenizer
+    return {
+        "normalizer": None if inner.normalizer is None else {"type": "present"},
+        "pre_tokenizer": None if pre is None else json.loads(pre.__getstate__()),
+        "model": {
+            "type": type(model).__name__,
+            "dropout": getattr(model, "dropout", None),
+            "continuing_subword_prefix": getattr(model, "continuing_subword_prefix", None),
+            "end_of_word_suffix": getattr(model, "end_of_word_suffix", None),
+        },
+        "added_tokens": [
+            {
+                "id": token_id,
+                "content": token.content,
+                "lstrip": token.lstrip,
+                "rstrip": token.rstrip,
+                "single_word": token.single_word,
+                "special": token.special,
+            }
+            for token_id, token in inner.get_added_tokens_decoder().items()
+        ],
+    }
+
+
 def _isolates_digits(config: dict[str, Any]) -> bool:
     pre = config.get("pre_tokenizer") or {}
     return pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 2
@@ -115,7 +146,7 @@ class AsciiEncoder:
     @classmethod
     def for_tokenizer(cls, inner: Any) -> AsciiEncoder | None:
         """An encoder for ``inner`` (a ``tokenizers.Tokenizer``), or None if it does not apply."""
-        config = json.loads(inner.to_str())
+        config = _config_of(inner)
         if not _supported(config):
             return None
         encoder = cls(inner, config)
