@@ -92,7 +92,7 @@ _CLIENT_GONE: Final = 499  # nginx's "client closed request", for the metrics la
 #: a stream writes at the latest when this many rendered events are waiting ...
 _MAX_PENDING: Final = 64
 #: ... or when the oldest of them has waited this long (seconds)
-_MAX_HOLD: Final = 0.05
+_MAX_HOLD: Final = 0.02
 _JSON: Final = (b"content-type", b"application/json")
 _SSE_HEADERS: Final = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
