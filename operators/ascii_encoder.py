@@ -27,7 +27,7 @@ from typing import Any, Final, final
 
 from .detokenizer import byte_level_alphabet
 
-__all__ = ("AsciiEncoder",)
+__all__ = ("AsciiEncoder", "decisive_config")
 
 #: distinct pre-tokens remembered before the cache starts afresh
 _CACHE_SIZE: Final = 100_000
@@ -42,7 +42,7 @@ _GPT2_ASCII: Final = re.compile(
 _DIGITS: Final = re.compile(r"([0-9])")
 
 
-def _config_of(inner: Any) -> dict[str, Any]:
+def decisive_config(inner: Any) -> dict[str, Any]:
     """The parts of the tokenizer's configuration that decide, in ``tokenizer.json`` form.
 
     Read piece by piece: serialising the whole tokenizer (vocabulary and merges) to JSON
@@ -146,7 +146,7 @@ class AsciiEncoder:
     @classmethod
     def for_tokenizer(cls, inner: Any) -> AsciiEncoder | None:
         """An encoder for ``inner`` (a ``tokenizers.Tokenizer``), or None if it does not apply."""
-        config = _config_of(inner)
+        config = decisive_config(inner)
         if not _supported(config):
             return None
         encoder = cls(inner, config)

@@ -300,10 +300,10 @@ class Backend:
     ) -> ChoiceDecoder:
         choice = state.choices.get(index)
         if choice is None:
-            prompt = request.token_ids[: request.prompt_tokens]
+            end = request.prompt_tokens  # (a slice of the end only: prompts can be millions)
             detok = self._tokenizer.decode_stream(
                 skip_special_tokens=request.output.skip_special_tokens,
-                prompt_ids=prompt[-_PROMPT_CONTEXT:],
+                prompt_ids=request.token_ids[max(0, end - _PROMPT_CONTEXT) : end],
             )
             choice = state.choices[index] = ChoiceDecoder(request, detok, index)
         return choice

@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import anyio.from_thread
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 
-from .ascii_encoder import AsciiEncoder
+from .ascii_encoder import AsciiEncoder, decisive_config
 from .detokenizer import (
     ByteLevelDecoder,
     ByteLevelVocabulary,
@@ -43,6 +44,7 @@ from .detokenizer import (
     StreamDecoder,
     has_byte_level_decoder,
 )
+from .long_text import PIECE_CHARS, pieces, splits_safely
 
 __all__ = (
     "CONFIG_FILE",
@@ -248,13 +250,30 @@ class TokenizerMetadata:
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` plus the special ids and chat template of its model."""
 
-    __slots__ = ("_ascii", "_byte_level", "_inner", "_metadata", "_special_token_ids")
+    __slots__ = (
+        "_ascii",
+        "_byte_level",
+        "_inner",
+        "_inners",
+        "_long",
+        "_max_token_chars",
+        "_metadata",
+        "_shared_ids",
+        "_special_token_ids",
+    )
 
     def __init__(
         self, inner: tokenizers.Tokenizer, metadata: TokenizerMetadata | None = None
     ) -> None:
         self._inner = inner
+        # Per encode_special_tokens value: ``inner`` serves its own, a copy made on first use
+        # the other one. (Flipping the flag around a call would race with a worker thread.)
+        self._inners: dict[bool, tokenizers.Tokenizer] = {inner.encode_special_tokens: inner}
         self._ascii: AsciiEncoder | object | None = _UNSET
+        # whether long texts are encoded piece by piece, per add_special_tokens value
+        self._long: tuple[bool, bool] | None = None
+        self._shared_ids: list[int] = []  # one int object per id, for long texts' ids
+        self._max_token_chars = 0
         self._metadata = metadata if metadata is not None else TokenizerMetadata()
         self._special_token_ids = frozenset(
             token_id
@@ -452,7 +471,24 @@ class Tokenizer:
         text (llama.cpp ``special=False``): use it for user-supplied text. Rendered chat
         templates need the default ``True``. ``add_special_tokens`` adds BOS/EOS only if the
         model asks for them (SmolLM2 does not).
+
+        A text longer than :data:`~operators.long_text.PIECE_CHARS` is encoded in pieces
+        (:mod:`operators.long_text`: the same ids, a few ms per piece): from a worker thread
+        (``anyio.to_thread``) that keeps the event loop responsive, and a cancelled caller
+        stops between pieces. Safe to call from several threads at once.
         """
+        if isinstance(text, str) and len(text) > PIECE_CHARS and self._cuts(add_special_tokens):
+            table = self._shared_ids
+            ids: list[int] = []
+            for piece in pieces(text):
+                ids.extend(
+                    map(table.__getitem__, self._encode(piece, add_special_tokens, parse_special))
+                )
+                _cancel_point()
+            return ids
+        return self._encode(text, add_special_tokens, parse_special)
+
+    def _encode(self, text: str, add_special_tokens: bool, parse_special: bool) -> list[int]:
         fast = self._ascii_encoder()
         if fast is not None:
             ids = fast.encode(
@@ -460,16 +496,48 @@ class Tokenizer:
             )
             if ids is not None:
                 return ids
-        inner = self._inner
         treat_as_text = not parse_special
-        if inner.encode_special_tokens == treat_as_text:
-            return inner.encode(text, add_special_tokens=add_special_tokens).ids
-        previous = inner.encode_special_tokens
-        inner.encode_special_tokens = treat_as_text
-        try:
-            return inner.encode(text, add_special_tokens=add_special_tokens).ids
-        finally:
-            inner.encode_special_tokens = previous
+        inner = self._inners.get(treat_as_text)
+        if inner is None:
+            inner = tokenizers.Tokenizer.from_str(self._inner.to_str())
+            inner.encode_special_tokens = treat_as_text
+            self._inners[treat_as_text] = inner
+        return inner.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _cuts(self, add_special_tokens: bool) -> bool:
+        """Whether long texts may be encoded in pieces (decided, and checked, on first use).
+
+        Not when ``add_special_tokens`` adds ids: BOS/EOS would be added to every piece.
+        """
+        if self._long is None:
+            inner = self._inner
+            safe = splits_safely(decisive_config(inner))
+            if safe:  # a check of the rule on this tokenizer: cuts every 16 characters
+                probe = "Cut 12 here, ok. Ça va? x1 y " * 8
+                whole = inner.encode(probe, add_special_tokens=False).ids
+                cut = [
+                    i
+                    for p in pieces(probe, 16)
+                    for i in inner.encode(p, add_special_tokens=False).ids
+                ]
+                safe = whole == cut
+            plain = inner.encode("Hi 12", add_special_tokens=False).ids
+            adds = inner.encode("Hi 12", add_special_tokens=True).ids != plain
+            added = inner.get_added_tokens_decoder()
+            size = max(inner.get_vocab_size(with_added_tokens=True), max(added, default=0) + 1)
+            self._shared_ids = list(range(size))
+            self._long = (safe, safe and not adds)
+        return self._long[add_special_tokens]
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text of N characters has at least
+        ``ceil(N / max_token_chars)`` tokens, so a request can be refused without encoding it.
+        """
+        if not self._max_token_chars:
+            vocab = self._inner.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(map(len, vocab), default=1)
+        return self._max_token_chars
 
     def _ascii_encoder(self) -> AsciiEncoder | None:
         """The ASCII fast path for this tokenizer (built on first use), if it applies."""
@@ -511,6 +579,15 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+
+def _cancel_point() -> None:
+    """Raise the host task's cancellation in an anyio worker thread whose task was cancelled;
+    nothing anywhere else."""
+    try:
+        anyio.from_thread.check_cancelled()
+    except RuntimeError:  # not in an anyio worker thread
+        pass
 
 
 @functools.cache

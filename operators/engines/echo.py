@@ -126,18 +126,19 @@ class EchoEngine:
         replayed = request.replayed_tokens
         prompt = token_ids[: len(token_ids) - replayed] if replayed else token_ids
         special = self._special
-        echo = [token_id for token_id in prompt if token_id not in special]
+        # Filtered lazily, only as far as it is echoed: a prompt can be millions of ids.
+        echo = (token_id for token_id in prompt if token_id not in special)
         # On a migration retry max_tokens is what is left of the original budget.
         budget = request.stop.max_tokens
-        if self._cycle and echo:
-            if budget is None:
-                budget = max(DEFAULT_CYCLE_TOKENS - replayed, 0)
-            ids = itertools.islice(itertools.cycle(echo), replayed, replayed + budget)
-            return ids, budget, "length"
-        rest = len(echo) - replayed
-        if budget is not None and budget <= rest:
-            return iter(echo[replayed : replayed + budget]), budget, "length"
-        return iter(echo[replayed:]), max(rest, 0), "stop"
+        if self._cycle and budget is None:
+            budget = max(DEFAULT_CYCLE_TOKENS - replayed, 0)
+        end = None if budget is None else replayed + budget
+        head = list(itertools.islice(echo, end))
+        if end is not None and len(head) == end:
+            return iter(head[replayed:]), end - replayed, "length"
+        if self._cycle and head and end is not None:  # all of it, short of the budget: repeat
+            return itertools.islice(itertools.cycle(head), replayed, end), end - replayed, "length"
+        return iter(head[replayed:]), max(len(head) - replayed, 0), "stop"
 
     def _top_logprobs(self, token_id: int, logprob: float, k: int) -> TopLogprobs:
         """The sampled token first, then ``k`` deterministic less likely alternatives."""

@@ -30,6 +30,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
+import anyio
+import anyio.to_thread
+
 from operators.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, InvalidRequest, State
 
@@ -37,6 +40,7 @@ from .chat_template import ChatTemplate
 from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
 from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .images import ImagePolicy, ImageRef, load_images
+from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 
 __all__ = (
@@ -114,6 +118,9 @@ class OpenAIPreprocessor:
             )
         )
         self._token_texts = TokenTexts(tokenizer)
+        self._max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
+        #: one large prompt prepared at a time, in a worker thread (created on first use)
+        self._large: anyio.CapacityLimiter | None = None
 
     # ------------------------------------------------------------------ forward edge
 
@@ -146,6 +153,7 @@ class OpenAIPreprocessor:
         return [leg.request for leg in self._legs(request)]
 
     def _legs(self, request: OpenAIRequest) -> list[_Leg]:
+        self._refuse_unfittable(request)
         if isinstance(request, ChatCompletionRequest):
             # The rendered text is encoded with special tokens parsed, because the template's
             # role markers must become control ids. The users' message text is part of that
@@ -215,6 +223,32 @@ class OpenAIPreprocessor:
         )
         return _Leg(preprocessed, echo)
 
+    def _refuse_unfittable(self, request: OpenAIRequest) -> int:
+        """Refuse a prompt that cannot fit the context whatever its token count (without
+        encoding it: :mod:`.prompt_size`); the prompts' total size otherwise."""
+        sizes = prompt_sizes(request)
+        refuse_unfittable(
+            request,
+            sizes,
+            max_model_len=self._max_model_len,
+            max_token_chars=self._max_token_chars,
+        )
+        return sum(size.size for size in sizes)
+
+    async def _prepare(self, request: OpenAIRequest) -> list[_Leg]:
+        """:meth:`_legs`, in a worker thread when the prompts are large.
+
+        Rendering and encoding a large prompt take long enough to stall every other request
+        if done on the event loop; one large request at a time is prepared in a thread (the
+        tokenizer encodes long texts in short pieces, and stops between them once the request
+        is cancelled). Those that cannot fit the context are refused first, on the loop.
+        """
+        if self._refuse_unfittable(request) <= OFF_LOOP_CHARS:
+            return self._legs(request)
+        if self._large is None:
+            self._large = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self._legs, request, limiter=self._large)
+
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab_size = self._vocab_size
         if vocab_size is not None:
@@ -241,7 +275,7 @@ class OpenAIPreprocessor:
             InvalidRequest: see :meth:`preprocess`; downstream errors pass unchanged.
         """
         request = ctx.data
-        legs = self._legs(request)
+        legs = await self._prepare(request)
         model = request.model or self._model_name
         chunks: ChatChunks | CompletionChunks
         if isinstance(request, ChatCompletionRequest):
