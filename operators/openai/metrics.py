@@ -173,6 +173,18 @@ class ServerMetrics:
             ["kind", "outcome"],
             registry=self.registry,
         )
+        self.rejected = Counter(
+            "llm_pipeline_rejected_requests",
+            "Requests refused before reaching the graph, by reason: 'max_inflight' (503, "
+            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.timed_out = Counter(
+            "llm_pipeline_timed_out_requests",
+            "Generation requests killed at their deadline (--request-timeout).",
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         self._request_counters: dict[tuple[str, int], Counter] = {}
 

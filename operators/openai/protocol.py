@@ -9,9 +9,10 @@ chunks as plain dicts, because a pydantic object per token is the cost this proj
 
 :func:`parse_chat_request` and :func:`parse_completion_request` are the one boundary where
 JSON and pydantic errors become :class:`pipeline.InvalidRequest`, with ``param`` naming the
-offending field as a dotted path (``"messages.0.content"``). Fields a client sends that we
-do not know (``extra_body`` extensions of other servers, ``logit_bias``, ``tools``) are
-ignored; ``null`` means "use the default" for every top-level field.
+offending field as a dotted path (``"messages.0.content"``). OpenAI fields the server cannot
+honour (``tools``, ``response_format``, ``logit_bias``...) are refused with a 400 naming them
+(:mod:`.unsupported`); fields we do not know (``extra_body`` extensions of other servers)
+are ignored; ``null`` means "use the default" for every top-level field.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pydantic_core import ErrorDetails, PydanticCustomError
 
 from operators.llm import OutputOptions, SamplingOptions, StopConditions
 from pipeline import InvalidRequest
+
+from .unsupported import refuse_unsupported
 
 __all__ = (
     "MAX_LOGPROBS",
@@ -389,6 +392,7 @@ def _parse(model: type[_M], body: bytes | str | dict[str, Any]) -> _M:
             raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
+    refuse_unsupported(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -3,9 +3,14 @@
 uvicorn (httptools parser) on the running asyncio loop, with this module, not uvicorn,
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
 
-    signal --> app.drain()          new requests get 503, in-flight streams stop gracefully
+    signal --> app.drain()          new requests get 503, in-flight ones run on
            --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
+    drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
     second signal --> force exit
+
+A stream is never ended with a finish reason it did not earn: it either finishes within
+the drain timeout or gets an error event, so a client can tell a cut answer from a whole
+one.
 
 Streams never wait on Nagle's algorithm: uvicorn writes the response head and each event
 in separate ``transport.write`` calls, and uvloop sets TCP_NODELAY on every accepted
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -59,7 +65,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     on_ready: Callable[[str, int], object] = lambda host, port: None,
-    graceful_timeout: int = 30,
+    drain_timeout: float = 30.0,
     handle_signals: bool = True,
     log_level: str = "warning",
 ) -> None:
@@ -67,9 +73,9 @@ async def serve(
 
     ``on_ready(host, port)`` is called once the socket listens, with the real port (so
     ``port=0`` picks a free one). On the first signal the app drains (new requests get
-    503, in-flight streams end gracefully), uvicorn stops accepting and waits up to
-    ``graceful_timeout`` for connections to finish; a second signal forces the exit.
-    Returns normally after a signal-initiated shutdown.
+    503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
+    finish, then :meth:`~.server.OpenAIApp.abort` ends the rest with an error. A second
+    signal forces the exit. Returns normally after a signal-initiated shutdown.
 
     Must run on an asyncio event loop; uvloop is recommended (and sets TCP_NODELAY).
     """
@@ -82,9 +88,20 @@ async def serve(
         lifespan="off",
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=graceful_timeout,
+        # uvicorn's own limit comes after ours, so that it finds nothing left to cut
+        timeout_graceful_shutdown=math.ceil(drain_timeout) + 5,
     )
     server = _Server(config, on_ready)
+
+    async def abort_after_drain() -> None:
+        await anyio.sleep(drain_timeout)
+        if app.inflight:
+            logger.warning(
+                "drain timeout (%g s): ending %d requests still in flight",
+                drain_timeout,
+                app.inflight,
+            )
+            app.abort()
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -92,11 +109,18 @@ async def serve(
             async for signum in signals:
                 if server.should_exit:
                     logger.warning("second %s: forcing the exit", signal.Signals(signum).name)
+                    app.abort()
                     server.force_exit = True
                 else:
-                    logger.info("%s: shutting down", signal.Signals(signum).name)
+                    logger.info(
+                        "%s: shutting down (%d in flight, drain timeout %g s)",
+                        signal.Signals(signum).name,
+                        app.inflight,
+                        drain_timeout,
+                    )
                     app.drain()
                     server.should_exit = True
+                    tg.start_soon(abort_after_drain)
 
     async with anyio.create_task_group() as tg:
         if handle_signals:

@@ -13,8 +13,11 @@ This is the one place where exceptions become HTTP errors, all OpenAI-shaped
 (``{"error": {"message", "type", "param", "code"}}``)::
 
     InvalidRequest (bad JSON, bad UTF-8, bad field)  400 invalid_request_error, param
+    a missing or wrong API key (/v1/*, when set)     401 invalid_request_error, invalid_api_key
     a model other than the served one                404 invalid_request_error, model_not_found
-    CapacityExhausted, WorkerLost, shutting down     503 service_unavailable_error
+    CapacityExhausted, WorkerLost, shutting down,    503 service_unavailable_error
+      max_inflight reached (with Retry-After)
+    past the request's deadline                      504 timeout_error, request_timeout
     EngineError, RequestError                        500 server_error, the error's message
     anything else                                    500 server_error, a generic message (logged)
 
@@ -33,8 +36,10 @@ with a :class:`~.events.Usage` (the server's token count); the renderer writes i
 the client asked for it.
 
 A client that disconnects kills its request down to the engine (``ctx.kill()``), noticed
-by a watcher task waiting on ``http.disconnect``. :meth:`OpenAIApp.drain` stops every
-in-flight request gracefully for shutdown: streams end with a finish reason and ``[DONE]``.
+by a watcher task waiting on ``http.disconnect``. A request's deadline (:mod:`.guard`) is a
+kill too, answered with the timeout error. For shutdown, :meth:`OpenAIApp.drain` refuses
+new requests and lets the in-flight ones finish; :meth:`OpenAIApp.abort` ends what is left
+with an error (a stream never gets a finish reason it did not earn).
 :mod:`operators.openai.runner` serves the app with uvicorn; :mod:`.metrics` has the series.
 """
 
@@ -61,6 +66,7 @@ from pipeline import (
 )
 
 from .events import OpenAIEvent, ResponseHead, Usage, aggregate_chat, aggregate_completion
+from .guard import Guard, timeout_error_body, unauthorized_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .preprocessor import OpenAIRequest
 from .protocol import ChatCompletionRequest, parse_chat_request, parse_completion_request
@@ -117,6 +123,15 @@ def _error_body(
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     )
+
+
+def _endpoint_label(path: str) -> str:
+    """The ``endpoint`` label of a request to ``path`` (unknown paths share one)."""
+    if path == CHAT_COMPLETIONS or path == COMPLETIONS:
+        return path
+    if path == "/v1/models" or path.startswith("/v1/models/"):
+        return "/v1/models"
+    return "other"
 
 
 def _describe_failure(exc: Exception, request_id: str) -> tuple[int, bytes]:
@@ -191,6 +206,8 @@ class OpenAIApp:
             that names none is served).
         metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
         max_body_bytes: larger request bodies get 413.
+        guard: API keys, admission control and deadlines (:class:`~.guard.Guard`; none of
+            them by default).
     """
 
     def __init__(
@@ -200,8 +217,12 @@ class OpenAIApp:
         model_name: str,
         metrics: ServerMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
+        guard: Guard | None = None,
     ) -> None:
         self._graph = graph
+        self._guard = guard if guard is not None else Guard()
+        #: in-flight requests ended by :meth:`abort` (they get a 503 error, not a 499)
+        self._aborted: set[Context[Any]] = set()
         self._model_name = model_name
         self.metrics = metrics if metrics is not None else ServerMetrics()
         self._max_body_bytes = max_body_bytes
@@ -226,10 +247,20 @@ class OpenAIApp:
         return len(self._contexts)
 
     def drain(self) -> None:
-        """Refuse new generation requests (503) and gracefully stop the in-flight ones."""
+        """Refuse new generation requests (503); the in-flight ones run on to their end.
+
+        Shutdown calls this first and, if requests are still running after the drain
+        timeout, :meth:`abort`: a stream is never cut short with a finish it did not earn.
+        """
         self._draining = True
+
+    def abort(self) -> None:
+        """End every in-flight generation request now, down to the engine: a stream ends
+        with an error event (503 ``service_unavailable_error``) and no ``[DONE]``, a
+        non-streamed request gets a 503 body."""
         for ctx in list(self._contexts):
-            ctx.stop_generating()
+            self._aborted.add(ctx)
+            ctx.kill()
 
     # ------------------------------------------------------------------------ dispatch
 
@@ -242,9 +273,18 @@ class OpenAIApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        if self._guard.requires_key and path.startswith("/v1/"):
+            allowed, presented = self._guard.check_key(scope)
+            if not allowed:
+                await _send_json(
+                    send, 401, unauthorized_body(presented), ((b"www-authenticate", b"Bearer"),)
+                )
+                self.metrics.rejected.labels("invalid_api_key").inc()
+                self.metrics.count_request(_endpoint_label(path), 401)
+                return
         if path == CHAT_COMPLETIONS or path == COMPLETIONS:
             if method == "POST":
-                await self._generate(path, receive, send)
+                await self._generate(path, scope, receive, send)
                 return
             status = await self._method_not_allowed(send, path, "POST")
         elif method not in ("GET", "HEAD") and (
@@ -311,20 +351,20 @@ class OpenAIApp:
 
     # ---------------------------------------------------------------------- generation
 
-    async def _generate(self, endpoint: str, receive: Receive, send: Send) -> None:
+    async def _generate(self, endpoint: str, scope: Scope, receive: Receive, send: Send) -> None:
         started = perf_counter()
         metrics = self.metrics
         metrics.inflight.inc()
         status = 500
         try:
-            status = await self._serve_generation(endpoint, receive, send, started)
+            status = await self._serve_generation(endpoint, scope, receive, send, started)
         finally:
             metrics.inflight.dec()
             metrics.count_request(endpoint, status)
             metrics.request_duration.observe(perf_counter() - started)
 
     async def _serve_generation(
-        self, endpoint: str, receive: Receive, send: Send, started: float
+        self, endpoint: str, scope: Scope, receive: Receive, send: Send, started: float
     ) -> int:
         try:
             body = await _read_body(receive, self._max_body_bytes)
@@ -351,8 +391,21 @@ class OpenAIApp:
         if self._draining:
             body = _error_body("The server is shutting down.", "service_unavailable_error")
             await _send_json(send, 503, body)
+            self.metrics.rejected.labels("draining").inc()
             return 503
-        ctx = Context.new(request)
+        limit = self._guard.max_inflight
+        if limit is not None and len(self._contexts) >= limit:
+            body = _error_body(
+                f"The server is at its limit of {limit} requests in flight; retry shortly.",
+                "service_unavailable_error",
+            )
+            await _send_json(send, 503, body, ((b"retry-after", b"1"),))
+            self.metrics.rejected.labels("max_inflight").inc()
+            return 503
+        time_limit = self._guard.timeout_for(scope, stream=request.stream)
+        ctx = Context.new(
+            request, deadline=None if time_limit is None else anyio.current_time() + time_limit
+        )
         self._contexts.add(ctx)
         status = _CLIENT_GONE
         failed: BaseException | None = None
@@ -361,33 +414,52 @@ class OpenAIApp:
                 watcher.start_soon(_kill_on_disconnect, receive, ctx)
                 try:
                     if request.stream:
-                        status = await self._stream(ctx, send, started, request.include_usage)
+                        status = await self._stream(
+                            ctx, send, started, request.include_usage, time_limit
+                        )
                     else:
-                        status = await self._complete(ctx, send)
+                        status = await self._complete(ctx, send, time_limit)
                 except _WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
                     watcher.cancel_scope.cancel()
         finally:
             self._contexts.discard(ctx)
+            self._aborted.discard(ctx)
         if failed is not None:
             raise failed
         return status
 
-    async def _complete(self, ctx: Context[OpenAIRequest], send: Send) -> int:
+    def _ended_by_server(
+        self, ctx: Context[Any], time_limit: float | None
+    ) -> tuple[int, bytes] | None:
+        """Why a killed request was killed, if the server did it: (status, error body);
+        None when the client went away."""
+        if ctx in self._aborted:
+            message = "The server shut down before the request finished."
+            return 503, _error_body(message, "service_unavailable_error")
+        deadline = ctx.deadline
+        if time_limit is not None and deadline is not None and anyio.current_time() >= deadline:
+            self.metrics.timed_out.inc()
+            return 504, timeout_error_body(time_limit)
+        return None
+
+    async def _complete(
+        self, ctx: Context[OpenAIRequest], send: Send, time_limit: float | None
+    ) -> int:
         """Run the graph to the end and send the aggregated response as one JSON body."""
         try:
             async with open_stream(self._graph, ctx) as stream:
                 events = [event async for event in stream]
             if ctx.is_killed:
-                return _CLIENT_GONE
+                return await self._send_kill(ctx, send, time_limit)
             if isinstance(ctx.data, ChatCompletionRequest):
                 response = aggregate_chat(events)
             else:
                 response = aggregate_completion(events)
         except Exception as exc:
             if ctx.is_killed:
-                return _CLIENT_GONE
+                return await self._send_kill(ctx, send, time_limit)
             status, body = _describe_failure(exc, ctx.id)
             await _send_json(send, status, body)
             return status
@@ -397,8 +469,21 @@ class OpenAIApp:
         await _send_json(send, 200, orjson.dumps(response))
         return 200
 
+    async def _send_kill(self, ctx: Context[Any], send: Send, time_limit: float | None) -> int:
+        ended = self._ended_by_server(ctx, time_limit)
+        if ended is None:
+            return _CLIENT_GONE
+        status, body = ended
+        await _send_json(send, status, body)
+        return status
+
     async def _stream(
-        self, ctx: Context[OpenAIRequest], send: Send, started: float, include_usage: bool
+        self,
+        ctx: Context[OpenAIRequest],
+        send: Send,
+        started: float,
+        include_usage: bool,
+        time_limit: float | None,
     ) -> int:
         """Stream the graph's events as server-sent events, coalescing ready ones.
 
@@ -409,6 +494,7 @@ class OpenAIApp:
         holds :data:`_MAX_PENDING` events or its oldest is :data:`_MAX_HOLD` seconds old,
         and at the end. A failed write is the connection's problem, not the graph's: it
         propagates (the stream is closed on the way out) instead of becoming an error event.
+        A request the server killed (its deadline, :meth:`abort`) ends with an error event.
         """
         metrics = self.metrics
         pending: list[bytes] = []
@@ -430,6 +516,18 @@ class OpenAIApp:
             if last_write:
                 observe_gap(now - last_write)
             last_write = now
+
+        async def end_killed() -> int:
+            ended = self._ended_by_server(ctx, time_limit)
+            if ended is None:
+                return _CLIENT_GONE
+            status, body = ended
+            if not committed:
+                await _send_json(send, status, body)
+                return status
+            pending.append(b"data: " + body + b"\n\n")
+            await write(more_body=False)
+            return status
 
         try:
             async with open_stream(self._graph, ctx) as stream:
@@ -472,7 +570,7 @@ class OpenAIApp:
                             await write()
                             metrics.time_to_first_token.observe(last_write - started)
             if ctx.is_killed:
-                return _CLIENT_GONE
+                return await end_killed()
             if not committed:
                 try:
                     await send(self._stream_start(ctx))
@@ -487,7 +585,7 @@ class OpenAIApp:
             raise
         except Exception as exc:
             if ctx.is_killed:
-                return _CLIENT_GONE
+                return await end_killed()
             status, body = _describe_failure(exc, ctx.id)
             if not committed:
                 await _send_json(send, status, body)

@@ -74,6 +74,10 @@ async def test_data_urls_become_multimodal_items_in_order_and_stay_out_of_the_te
         ("ftp://example.com/x.png", "unsupported image URL scheme"),
         ("http://169.254.169.254/latest/meta-data", "not accepted from host '169.254.169.254'"),
         ("https://example.com/cat.png", "--allowed-image-hosts"),
+        ("http://[::1", "malformed image URL"),
+        ("https://[]/", "malformed image URL"),
+        ("http://\u2100.com/", "malformed image URL"),
+        ("https://[::1]:99999/x.png", "not accepted from host"),
     ],
 )
 async def test_bad_images_are_400s_naming_the_part(url: str, message: str) -> None:

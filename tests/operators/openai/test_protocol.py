@@ -185,8 +185,12 @@ def test_bytes_str_and_dict_bodies_parse_alike() -> None:
 def test_unknown_fields_are_ignored_and_null_means_default() -> None:
     request = parse_chat_request(
         chat(
-            logit_bias={"1": 5},
-            tools=[{"type": "function"}],
+            logit_bias={},
+            tools=[],
+            tool_choice="none",
+            response_format={"type": "text"},
+            user="u",
+            metadata={"k": "v"},
             frobnicate=True,
             n=None,
             stream=None,
@@ -346,3 +350,34 @@ def test_models_can_be_built_in_python() -> None:
     request = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])  # type: ignore[list-item]
     assert request.messages[0].content == "x"
     assert CompletionRequest(prompt=[1, 2]).prompts == [[1, 2]]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", {"name": "f"}),
+        ("logit_bias", {"1": 5}),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("modalities", ["text", "audio"]),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("web_search_options", {"search_context_size": "low"}),
+        ("best_of", 3),
+        ("reasoning_effort", "high"),
+    ],
+)
+@pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request])
+def test_fields_the_server_cannot_honour_are_refused_by_name(
+    field: str, value: Any, parse: Any
+) -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+    body[field] = value
+    with pytest.raises(InvalidRequest) as caught:
+        parse(body)
+    assert caught.value.param == field
+    assert "not supported" in caught.value.message or "only" in caught.value.message

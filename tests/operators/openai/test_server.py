@@ -456,27 +456,62 @@ async def test_a_lost_worker_is_invisible_to_the_client(slow_server: ServerProce
     assert await metric(url, "llm_pipeline_migrations_total", retried) == before + 1
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_a_signal_during_a_stream_exits_cleanly(signum: signal.Signals) -> None:
-    process = ServerProcess(
-        "--echo-delay-ms", "20", "--echo-cycle", "--tokenizer", str(SMOLLM2_DIR),
-        "--model-name", "custom",
-    )  # fmt: skip
-    try:
-        assert process.model == "custom"
-        body = {"model": "custom", "prompt": "again", "stream": True, "max_tokens": 10_000}
-        events: list[Any] = []
-        async with (
-            httpx.AsyncClient(base_url=process.base_url, timeout=10) as http,
-            http.stream("POST", "/completions", json=body) as response,
-        ):
+async def _stream_until_signal(
+    process: ServerProcess, signum: signal.Signals, max_tokens: int
+) -> tuple[int, list[Any]]:
+    """Stream a completion from ``process``, signal it after the third event, read on."""
+    body = {"model": "custom", "prompt": "again", "stream": True, "max_tokens": max_tokens}
+    events: list[Any] = []
+    code = -1
+    async with (
+        httpx.AsyncClient(base_url=process.base_url, timeout=30) as http,
+        http.stream("POST", "/completions", json=body) as response,
+    ):
+        async with anyio.create_task_group() as tg:
             async for event in iter_events(response):
                 events.append(event)
                 if len(events) == 3:
-                    code = await anyio.to_thread.run_sync(process.terminate, signum)
+
+                    async def terminate() -> None:
+                        nonlocal code
+                        code = await anyio.to_thread.run_sync(process.terminate, signum)
+
+                    tg.start_soon(terminate)
+    return code, events
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_signal_lets_a_stream_finish_within_the_drain_timeout(
+    signum: signal.Signals,
+) -> None:
+    process = ServerProcess(
+        "--echo-delay-ms", "20", "--echo-cycle", "--tokenizer", str(SMOLLM2_DIR),
+        "--model-name", "custom", "--drain-timeout", "20",
+    )  # fmt: skip
+    try:
+        assert process.model == "custom"
+        code, events = await _stream_until_signal(process, signum, max_tokens=40)
         assert code == 0
         assert events[-1] == "[DONE]"
-        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # earned: 40 tokens
+        assert sum(len(e["choices"][0]["text"]) > 0 for e in events[:-1]) == 40
+        assert "Traceback" not in process.stderr()
+    finally:
+        process.stop()
+
+
+async def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error() -> None:
+    process = ServerProcess(
+        "--echo-delay-ms", "20", "--echo-cycle", "--tokenizer", str(SMOLLM2_DIR),
+        "--model-name", "custom", "--drain-timeout", "0.3",
+    )  # fmt: skip
+    try:
+        code, events = await _stream_until_signal(process, signal.SIGTERM, max_tokens=10_000)
+        assert code == 0
+        assert "[DONE]" not in events
+        assert_error(events[-1])
+        assert events[-1]["error"]["type"] == "service_unavailable_error"
+        assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
         assert "Traceback" not in process.stderr()
     finally:
         process.stop()
