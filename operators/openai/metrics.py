@@ -180,6 +180,8 @@ class ServerMetrics:
             ["reason"],
             registry=self.registry,
         )
+        for reason in ("max_inflight", "draining", "invalid_api_key"):
+            self.rejected.labels(reason)  # shown at 0 before the first rejection
         self.timed_out = Counter(
             "llm_pipeline_timed_out_requests",
             "Generation requests killed at their deadline (--request-timeout).",
