@@ -146,10 +146,14 @@ class _Chunks:
         model: str,
         logprobs: int | None,
         texts: TokenTexts,
+        request_id: str | None = None,
     ) -> None:
         #: the response's constant part, the first event of its stream
         self.head = ResponseHead(
-            id=f"{id_prefix}-{uuid.uuid4().hex}", object=obj, created=int(time.time()), model=model
+            id=f"{id_prefix}-{request_id or uuid.uuid4().hex}",
+            object=obj,
+            created=int(time.time()),
+            model=model,
         )
         self._logprobs = logprobs
         self._texts = texts
@@ -187,13 +191,21 @@ class ChatChunks(_Chunks):
 
     __slots__ = ()
 
-    def __init__(self, *, model: str, logprobs: int | None, texts: TokenTexts) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        logprobs: int | None,
+        texts: TokenTexts,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(
             id_prefix="chatcmpl",
             obj="chat.completion.chunk",
             model=model,
             logprobs=logprobs,
             texts=texts,
+            request_id=request_id,
         )
 
     def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
@@ -250,13 +262,21 @@ class CompletionChunks(_Chunks):
 
     __slots__ = ()
 
-    def __init__(self, *, model: str, logprobs: int | None, texts: TokenTexts) -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        logprobs: int | None,
+        texts: TokenTexts,
+        request_id: str | None = None,
+    ) -> None:
         super().__init__(
             id_prefix="cmpl",
             obj="text_completion",
             model=model,
             logprobs=logprobs,
             texts=texts,
+            request_id=request_id,
         )
 
     def feed(self, output: BackendOutput) -> list[OpenAIEvent]:

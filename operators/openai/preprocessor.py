@@ -280,11 +280,17 @@ class OpenAIPreprocessor:
         chunks: ChatChunks | CompletionChunks
         if isinstance(request, ChatCompletionRequest):
             chunks = ChatChunks(
-                model=model, logprobs=request.logprobs_count, texts=self._token_texts
+                model=model,
+                logprobs=request.logprobs_count,
+                texts=self._token_texts,
+                request_id=ctx.id,
             )
         else:
             chunks = CompletionChunks(
-                model=model, logprobs=request.logprobs_count, texts=self._token_texts
+                model=model,
+                logprobs=request.logprobs_count,
+                texts=self._token_texts,
+                request_id=ctx.id,
             )
         n = request.n
         for leg in legs:

@@ -46,6 +46,7 @@ with an error (a stream never gets a finish reason it did not earn).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from time import perf_counter
@@ -106,6 +107,10 @@ _SSE_HEADERS: Final = (
     (b"x-accel-buffering", b"no"),
 )
 _GET_PATHS: Final = frozenset({"/v1/models", "/health", "/metrics"})
+#: what a client's ``x-request-id`` may look like (it becomes the request's id)
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+#: request headers kept out of ``ctx.metadata`` (secrets)
+_PRIVATE_HEADERS: Final = frozenset({"authorization", "cookie", "proxy-authorization"})
 _INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
 
 
@@ -123,6 +128,27 @@ def _error_body(
     return orjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     )
+
+
+def _request_identity(scope: Scope) -> tuple[str | None, dict[str, str]]:
+    """The client's ``x-request-id`` (None if it sent none) and the headers for
+    ``ctx.metadata`` (lower-case names; credentials left out).
+
+    Raises:
+        InvalidRequest: an ``x-request-id`` that is not 1-128 of ``A-Za-z0-9._:-``.
+    """
+    metadata: dict[str, str] = {}
+    for raw_name, raw_value in scope.get("headers", ()):
+        name = raw_name.decode("latin-1").lower()
+        if name not in _PRIVATE_HEADERS:
+            metadata[name] = raw_value.decode("latin-1")
+    request_id = metadata.get("x-request-id")
+    if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest(
+            "the x-request-id header must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
+            param="x-request-id",
+        )
+    return request_id, metadata
 
 
 def _endpoint_label(path: str) -> str:
@@ -402,9 +428,24 @@ class OpenAIApp:
             await _send_json(send, 503, body, ((b"retry-after", b"1"),))
             self.metrics.rejected.labels("max_inflight").inc()
             return 503
+        try:
+            request_id, metadata = _request_identity(scope)
+            if request_id is not None and any(c.id == request_id for c in self._contexts):
+                raise InvalidRequest(
+                    f"a request with x-request-id {request_id!r} is already in flight",
+                    param="x-request-id",
+                )
+        except InvalidRequest as exc:
+            await _send_json(
+                send, 400, _error_body(exc.message, "invalid_request_error", param=exc.param)
+            )
+            return 400
         time_limit = self._guard.timeout_for(scope, stream=request.stream)
         ctx = Context.new(
-            request, deadline=None if time_limit is None else anyio.current_time() + time_limit
+            request,
+            id=request_id,
+            metadata=metadata,
+            deadline=None if time_limit is None else anyio.current_time() + time_limit,
         )
         self._contexts.add(ctx)
         status = _CLIENT_GONE
@@ -461,12 +502,12 @@ class OpenAIApp:
             if ctx.is_killed:
                 return await self._send_kill(ctx, send, time_limit)
             status, body = _describe_failure(exc, ctx.id)
-            await _send_json(send, status, body)
+            await _send_json(send, status, body, _id_header(ctx))
             return status
         usage = response["usage"]
         if usage is not None:
             self.metrics.output_tokens.inc(usage["completion_tokens"])
-        await _send_json(send, 200, orjson.dumps(response))
+        await _send_json(send, 200, orjson.dumps(response), _id_header(ctx))
         return 200
 
     async def _send_kill(self, ctx: Context[Any], send: Send, time_limit: float | None) -> int:
@@ -474,7 +515,7 @@ class OpenAIApp:
         if ended is None:
             return _CLIENT_GONE
         status, body = ended
-        await _send_json(send, status, body)
+        await _send_json(send, status, body, _id_header(ctx))
         return status
 
     async def _stream(
@@ -523,7 +564,7 @@ class OpenAIApp:
                 return _CLIENT_GONE
             status, body = ended
             if not committed:
-                await _send_json(send, status, body)
+                await _send_json(send, status, body, _id_header(ctx))
                 return status
             pending.append(b"data: " + body + b"\n\n")
             await write(more_body=False)
@@ -588,7 +629,7 @@ class OpenAIApp:
                 return await end_killed()
             status, body = _describe_failure(exc, ctx.id)
             if not committed:
-                await _send_json(send, status, body)
+                await _send_json(send, status, body, _id_header(ctx))
                 return status
             pending.append(b"data: " + body + b"\n\n")
             await write(more_body=False)
@@ -602,5 +643,9 @@ class OpenAIApp:
         return {
             "type": "http.response.start",
             "status": 200,
-            "headers": [*_SSE_HEADERS, (b"x-request-id", ctx.id.encode())],
+            "headers": [*_SSE_HEADERS, *_id_header(ctx)],
         }
+
+
+def _id_header(ctx: Context[Any]) -> tuple[tuple[bytes, bytes]]:
+    return ((b"x-request-id", ctx.id.encode()),)
