@@ -6,6 +6,8 @@
 - :mod:`operators.backend`, :mod:`operators.migration` — the token Backend and Migration.
 - :mod:`operators.openai` — the OpenAI protocol, preprocessor and HTTP server.
 - :mod:`operators.engines` — built-in engines (echo, mocker, llama.cpp).
+- :mod:`operators.serving` — ``build_app`` and ``serve``: a graph as an OpenAI server.
+- :mod:`operators.testing` — ``openai_client``: the official client, in-process.
 """
 
 from __future__ import annotations

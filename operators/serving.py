@@ -1,0 +1,60 @@
+"""Serving a graph from Python: :func:`build_app` and :func:`serve`, the CLI's own path.
+
+``llm-pipeline serve`` is this module plus argument parsing. From Python::
+
+    from operators.serving import build_app, serve
+    from operators.engines import EchoEngine
+    from operators.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.default()
+    app = build_app(EchoEngine.from_tokenizer(tokenizer), tokenizer, model_name="echo")
+    anyio.run(serve, app)                      # until SIGINT/SIGTERM (drains, exit code 0)
+
+:func:`build_app` puts the default graph (:func:`operators.graph.default_graph`) in front of
+an engine, names the model once, and wires the metrics (migrations included) into
+``app.metrics``. :func:`serve` runs it with uvicorn on the current event loop; to stop it
+from Python, cancel the task running it (``serve(..., handle_signals=False)`` inside a task
+group whose scope you cancel) — in-flight requests are cut, as with a second signal. To test
+an app without a socket, :func:`operators.testing.openai_client` gives the official
+``openai.AsyncOpenAI`` client talking to it in-process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .graph import default_graph
+from .openai.guard import Guard
+from .openai.metrics import ServerMetrics
+from .openai.runner import serve
+from .openai.server import OpenAIApp
+
+if TYPE_CHECKING:
+    from pipeline import Engine
+
+    from .llm import EngineOutput, PreprocessedRequest
+    from .tokenizer import Tokenizer
+
+__all__ = ("build_app", "serve")
+
+
+def build_app(
+    engine: Engine[PreprocessedRequest, EngineOutput],
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    guard: Guard | None = None,
+    metrics: ServerMetrics | None = None,
+    **graph_options: Any,
+) -> OpenAIApp:
+    """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
+
+    ``graph_options`` go to :func:`~operators.graph.default_graph` (``max_model_len``,
+    ``default_max_tokens``, ``chat_template``, ``migration_limit``, worker sets...);
+    ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
+    ``app.metrics`` unless ``on_migration`` is given.
+    """
+    metrics = metrics if metrics is not None else ServerMetrics()
+    graph_options.setdefault("on_migration", metrics.count_migration)
+    graph = default_graph(engine, tokenizer, model_name=model_name, **graph_options)
+    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard)
