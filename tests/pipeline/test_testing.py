@@ -348,11 +348,13 @@ async def test_check_operator_gives_up_on_an_operator_that_hangs() -> None:
         await check_operator(Hangs, "req", ["a"], time_limit=0.1)
 
 
-async def test_check_operator_works_on_function_engines_behind_the_operator() -> None:
-    # check_operator drives the operator through link(); a FunctionEngine works the same.
+async def test_an_operator_passing_check_operator_works_on_a_function_engine() -> None:
+    # check_operator drives the operator through link() and a ScriptedEngine; the same
+    # operator in front of a FunctionEngine behaves the same way.
     async def source(ctx: Context[str]) -> AsyncIterator[str]:
         yield ctx.data
 
+    await check_operator(Upper, "hi", ["hi"])
     assert await collect(link(Upper(), FunctionEngine(source)), make_context("hi")) == ["HI"]
 
 

@@ -121,7 +121,7 @@ def test_invalid_chat_field_names_the_field(body: dict[str, Any], param: str, me
         parse_chat_request(body)
     assert caught.value.param == param
     assert _equivalent(message, caught.value.message), caught.value.message
-    assert f"'{param}'" in caught.value.message or param in caught.value.message
+    assert param in caught.value.message
 
 
 INVALID_COMPLETION = [

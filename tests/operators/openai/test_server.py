@@ -429,7 +429,6 @@ async def test_disconnect_kills_the_request(slow_server: ServerProcess) -> None:
                 seen += 1
                 if seen == 2:
                     break
-        assert await metric(url, "llm_pipeline_inflight_requests") in (0.0, 1.0)
     # The server notices the closed socket on its next write (<= one 20 ms token).
     for _ in range(250):
         if await metric(url, "llm_pipeline_inflight_requests") == 0.0:
@@ -543,7 +542,11 @@ def test_loadgen_runs_against_the_server(server: ServerProcess) -> None:
     report = json.loads(result.stdout)
     assert report["errors"] == 0, report["first_error"]
     assert report["output_tokens"] == 6 * 8
-    assert report["server_cpu_us_per_token"] >= 0  # clock ticks: 0 for so few tokens
+    # (clock ticks: the CPU time may be 0 for so few tokens; its arithmetic must hold)
+    tokens = report["output_tokens"]
+    assert report["server_cpu_us_per_token"] == pytest.approx(
+        report["server_cpu_s"] * 1e6 / tokens, abs=0.005e6 / tokens + 0.1
+    )
 
 
 def test_help_lists_commands_and_every_serve_option() -> None:
