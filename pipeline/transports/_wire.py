@@ -40,7 +40,7 @@ import nats.js.errors
 from nats.js.api import KeyValueConfig
 
 from pipeline import errors
-from pipeline.errors import EngineError, InvalidRequest, RequestError
+from pipeline.errors import ConnectFailed, EngineError, InvalidRequest, RequestError
 
 from .codec import MsgpackCodec
 
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "BATCH",
+    "CONNECT_TIMEOUT",
     "DATA",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
@@ -245,17 +246,54 @@ class NatsTimeouts:
             raise ValueError(f"NatsTimeouts.ttl must be >= 1 (NATS message TTLs), got {self.ttl}")
 
 
-async def connect(url: str | list[str], *, name: str | None = None) -> Client:
-    """A NATS connection for serving or discovery: it reconnects forever, every 0.5 s.
+#: how long :func:`connect` tries to reach a NATS server before ConnectFailed (seconds)
+CONNECT_TIMEOUT: Final = 10.0
 
-    Workers and frontends outlive server restarts; a connection that gives up would not.
+
+async def connect(
+    url: str | list[str], *, name: str | None = None, timeout: float = CONNECT_TIMEOUT
+) -> Client:
+    """A NATS connection for serving or discovery: once connected, it reconnects forever.
+
+    Workers and frontends outlive server restarts (it retries every 0.5 s); a connection
+    that gave up would not. The first connection, though, is bounded: no server at ``url``
+    within ``timeout`` seconds is a mistake to report, not to wait out.
 
     Raises:
-        nats.errors.NoServersError: when no server at ``url`` answers at first.
+        ConnectFailed: when no server at ``url`` accepted the connection within
+            ``timeout`` seconds (an unreachable address, an authorization failure), or
+            ``url`` is malformed; chained from nats-py's last error.
     """
-    return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2
-    )
+    nc = nats.NATS()
+    try:
+        with anyio.fail_after(timeout):
+            await nc.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=min(2.0, timeout),
+            )
+    except TimeoutError as exc:
+        last = nc.last_error
+        await _abandon(nc)
+        raise ConnectFailed(
+            f"no NATS server accepted a connection at {url} within {timeout:g}s"
+            + ("" if last is None else f" (last error: {last!r})")
+        ) from (last or exc)
+    except (nats.errors.Error, OSError) as exc:  # a malformed URL
+        await _abandon(nc)
+        raise ConnectFailed(f"cannot connect to NATS at {url}: {exc}") from exc
+    return nc
+
+
+async def _abandon(nc: Client) -> None:
+    """Close a client whose first connection failed (it may hold a half-open socket)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+        try:
+            await nc.close()
+        except Exception as exc:  # nats-py asserts when the URL never parsed
+            logger.debug("closing a client that never connected: %r", exc)
 
 
 async def settle(nc: Client) -> None:

@@ -62,6 +62,7 @@ from ._nats_discovery import NatsDiscovery as NatsDiscovery
 from ._nats_worker import NatsWorker as NatsWorker
 from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
 from ._nats_worker import serve as serve
+from ._wire import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
 from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
 from ._wire import ROLES as ROLES
@@ -69,6 +70,7 @@ from ._wire import NatsTimeouts as NatsTimeouts
 from ._wire import connect as connect
 
 __all__ = (
+    "CONNECT_TIMEOUT",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
     "ROLES",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -51,6 +52,7 @@ from pipeline.transports.nats import (
     RemoteEngine,
     serve,
 )
+from pipeline.transports.nats import connect as connect_nats
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
@@ -605,3 +607,38 @@ def test_bad_arguments_are_named() -> None:
     client = nats.NATS()
     with pytest.raises(ValueError, match=r"model= .* or worker_id="):
         RemoteEngine(client)
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_connect_gives_up_at_its_deadline_with_connect_failed() -> None:
+    url = f"nats://127.0.0.1:{unused_port()}"
+    before = len(anyio.get_running_tasks())
+    with pytest.raises(ConnectFailed, match=r"no NATS server .* within 0\.3s") as raised:
+        await connect_nats(url, timeout=0.3)
+    assert raised.value.__cause__ is not None  # the last connection error, chained
+    assert raised.value.request_id is None
+    await wait_until(lambda: len(anyio.get_running_tasks()) <= before)
+
+
+async def test_connect_reports_a_malformed_url_at_once() -> None:
+    with anyio.fail_after(1.0), pytest.raises(ConnectFailed, match="cannot connect to NATS"):
+        await connect_nats("nats://[bad", timeout=30.0)
+
+
+async def test_connect_returns_a_client_that_reconnects(nats_server: NatsServer) -> None:
+    nc = await connect_nats(nats_server.url, name="test", timeout=5.0)
+    try:
+        assert nc.is_connected
+        assert nc.options["max_reconnect_attempts"] == -1
+    finally:
+        await nc.close()
