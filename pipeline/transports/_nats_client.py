@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeAlias, TypeVar, final
 
 import anyio
 import nats.errors
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+NoResponders: TypeAlias = Callable[[Literal["request", "control"]], None]
+"""Told which of a worker's subjects NATS found nobody listening on (see RemoteEngine)."""
 
 
 class _Signal:
@@ -141,6 +144,13 @@ class RemoteEngine(Generic[In, Out]):
       whose worker no longer answers pings), frames were lost, or :meth:`abort` was called;
     * :class:`~pipeline.ResponseTimeout` when the worker stops answering pings, or no
       worker took a load-balanced request within ``timeouts.start``.
+
+    ``on_no_responders`` is called, before the stream raises, when NATS answers "no
+    responders" for this engine's worker: ``"request"`` when nobody listens on its
+    request subject (the worker is gone, or draining before it leaves), ``"control"``
+    when nobody listens on its control subject (it is gone, with its streams).
+    :class:`NatsDiscovery` evicts the worker from its WorkerSet there, so that a retry
+    never goes back to it, whatever the router's policy.
     """
 
     def __init__(
@@ -155,6 +165,7 @@ class RemoteEngine(Generic[In, Out]):
         timeouts: NatsTimeouts | None = None,
         subject: str | None = None,
         control_subject: str | None = None,
+        on_no_responders: NoResponders | None = None,
     ) -> None:
         subjects = _wire.Subjects(namespace)
         _wire.check_role(role)
@@ -178,6 +189,7 @@ class RemoteEngine(Generic[In, Out]):
         #: the worker this engine talks to, or None for load-balanced requests
         self.worker_id = worker_id
         self._control = control_subject
+        self._on_no_responders = on_no_responders
         self._codec: Codec = codec if codec is not None else MsgpackCodec()
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
         self._tick = min(0.05, self._timeouts.idle / 4)
@@ -324,6 +336,8 @@ class RemoteEngine(Generic[In, Out]):
     def _status_error(self, msg: Msg, ctx: Context[Any], *, started: bool) -> Exception:
         status = (msg.headers or {}).get("Status")
         if status == "503" and not started:
+            if self._on_no_responders is not None:
+                self._on_no_responders("request")
             return ConnectFailed(f"no worker is listening on {self.subject}", request_id=ctx.id)
         return StreamDisconnected(
             f"unexpected status {status!r} on the reply inbox of {self.subject}",
@@ -345,6 +359,8 @@ class RemoteEngine(Generic[In, Out]):
                 control, control_codec.encode([_wire.PING, inbox]), timeout=self._timeouts.ping
             )
         except nats.errors.NoRespondersError as exc:
+            if self._on_no_responders is not None and control == self._control:
+                self._on_no_responders("control")
             cls = StreamDisconnected if started else ConnectFailed
             raise cls(
                 f"worker {worker} is gone (its control subject has no responders)",

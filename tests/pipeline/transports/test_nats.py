@@ -34,6 +34,8 @@ from pipeline import (
     EngineError,
     FunctionEngine,
     InvalidRequest,
+    LeastLoaded,
+    Random,
     ResponseTimeout,
     RoundRobin,
     Router,
@@ -370,10 +372,10 @@ async def test_a_stop_cuts_off_what_outlives_the_drain_deadline(
 
 
 @asynccontextmanager
-async def worker_process(url: str, worker_id: str) -> AsyncIterator[Process]:
+async def worker_process(url: str, worker_id: str, ttl: float = 1) -> AsyncIterator[Process]:
     """``worker_process.py`` serving Countdown as ``worker_id``; killed on exit."""
     process = await anyio.open_process(
-        [sys.executable, str(HERE / "worker_process.py"), url, worker_id, "1"],
+        [sys.executable, str(HERE / "worker_process.py"), url, worker_id, str(ttl)],
         cwd=ROOT,
         stderr=None,
     )
@@ -487,6 +489,124 @@ async def test_migration_finishes_a_killed_workers_stream_on_another_worker(
     assert "".join(output.text for output in outputs) == "".join(map(chr, SCRIPT))
     assert events == [("stream", "retried")]
     assert survivor.requests[0].replayed_tokens >= 5
+
+
+# -- eviction: a dead worker leaves its WorkerSet at the first "no responders" ------------------
+
+#: a registration that outlives every test: only eviction can take a dead worker out
+LONG_TTL = 30
+
+
+def graph_over(
+    workers: WorkerSet[PreprocessedRequest, EngineOutput],
+    policy: Any,
+    events: list[tuple[str, str]],
+    limit: int,
+) -> Any:
+    return link(
+        Migration(limit=limit, on_event=lambda where, what: events.append((where, what))),
+        Backend(CharTokenizer()),
+        Router(workers, policy),
+    )
+
+
+def text(outputs: list[BackendOutput]) -> str:
+    return "".join(output.text for output in outputs)
+
+
+@pytest.mark.parametrize(
+    "policy", [RoundRobin(), Random(seed=3), LeastLoaded()], ids=lambda p: type(p).__name__
+)
+async def test_a_dead_worker_is_evicted_by_the_first_request_that_finds_it_gone(
+    nats_server: NatsServer, nc: Client, worker_nc: Client, policy: Any
+) -> None:
+    workers: WorkerSet[PreprocessedRequest, EngineOutput] = WorkerSet(MODEL)
+    events: list[tuple[str, str]] = []
+    survivor = Countdown(delay=0.001)
+    async with (
+        NatsDiscovery(nc, model=MODEL, codec=CODEC).watch(workers),
+        worker_process(nats_server.url, "doomed", ttl=LONG_TTL) as process,
+        serving(survivor, worker_nc, model=MODEL, codec=CODEC, worker_id="survivor"),
+    ):
+        await wait_until(lambda: {"doomed", "survivor"} <= set(workers.statistics().in_flight_by_worker))
+        process.kill()
+        await process.wait()
+        # One retry in all: once a request found the dead worker gone, no other request
+        # and no retry is sent there (Migration allows a request one retry only).
+        graph = graph_over(workers, policy, events, limit=1)
+        for _ in range(8):
+            assert text(await collect(graph, make_context(request()))) == "".join(map(chr, SCRIPT))
+        assert "doomed" not in workers
+    assert events == [("connect", "retried")]
+    assert len(survivor.requests) == 8
+
+
+async def test_a_dead_worker_found_by_a_ping_is_evicted_and_its_streams_migrate_at_once(
+    nats_server: NatsServer, nc: Client, worker_nc: Client
+) -> None:
+    workers: WorkerSet[PreprocessedRequest, EngineOutput] = WorkerSet(MODEL)
+    events: list[tuple[str, str]] = []
+    survivor = Countdown(delay=0.001)
+    graph = graph_over(workers, RoundRobin(), events, limit=3)
+    texts: list[str] = []
+    async with (
+        NatsDiscovery(nc, model=MODEL, codec=CODEC).watch(workers),
+        worker_process(nats_server.url, "doomed", ttl=LONG_TTL) as process,
+    ):
+        await wait_until(lambda: "doomed" in workers)
+        flowing = [anyio.Event() for _ in range(3)]
+
+        async def consume(flowing: anyio.Event) -> None:
+            outputs: list[BackendOutput] = []
+            async with open_stream(graph, make_context(request())) as stream:
+                async for output in stream:
+                    outputs.append(output)
+                    if len(outputs) == 3:
+                        flowing.set()
+            texts.append(text(outputs))
+
+        async with anyio.create_task_group() as tg:
+            for event in flowing:  # all three on the doomed worker, its set's only member
+                tg.start_soon(consume, event)
+            for event in flowing:
+                await event.wait()
+            async with serving(survivor, worker_nc, model=MODEL, codec=CODEC, worker_id="survivor"):
+                await wait_until(lambda: "survivor" in workers)
+                process.kill()
+                await process.wait()
+                await wait_until(lambda: len(texts) == 3)
+                # Out at the first ping, long before its key (30 s) would have expired.
+                assert "doomed" not in workers
+    assert texts == ["".join(map(chr, SCRIPT))] * 3
+    # One retry each, all on the survivor: the first ping evicted the worker and failed
+    # the other two streams with it.
+    assert events == [("stream", "retried")] * 3
+    assert len(survivor.requests) == 3
+
+
+async def test_an_evicted_worker_that_is_alive_comes_back_when_it_refreshes(
+    nc: Client, worker_nc: Client
+) -> None:
+    workers: WorkerSet[Any, str] = WorkerSet("m")
+    timeouts = NatsTimeouts(ttl=1)
+    async with (
+        NatsDiscovery(nc, model="m").watch(workers),
+        serving(ScriptedEngine(["a"]), worker_nc, worker_id="w1", timeouts=timeouts) as worker,
+    ):
+        await wait_until(lambda: "w1" in workers)
+        engine = workers.members[0].engine
+        # Its request subscription goes away (as while a server restarts): evicted at once.
+        subscription = next(
+            sub for sub in worker_nc._subs.values() if sub.subject == worker.subject
+        )
+        await subscription.unsubscribe()
+        await settle(worker_nc)
+        with pytest.raises(ConnectFailed):
+            await collect(engine, make_context("x"))
+        assert "w1" not in workers
+        # It refreshes its registration (every ttl/3): only a live worker does that.
+        await wait_until(lambda: "w1" in workers, within=2.0)
+        assert await collect(RemoteEngine(nc, model="m"), make_context("x")) == ["a"]
 
 
 # -- discovery ---------------------------------------------------------------------------------
