@@ -610,7 +610,7 @@ async def _connect_nats(url: str, *, name: str) -> Client | None:
     from pipeline.transports.nats import connect
 
     try:
-        return await connect(url, name=name, timeout=NATS_CONNECT_TIMEOUT)
+        return await connect(url, name=name, give_up_after=NATS_CONNECT_TIMEOUT)
     except ConnectFailed as exc:
         print(f"llm-pipeline: {exc}", file=sys.stderr)
         return None

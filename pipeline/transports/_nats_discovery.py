@@ -35,7 +35,6 @@ Out = TypeVar("Out")
 _RECONNECT_POLL = 0.25
 
 
-
 @final
 class _Registry(Generic[In, Out]):
     """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
-import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig
 
 from pipeline import errors
@@ -251,34 +251,34 @@ CONNECT_TIMEOUT: Final = 10.0
 
 
 async def connect(
-    url: str | list[str], *, name: str | None = None, timeout: float = CONNECT_TIMEOUT
+    url: str | list[str], *, name: str | None = None, give_up_after: float = CONNECT_TIMEOUT
 ) -> Client:
     """A NATS connection for serving or discovery: once connected, it reconnects forever.
 
     Workers and frontends outlive server restarts (it retries every 0.5 s); a connection
     that gave up would not. The first connection, though, is bounded: no server at ``url``
-    within ``timeout`` seconds is a mistake to report, not to wait out.
+    within ``give_up_after`` seconds is a mistake to report, not to wait out.
 
     Raises:
         ConnectFailed: when no server at ``url`` accepted the connection within
-            ``timeout`` seconds (an unreachable address, an authorization failure), or
+            ``give_up_after`` seconds (an unreachable address, an authorization failure), or
             ``url`` is malformed; chained from nats-py's last error.
     """
-    nc = nats.NATS()
+    nc = NatsClient()
     try:
-        with anyio.fail_after(timeout):
+        with anyio.fail_after(give_up_after):
             await nc.connect(
                 url,
                 name=name,
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=min(2.0, timeout),
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds, annotated int
+                connect_timeout=2,
             )
     except TimeoutError as exc:
         last = nc.last_error
         await _abandon(nc)
         raise ConnectFailed(
-            f"no NATS server accepted a connection at {url} within {timeout:g}s"
+            f"no NATS server accepted a connection at {url} within {give_up_after:g}s"
             + ("" if last is None else f" (last error: {last!r})")
         ) from (last or exc)
     except (nats.errors.Error, OSError) as exc:  # a malformed URL
