@@ -180,6 +180,16 @@ class StreamServer(Generic[In, Out]):
         elif not ctx.is_killed:  # killed by its deadline: the client gave up at the same time
             await self.send(served, _wire.END, None)
 
+    async def abandon(self, served: Served) -> None:
+        """End a stream whose task was cancelled mid-way with an ERR (StreamDisconnected).
+
+        Outputs still held are dropped: the client replays what it received.
+        """
+        served.held.clear()
+        request_id = served.ctx.id if served.ctx is not None else ""
+        lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)
+        await self.send(served, _wire.ERR, _wire.error_body(lost, request_id))
+
     async def _pump(self, served: Served, stream: AsyncIterator[Any]) -> None:
         """Move ``stream``'s outputs into batches until it ends (see the module docstring)."""
         held = served.held

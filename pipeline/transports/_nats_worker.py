@@ -73,9 +73,10 @@ class NatsWorker(Generic[In, Out]):
 
     Entering subscribes and registers the worker for discovery; a normal exit (after
     :meth:`stop`) is a graceful shutdown: deregister, stop taking requests, let in-flight
-    ones finish for up to ``timeouts.drain`` seconds, then cut off the rest (their clients
-    get StreamDisconnected and migrate). Exiting by an exception or cancellation skips the
-    wait. Pass ``nc`` (a connected client, left open) or ``url`` (connected and closed
+    ones finish for up to ``timeouts.drain`` seconds, then cut off the rest. Exiting by an
+    exception or cancellation (a drain cut short) skips the wait. Either way every stream
+    cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
+    instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected client, left open) or ``url`` (connected and closed
     here). ``register=False`` serves without discovery (no JetStream needed).
     """
 
@@ -357,11 +358,19 @@ class NatsWorker(Generic[In, Out]):
     # -- serving one request
 
     async def _serve_one(self, served: Served, data: bytes) -> None:
+        cut_off = True  # until serve() returns or fails: only a cancellation leaves it set
         try:
             await self._streams.serve(served, data)
+            cut_off = False
         except Exception:  # a bug here must not take the other requests down
+            cut_off = False
             logger.exception("worker %s failed serving a request", self.worker_id)
         finally:
+            if cut_off:
+                # Cancelled: a drain cut short (a second signal), or the worker itself
+                # cancelled. Its client hears it now, not at its next idle ping.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self._streams.abandon(served)
             del self._served[served.inbox]
             del self._by_reply[served.reply]
             if not self._served and self._drained is not None:

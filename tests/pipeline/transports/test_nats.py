@@ -368,6 +368,43 @@ async def test_a_stop_cuts_off_what_outlives_the_drain_deadline(
     assert "shut down" in ended[1]
 
 
+@pytest.mark.parametrize("when", ["serving", "draining"])
+async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
+    nc: Client, worker_nc: Client, when: str
+) -> None:
+    engine: ScriptedEngine[str] = ScriptedEngine(["a"], then="hang")
+    # The client never pings within the test: only a frame from the worker can end it.
+    patient: RemoteEngine[str, str] = RemoteEngine(
+        nc, model="m", timeouts=NatsTimeouts(idle=60.0)
+    )
+    workers: WorkerSet[Any, str] = WorkerSet("m")
+    worker_scope = anyio.CancelScope()
+
+    async def run_worker(*, task_status: anyio.abc.TaskStatus[NatsWorker[Any, Any]]) -> None:
+        with worker_scope:
+            timeouts = NatsTimeouts(ttl=1, drain=60.0)
+            await serve(engine, nc=worker_nc, model="m", timeouts=timeouts).run(
+                task_status=task_status
+            )
+
+    async def cut_off(worker: NatsWorker[Any, Any]) -> None:
+        await engine.hanging.wait()
+        if when == "draining":
+            worker.stop()
+            await wait_until(lambda: worker.worker_id not in workers)  # it deregistered
+        worker_scope.cancel()  # a second Ctrl-C: the drain (or the serving) is cut short
+
+    async with NatsDiscovery(nc, model="m").watch(workers), anyio.create_task_group() as tg:
+        worker = await tg.start(run_worker)
+        tg.start_soon(cut_off, worker)
+        items, ended = await outcome(patient, make_context("request"))
+    assert items == ["a"]
+    assert ended is not None
+    assert ended[0] is StreamDisconnected
+    assert "shut down" in ended[1]
+    assert engine.requests[0].is_killed or engine.closed_early
+
+
 # -- dead workers: kill -9 ---------------------------------------------------------------------
 
 
