@@ -76,8 +76,9 @@ class NatsWorker(Generic[In, Out]):
     ones finish for up to ``timeouts.drain`` seconds, then cut off the rest. Exiting by an
     exception or cancellation (a drain cut short) skips the wait. Either way every stream
     cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
-    instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected client, left open) or ``url`` (connected and closed
-    here). ``register=False`` serves without discovery (no JetStream needed).
+    instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected
+    client, left open) or ``url`` (connected and closed here). ``register=False`` serves
+    without discovery (no JetStream needed).
     """
 
     def __init__(

@@ -374,9 +374,7 @@ async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
 ) -> None:
     engine: ScriptedEngine[str] = ScriptedEngine(["a"], then="hang")
     # The client never pings within the test: only a frame from the worker can end it.
-    patient: RemoteEngine[str, str] = RemoteEngine(
-        nc, model="m", timeouts=NatsTimeouts(idle=60.0)
-    )
+    patient: RemoteEngine[str, str] = RemoteEngine(nc, model="m", timeouts=NatsTimeouts(idle=60.0))
     workers: WorkerSet[Any, str] = WorkerSet("m")
     worker_scope = anyio.CancelScope()
 
