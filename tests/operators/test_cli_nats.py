@@ -366,6 +366,59 @@ async def test_workers_join_and_leave_while_traffic_flows(
     assert "Traceback" not in log
 
 
+#: slow enough that the long requests outlive the drain and the short ones do not
+DRAINED = ["--echo-delay-ms", "25", "--drain-timeout", "0.6"]
+
+
+@pytest.mark.parametrize("cut", ["drain-timeout", "second-signal"])
+@workers(w1=DRAINED, w2=DRAINED)
+async def test_a_worker_sigtermed_under_load_is_invisible(
+    deployment: Deployment, local_echo: ServerProcess, cut: str
+) -> None:
+    # Short requests (about 6 tokens) finish within the drain; long ones (60) outlive it
+    # and are cut off: by the drain timeout, or at once by a second SIGTERM.
+    requests = [
+        {**body, "max_tokens": 60 if i % 4 < 2 else 6}  # each worker gets both kinds
+        for i, body in enumerate(load_requests(12, stops=False))
+    ]
+    async with client(local_echo) as api:
+        want = [await chat_stream(api, **body) for body in requests]
+    got: list[dict[str, Any] | None] = [None] * len(requests)
+    started = [anyio.Event() for _ in requests]
+    leaving = deployment.workers["w1"]
+    async with client(deployment.server, timeout=8) as api:
+
+        async def run(i: int) -> None:
+            got[i] = await chat_stream(api, started=started[i], **requests[i])
+
+        with anyio.fail_after(8):  # a hung stream fails the test here
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(run, i)
+                for event in started:
+                    await event.wait()
+                leaving.signal(signal.SIGTERM)
+                if cut == "second-signal":
+                    await wait_until(lambda: "deregisters and drains" in leaving.stderr(), 3)
+                    leaving.signal(signal.SIGTERM)
+                code = await anyio.to_thread.run_sync(leaving.wait)
+    assert got == want
+    assert code == 0
+    ended = {how for _, how in leaving.served()}
+    if cut == "drain-timeout":
+        assert ended == {"finished", "cancelled"}  # drained, and cut off
+    else:
+        assert "cancelled" in ended
+    # Every stream cut off was migrated because the worker said so (its ERR frame), not
+    # because the frontend found the silence at its idle ping.
+    lost = re.findall(
+        r"worker lost at \w+ after \d+ tokens \((.*?)\); retrying", deployment.server.stderr()
+    )
+    assert lost
+    assert set(lost) == {"worker w1 shut down"}
+    assert "Traceback" not in leaving.stderr()
+
+
 @workers(slow=["--echo-delay-ms", "20", "--echo-cycle"])
 async def test_a_client_that_goes_away_stops_its_worker(deployment: Deployment) -> None:
     server, worker = deployment.server, deployment.workers["slow"]
