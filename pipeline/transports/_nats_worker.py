@@ -56,8 +56,10 @@ class NatsWorkerStatistics(NamedTuple):
     in_flight: int  #: requests being served now
     requests: int  #: requests accepted since the worker started
     clients_gone: int  #: requests cut short because the client cancelled or vanished
-    messages: int  #: stream messages published (START, DATA, BATCH, END, ERR, HB)
+    messages: int  #: stream messages published (START, DATA, BATCH, END, ERR, heartbeats)
     outputs: int  #: outputs published (one per DATA, several per BATCH)
+    paused: int  #: streams waiting for their client's credit now (flow control)
+    pauses: int  #: times a stream waited for its client's credit
 
 
 @final
@@ -178,6 +180,8 @@ class NatsWorker(Generic[In, Out]):
             clients_gone=self._streams.clients_gone,
             messages=self._streams.messages,
             outputs=self._streams.outputs,
+            paused=self._streams.paused,
+            pauses=self._streams.pauses,
         )
 
     @asynccontextmanager
@@ -313,7 +317,7 @@ class NatsWorker(Generic[In, Out]):
             await anyio.sleep(interval)
             for served in list(self._served.values()):
                 if served.ctx is not None and served.seq == served.beat and not served.gone:
-                    await self._streams.send(served, _wire.HB, None)
+                    await self._streams.heartbeat(served)
                 served.beat = served.seq
 
     # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
@@ -345,7 +349,10 @@ class NatsWorker(Generic[In, Out]):
         served = self._served.get(args[-1]) if args else None
         if served is None:
             return
-        if op == _wire.KILL:
+        if op == _wire.CREDIT:
+            if isinstance(args[0], int):
+                served.grant(args[0])
+        elif op == _wire.KILL:
             self._streams.client_gone(served)
         elif op == _wire.STOP:
             served.stop()

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from ._nats_client import NatsEngine as NatsEngine
 from ._nats_client import RemoteEngine as RemoteEngine
+from ._nats_client import RemoteEngineStatistics as RemoteEngineStatistics
 from ._nats_discovery import NatsDiscovery as NatsDiscovery
 from ._nats_worker import NatsWorker as NatsWorker
 from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
@@ -65,6 +66,7 @@ from ._nats_worker import serve as serve
 from ._wire import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
 from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
+from ._wire import DEFAULT_WINDOW as DEFAULT_WINDOW
 from ._wire import ROLES as ROLES
 from ._wire import NatsTimeouts as NatsTimeouts
 from ._wire import connect as connect
@@ -73,6 +75,7 @@ __all__ = (
     "CONNECT_TIMEOUT",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
+    "DEFAULT_WINDOW",
     "ROLES",
     "NatsDiscovery",
     "NatsEngine",
@@ -80,6 +83,7 @@ __all__ = (
     "NatsWorker",
     "NatsWorkerStatistics",
     "RemoteEngine",
+    "RemoteEngineStatistics",
     "connect",
     "serve",
 )
