@@ -22,10 +22,11 @@ A batch over the server's payload limit is split in halves; an output that canno
 encoded fails the stream (EngineError) after the outputs before it went out.
 
 Flow control (wire version 3). A client that sent a ``window`` has granted that many
-outputs; the server pulls no more than the client granted from the engine, and when it
-reaches the limit it sends what it holds and waits for a CREDIT (the engine is simply not
-asked for its next output, which is all the back-pressure an async generator needs). The
-check is one comparison per output; the wait costs nothing until it happens.
+outputs; the server sends no more than the client granted. When it pulls an output past
+the credit it sends the ones before it, holds that one, and waits for a CREDIT without
+asking the engine for more (an async generator that is not iterated is paused, which is
+all the back-pressure an engine needs). The check is one comparison per output; the wait
+costs nothing until it happens.
 """
 
 from __future__ import annotations
@@ -244,10 +245,8 @@ class StreamServer(Generic[In, Out]):
         except StopAsyncIteration:
             return
         await self.send(served, DATA, first)  # never held: the time to first token is as before
-        pulled = 1  # outputs taken from the engine: at most what the client granted
+        pulled = 1  # outputs taken from the engine
         while True:
-            if pulled >= served.limit:
-                await self._wait_for_credit(served, pulled)
             try:
                 item = await (next_or_wait(next_item(), flush) if held else next_item())
             except StopAsyncIteration:
@@ -257,19 +256,27 @@ class StreamServer(Generic[In, Out]):
             if not held:
                 served.held_since = now
             held.append(item)
-            if len(held) >= MAX_BATCH or now - served.held_since >= MAX_HOLD:
+            if pulled > served.limit:
+                await self._wait_for_credit(served, pulled)
+            elif len(held) >= MAX_BATCH or now - served.held_since >= MAX_HOLD:
                 await self._flush(served)
 
     async def _wait_for_credit(self, served: Served, pulled: int) -> None:
-        """Send what is held, then wait until the client granted more than ``pulled``.
+        """The output just pulled is one past the client's credit: send the ones before it,
+        then hold it until the client has granted it.
 
-        A kill (the client went away, a shutdown) cancels the wait with the stream.
+        (Pulling it first means a stream that ends exactly at its credit ends without a
+        round trip.) A kill (the client went away, a shutdown) cancels the wait with the
+        stream.
         """
+        over = served.held.pop()
         await self._flush(served)
+        served.held.append(over)
+        served.held_since = time.monotonic()
         self.pauses += 1
         self.paused += 1
         try:
-            while pulled >= served.limit:
+            while pulled > served.limit:
                 served.credit = anyio.Event()
                 await served.credit.wait()
         finally:
