@@ -14,7 +14,7 @@ from anyio.abc import TaskStatus
 
 from . import _wire
 from ._nats_client import RemoteEngine
-from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, NatsTimeouts, open_bucket
+from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, open_bucket
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -62,7 +62,8 @@ class NatsDiscovery(Generic[In, Out]):
     found nobody on its subject, or a ping nobody on its control subject, when its
     in-flight streams fail too), without waiting for its key to expire; it comes back
     when it refreshes its registration, which only a live worker does. After a
-    reconnection the watch is renewed and the set re-synchronised. Use either::
+    reconnection the watch is renewed and the set re-synchronised. ``codec``, ``timeouts``
+    and ``window`` are the engines' (see :class:`RemoteEngine`). Use either::
 
         async with discovery.watch(worker_set):   # returns once the set is in sync
             ...
@@ -79,6 +80,7 @@ class NatsDiscovery(Generic[In, Out]):
         codec: Codec | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         timeouts: NatsTimeouts | None = None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self._nc = nc
         self.model = model
@@ -87,6 +89,7 @@ class NatsDiscovery(Generic[In, Out]):
         self._codec = codec
         self._namespace = namespace
         self._timeouts = timeouts
+        self._window = window
         self._filter = f"{_wire.escape_token(model)}.{role}.*"
 
     @asynccontextmanager
@@ -211,6 +214,7 @@ class NatsDiscovery(Generic[In, Out]):
                 codec=self._codec,
                 namespace=self._namespace,
                 timeouts=self._timeouts,
+                window=self._window,
                 on_no_responders=functools.partial(self._evict, registry, worker_id),
             )
         except (ValueError, KeyError, TypeError) as exc:
