@@ -502,3 +502,38 @@ async def test_disaggregated_roles_across_processes_answer_like_one_aggregated_s
     assert len(served["prefill-1"]) == 6
     assert len(served["decode-1"]) == 4  # max_tokens=1 needs no decode
     assert {how for ended in served.values() for _, how in ended} == {"finished"}
+
+
+@workers(
+    **{
+        "prefill-a": [*MOCKER, *SECRET, "--role", "prefill"],
+        "prefill-b": [*MOCKER, *SECRET, "--role", "prefill"],
+        "encode-a": [*MOCKER, *SECRET, "--role", "encode"],
+        "encode-b": [*MOCKER, *SECRET, "--role", "encode"],
+        "decode-1": [*MOCKER, *SECRET, "--role", "decode"],
+    }
+)
+async def test_killed_prefill_and_encode_workers_are_evicted_at_the_first_no_responders(
+    deployment: Deployment, local_mocker: ServerProcess
+) -> None:
+    picture = [{"type": "text", "text": "what is in this picture?"}, image_part()]
+    bodies = [
+        {"messages": [{"role": "user", "content": picture}], "max_tokens": 12},
+        {"messages": [{"role": "user", "content": "a longer one"}], "max_tokens": 16},
+    ] * 4
+    async with client(local_mocker) as api:
+        want = [await chat_stream(api, **body) for body in bodies]
+    for worker_id in ("prefill-a", "encode-a"):  # kill -9: their keys outlive the test
+        deployment.workers[worker_id].process.kill()
+        deployment.workers[worker_id].wait()
+    async with client(deployment.server) as api:
+        got = [await chat_stream(api, **body) for body in bodies]
+    assert got == want
+    log = deployment.server.stderr()
+    # The plain round-robin routers met each dead worker once: evicted there, never again.
+    for worker_id in ("prefill-a", "encode-a"):
+        lost = re.findall(rf"worker {worker_id} lost: (.*)", log)
+        assert lost == ["its request subject has no responders"]
+    assert len(re.findall(r"encode worker failed", log)) <= 1  # inline encoding, once
+    retried = 'llm_pipeline_migrations_total{kind="connect",outcome="retried"}'
+    assert await metric(deployment.server, retried) <= 1
