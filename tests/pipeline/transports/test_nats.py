@@ -762,6 +762,8 @@ def test_bad_arguments_are_named() -> None:
     client = nats.NATS()
     with pytest.raises(ValueError, match=r"model= .* or worker_id="):
         RemoteEngine(client)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RemoteEngine(client, model="m", window=0)
 
 
 # -- connecting --------------------------------------------------------------------------------
