@@ -652,23 +652,16 @@ def build_graph(
 
 async def _connect_nats(url: str, *, name: str) -> Client | None:
     """A NATS client that reconnects forever once connected; None (said on stderr) when no
-    server answers at ``url`` within :data:`NATS_CONNECT_TIMEOUT` seconds.
-
-    (The transport's ``connect`` alone would retry the first connection forever too.)
+    server accepted the connection at ``url`` within :data:`NATS_CONNECT_TIMEOUT` seconds.
     """
+    from pipeline import ConnectFailed
     from pipeline.transports.nats import connect
 
-    with anyio.move_on_after(NATS_CONNECT_TIMEOUT):
-        try:
-            return await connect(url, name=name)
-        except Exception as exc:  # a malformed URL, an authorization failure
-            print(f"llm-pipeline: cannot connect to NATS at {url}: {exc!r}", file=sys.stderr)
-            return None
-    print(
-        f"llm-pipeline: no NATS server answered at {url} within {NATS_CONNECT_TIMEOUT:g}s",
-        file=sys.stderr,
-    )
-    return None
+    try:
+        return await connect(url, name=name, give_up_after=NATS_CONNECT_TIMEOUT)
+    except ConnectFailed as exc:
+        print(f"llm-pipeline: {exc}", file=sys.stderr)
+        return None
 
 
 async def _close_nats(nc: Client) -> None:

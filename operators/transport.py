@@ -19,10 +19,11 @@ frontend, in front of the routers, because a Context's state store does not trav
   from outside, that a client's disconnect reached the worker.
 - :func:`discover_workers` follows the registrations of one model and keeps three
   WorkerSets current: decode (aggregated and decode workers together), prefill, encode.
-- :class:`RetryElsewhere` is the frontend's routing policy: round-robin, except that a
-  retry goes to a worker the request has not tried. A worker killed outright stays in its
-  WorkerSet until its registration expires (seconds); plain round-robin would send some
-  of Migration's retries straight back to it, each failing at once and using up a retry.
+- :class:`RetryElsewhere` is the frontend's decode routing policy: round-robin, except
+  that a retry goes to a worker the request has not tried. Discovery evicts a worker
+  killed outright at the first "no responders" (for every router and policy, the encode
+  and prefill routers' plain round-robin included); this policy also covers deaths that
+  answer no "no responders", like a worker that stopped answering pings.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ class RetryElsewhere:
     The workers a request was sent to are kept in its Context state, which Migration's
     attempts (child contexts) share; a later attempt picks among the members not tried
     yet, round-robin, or among all of them once every member was tried. So a retry never
-    goes back to the worker that was just lost while another one is there, however long
-    discovery takes to notice the loss.
+    goes back to the worker that was just lost while another one is there, even when the
+    loss was a timeout that discovery cannot act on (it evicts on "no responders").
     """
 
     __slots__ = ("_next", "_tried")

@@ -9,7 +9,7 @@ Errors are raised, never returned. The tree is grouped by what a caller can do a
         ├── CapacityExhausted  nothing can take it (HTTP 503); never migrated
         ├── EngineError        the engine failed the request (HTTP 500); never migrated
         └── WorkerLost         the worker went away; Migration retries exactly this subtree
-            ├── ConnectFailed        the request never reached a worker
+            ├── ConnectFailed        the request never reached a worker (or no server)
             ├── StreamDisconnected   the stream broke after it started
             └── ResponseTimeout      the worker stopped answering
 
@@ -83,7 +83,11 @@ class WorkerLost(RequestError):
 
 
 class ConnectFailed(WorkerLost):
-    """The request could not be delivered to a worker."""
+    """The request could not be delivered to a worker.
+
+    Also what a transport's ``connect()`` raises when it reached no server in time
+    (``request_id`` is None then).
+    """
 
 
 class StreamDisconnected(WorkerLost):

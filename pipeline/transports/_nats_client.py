@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar, final
 
 import anyio
 import nats.errors
@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from pipeline.errors import ConnectFailed, EngineError, ResponseTimeout, StreamDisconnected
 
 from . import _wire
-from ._wire import DEFAULT_NAMESPACE, NatsTimeouts, control_codec, quietly
+from ._wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, control_codec, quietly
 from .codec import Codec, MsgpackCodec
 
 if TYPE_CHECKING:
@@ -23,12 +23,15 @@ if TYPE_CHECKING:
 
     from pipeline.context import Context
 
-__all__ = ("NatsEngine", "RemoteEngine")
+__all__ = ("NatsEngine", "RemoteEngine", "RemoteEngineStatistics")
 
 logger = logging.getLogger(__name__)
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+NoResponders: TypeAlias = Callable[[Literal["request", "control"]], None]
+"""Told which of a worker's subjects NATS found nobody listening on (see RemoteEngine)."""
 
 
 class _Signal:
@@ -77,8 +80,14 @@ class _ClientStream:
         self.stop_pending = False
 
     async def on_msg(self, msg: Msg) -> None:
-        """The inbox subscription's callback (runs in nats-py's task): hand the message over."""
+        """The inbox subscription's callback (runs in nats-py's task): hand the message over.
+
+        An out-of-band heartbeat only counts as a sign of life: it is never queued.
+        """
         self.frames += 1
+        headers = msg.headers
+        if headers is not None and _wire.HEARTBEAT in headers:
+            return
         self.signal(msg)
 
     def signal(self, item: Msg | _Signal) -> None:
@@ -93,6 +102,11 @@ class _ClientStream:
     def pending(self) -> bool:
         """Whether messages are waiting to be read."""
         return bool(self._items)
+
+    @property
+    def buffered(self) -> int:
+        """Messages waiting to be read."""
+        return len(self._items)
 
     async def next(self) -> Msg | _Signal:
         items = self._items
@@ -124,6 +138,13 @@ class _ClientStream:
         self._items.clear()
 
 
+class RemoteEngineStatistics(NamedTuple):
+    """A snapshot of a client engine, from :meth:`RemoteEngine.statistics`."""
+
+    in_flight: int  #: streams open through this engine now
+    buffered: int  #: messages received and not read yet, over all of them
+
+
 @final
 class RemoteEngine(Generic[In, Out]):
     """An Engine whose requests are served by a :class:`NatsWorker` in another process.
@@ -141,6 +162,17 @@ class RemoteEngine(Generic[In, Out]):
       whose worker no longer answers pings), frames were lost, or :meth:`abort` was called;
     * :class:`~pipeline.ResponseTimeout` when the worker stops answering pings, or no
       worker took a load-balanced request within ``timeouts.start``.
+
+    Flow control: the worker sends at most ``window`` outputs ahead of what this stream's
+    consumer has read (the client grants more, half a window at a time, as it reads), so a
+    slow consumer holds at most ``window`` outputs here, however fast the worker is.
+
+    ``on_no_responders`` is called, before the stream raises, when NATS answers "no
+    responders" for this engine's worker: ``"request"`` when nobody listens on its
+    request subject (the worker is gone, or draining before it leaves), ``"control"``
+    when nobody listens on its control subject (it is gone, with its streams).
+    :class:`NatsDiscovery` evicts the worker from its WorkerSet there, so that a retry
+    never goes back to it, whatever the router's policy.
     """
 
     def __init__(
@@ -155,7 +187,11 @@ class RemoteEngine(Generic[In, Out]):
         timeouts: NatsTimeouts | None = None,
         subject: str | None = None,
         control_subject: str | None = None,
+        window: int = DEFAULT_WINDOW,
+        on_no_responders: NoResponders | None = None,
     ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1 output, got {window}")
         subjects = _wire.Subjects(namespace)
         _wire.check_role(role)
         if worker_id is not None:
@@ -178,6 +214,9 @@ class RemoteEngine(Generic[In, Out]):
         #: the worker this engine talks to, or None for load-balanced requests
         self.worker_id = worker_id
         self._control = control_subject
+        self._on_no_responders = on_no_responders
+        self._window = window
+        self._step = max(1, window // 2)  # outputs read between two grants
         self._codec: Codec = codec if codec is not None else MsgpackCodec()
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
         self._tick = min(0.05, self._timeouts.idle / 4)
@@ -189,6 +228,13 @@ class RemoteEngine(Generic[In, Out]):
     def in_flight(self) -> int:
         """Streams open through this engine now."""
         return len(self._streams)
+
+    def statistics(self) -> RemoteEngineStatistics:
+        """Streams in flight, and what they hold that their consumers have not read."""
+        return RemoteEngineStatistics(
+            in_flight=len(self._streams),
+            buffered=sum(stream.buffered for stream in self._streams),
+        )
 
     def abort(self, reason: str) -> None:
         """Fail every in-flight stream with StreamDisconnected(``reason``).
@@ -215,6 +261,7 @@ class RemoteEngine(Generic[In, Out]):
                     "timeout": None if deadline is None else deadline - anyio.current_time(),
                     "metadata": dict(ctx.metadata),
                     "wire": _wire.WIRE_VERSION,
+                    "window": self._window,
                 }
             )
         except Exception as exc:
@@ -236,6 +283,9 @@ class RemoteEngine(Generic[In, Out]):
         expected = 0  # the next frame's sequence number
         finished = False  # END or ERR arrived: the worker is done with this stream
         stop_sent = False
+        window, step = self._window, self._step
+        read = 0  # outputs the consumer has taken
+        regrant = step  # ``read`` at which to grant more
         try:
             try:
                 await nc.publish(self.subject, request, reply=inbox)
@@ -291,9 +341,11 @@ class RemoteEngine(Generic[In, Out]):
                 expected += 1
                 if kind == _wire.DATA:
                     yield body
+                    read += 1
                 elif kind == _wire.BATCH:
                     for item in body:
                         yield item
+                    read += len(body)
                 elif kind == _wire.START:
                     worker = str(body)
                     if control is None:
@@ -311,6 +363,11 @@ class RemoteEngine(Generic[In, Out]):
                     raise StreamDisconnected(
                         f"unknown frame kind {kind!r} from worker {worker}", request_id=ctx.id
                     )
+                if read >= regrant and control is not None:
+                    # The consumer read half a window: let the worker run a window ahead.
+                    regrant = read + step
+                    credit = control_codec.encode([_wire.CREDIT, read + window, inbox])
+                    await quietly(nc.publish, control, credit)
         finally:
             self._unwatch(stream)
             stream.close()
@@ -324,6 +381,8 @@ class RemoteEngine(Generic[In, Out]):
     def _status_error(self, msg: Msg, ctx: Context[Any], *, started: bool) -> Exception:
         status = (msg.headers or {}).get("Status")
         if status == "503" and not started:
+            if self._on_no_responders is not None:
+                self._on_no_responders("request")
             return ConnectFailed(f"no worker is listening on {self.subject}", request_id=ctx.id)
         return StreamDisconnected(
             f"unexpected status {status!r} on the reply inbox of {self.subject}",
@@ -345,6 +404,8 @@ class RemoteEngine(Generic[In, Out]):
                 control, control_codec.encode([_wire.PING, inbox]), timeout=self._timeouts.ping
             )
         except nats.errors.NoRespondersError as exc:
+            if self._on_no_responders is not None and control == self._control:
+                self._on_no_responders("control")
             cls = StreamDisconnected if started else ConnectFailed
             raise cls(
                 f"worker {worker} is gone (its control subject has no responders)",

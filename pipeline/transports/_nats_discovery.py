@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final
 
 import anyio
 from anyio.abc import TaskStatus
 
 from . import _wire
 from ._nats_client import RemoteEngine
-from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, NatsTimeouts, open_bucket
+from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, open_bucket
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -33,8 +34,21 @@ Out = TypeVar("Out")
 #: how often discovery looks for a reconnection (after which its KV watch must be renewed)
 _RECONNECT_POLL = 0.25
 
-#: worker id -> (its registration as last seen, the engine made for it)
-_Known = dict[str, tuple[bytes, RemoteEngine[In, Out]]]
+
+@final
+class _Registry(Generic[In, Out]):
+    """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""
+
+    __slots__ = ("evicted", "known", "workers")
+
+    def __init__(self, workers: WorkerSet[In, Out]) -> None:
+        self.workers = workers
+        #: worker id -> (its registration as last seen, that entry's revision, its engine)
+        self.known: dict[str, tuple[bytes, int, RemoteEngine[In, Out]]] = {}
+        #: worker id -> the revision of its registration when it was evicted: that entry,
+        #: replayed after a reconnection, must not bring it back; a newer one (the worker
+        #: refreshed it, so it is alive) does
+        self.evicted: dict[str, int] = {}
 
 
 @final
@@ -44,7 +58,12 @@ class NatsDiscovery(Generic[In, Out]):
     Each worker's key holds ``{id, subject, control, model, role}``; a new key adds a
     :class:`RemoteEngine` for it, a deleted key (graceful stop) removes it, an expired key
     (the worker died) removes it and fails its in-flight streams with StreamDisconnected.
-    After a reconnection the watch is renewed and the set re-synchronised. Use either::
+    A worker is also evicted as soon as NATS answers "no responders" for it (a request
+    found nobody on its subject, or a ping nobody on its control subject, when its
+    in-flight streams fail too), without waiting for its key to expire; it comes back
+    when it refreshes its registration, which only a live worker does. After a
+    reconnection the watch is renewed and the set re-synchronised. ``codec``, ``timeouts``
+    and ``window`` are the engines' (see :class:`RemoteEngine`). Use either::
 
         async with discovery.watch(worker_set):   # returns once the set is in sync
             ...
@@ -61,6 +80,7 @@ class NatsDiscovery(Generic[In, Out]):
         codec: Codec | None = None,
         namespace: str = DEFAULT_NAMESPACE,
         timeouts: NatsTimeouts | None = None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self._nc = nc
         self.model = model
@@ -69,6 +89,7 @@ class NatsDiscovery(Generic[In, Out]):
         self._codec = codec
         self._namespace = namespace
         self._timeouts = timeouts
+        self._window = window
         self._filter = f"{_wire.escape_token(model)}.{role}.*"
 
     @asynccontextmanager
@@ -99,7 +120,7 @@ class NatsDiscovery(Generic[In, Out]):
             nats.errors.Error: when the bucket cannot be reached at first (later failures,
                 like a server restart, are retried).
         """
-        known: _Known[In, Out] = {}
+        registry: _Registry[In, Out] = _Registry(worker_set)
         started = False
         while True:
             reconnects = self._nc.stats["reconnects"]
@@ -113,9 +134,7 @@ class NatsDiscovery(Generic[In, Out]):
                 await anyio.sleep(_RECONNECT_POLL)
                 continue
             try:
-                await self._follow(
-                    watcher, worker_set, known, reconnects, None if started else task_status
-                )
+                await self._follow(watcher, registry, reconnects, None if started else task_status)
                 started = True
             finally:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
@@ -127,8 +146,7 @@ class NatsDiscovery(Generic[In, Out]):
     async def _follow(
         self,
         watcher: KeyValue.KeyWatcher,
-        worker_set: WorkerSet[In, Out],
-        known: _Known[In, Out],
+        registry: _Registry[In, Out],
         reconnects: int,
         task_status: TaskStatus[None] | None,
     ) -> None:
@@ -149,32 +167,41 @@ class NatsDiscovery(Generic[In, Out]):
                 continue
             if entry is None:  # the initial replay is complete
                 if snapshot is not None:
-                    for gone in set(known) - snapshot:
-                        self._forget(worker_set, known, gone, lost="its registration is gone")
+                    for gone in set(registry.known) - snapshot:
+                        self._forget(registry, gone, lost="its registration is gone")
                     snapshot = None
                     if task_status is not None:
                         task_status.started()
                         task_status = None
                 continue
-            present = self._apply(worker_set, known, entry)
+            present = self._apply(registry, entry)
             if snapshot is not None and present is not None:
                 snapshot.add(present)
 
-    def _apply(
-        self, worker_set: WorkerSet[In, Out], known: _Known[In, Out], entry: KeyValue.Entry
-    ) -> str | None:
+    def _apply(self, registry: _Registry[In, Out], entry: KeyValue.Entry) -> str | None:
         """Apply one KV entry; the worker id when it is (still) registered."""
         worker_id = entry.key.rsplit(".", 1)[-1]
         if entry.operation == "DEL":
-            self._forget(worker_set, known, worker_id, lost=None)
+            registry.evicted.pop(worker_id, None)
+            self._forget(registry, worker_id, lost=None)
             return None
         if entry.operation is not None:  # PURGE: an expired TTL, or purged by an operator
-            self._forget(worker_set, known, worker_id, lost="its discovery key expired")
+            registry.evicted.pop(worker_id, None)
+            self._forget(registry, worker_id, lost="its discovery key expired")
             return None
+        revision = entry.revision or 0
+        evicted = registry.evicted.get(worker_id)
+        if evicted is not None:
+            if revision <= evicted:
+                return None  # the registration it had when it was evicted, replayed
+            del registry.evicted[worker_id]
+            logger.info("discovery of %s: evicted worker %s is back", self.model, worker_id)
         value = entry.value or b""
-        previous = known.get(worker_id)
+        previous = registry.known.get(worker_id)
         if previous is not None and previous[0] == value:
-            return worker_id  # a TTL refresh: a new revision of the same value
+            # A TTL refresh: a new revision of the same value.
+            registry.known[worker_id] = (value, revision, previous[2])
+            return worker_id
         try:
             info = json.loads(value)
             if info["id"] != worker_id:
@@ -187,33 +214,57 @@ class NatsDiscovery(Generic[In, Out]):
                 codec=self._codec,
                 namespace=self._namespace,
                 timeouts=self._timeouts,
+                window=self._window,
+                on_no_responders=functools.partial(self._evict, registry, worker_id),
             )
         except (ValueError, KeyError, TypeError) as exc:
             logger.warning("discovery: ignoring malformed registration %r: %r", value, exc)
             return None
-        known[worker_id] = (value, engine)
-        worker_set.add(worker_id, engine)
+        registry.known[worker_id] = (value, revision, engine)
+        registry.workers.add(worker_id, engine)
         logger.info("discovery of %s: worker %s joined", self.model, worker_id)
         return worker_id
 
+    def _evict(
+        self,
+        registry: _Registry[In, Out],
+        worker_id: str,
+        subject: Literal["request", "control"],
+    ) -> None:
+        """NATS found nobody on a subject of ``worker_id``: take it out of the set now.
+
+        Called by the worker's engine before its stream raises, so the retry that follows
+        sees the set without it. Nobody on the control subject means the whole worker is
+        gone: its other in-flight streams fail too. Nobody on the request subject may be a
+        worker draining before it leaves: its in-flight streams go on.
+        """
+        previous = registry.known.get(worker_id)
+        if previous is None:
+            return  # already evicted, or removed meanwhile
+        registry.evicted[worker_id] = previous[1]
+        lost = f"its {subject} subject has no responders"
+        self._forget(registry, worker_id, lost=lost, abort=subject == "control")
+
     def _forget(
         self,
-        worker_set: WorkerSet[In, Out],
-        known: _Known[In, Out],
+        registry: _Registry[In, Out],
         worker_id: str,
         *,
         lost: str | None,
+        abort: bool = True,
     ) -> None:
-        """Remove a worker this discovery added; when ``lost``, fail its in-flight streams."""
-        previous = known.pop(worker_id, None)
+        """Remove a worker this discovery added; when ``lost`` (and ``abort``), fail its
+        in-flight streams."""
+        previous = registry.known.pop(worker_id, None)
         if previous is None:
             return
-        worker_set.remove(worker_id)
+        registry.workers.remove(worker_id)
         if lost is None:
             logger.info("discovery of %s: worker %s left", self.model, worker_id)
         else:
             logger.warning("discovery of %s: worker %s lost: %s", self.model, worker_id, lost)
-            previous[1].abort(f"worker {worker_id} lost: {lost}")
+            if abort:
+                previous[2].abort(f"worker {worker_id} lost: {lost}")
 
     def __repr__(self) -> str:
         return f"NatsDiscovery(model={self.model!r}, role={self.role!r})"

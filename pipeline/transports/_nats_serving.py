@@ -20,11 +20,19 @@ busy worker). What it holds goes out as one BATCH message (one output: DATA)
 
 A batch over the server's payload limit is split in halves; an output that cannot be
 encoded fails the stream (EngineError) after the outputs before it went out.
+
+Flow control (wire version 3). A client that sent a ``window`` has granted that many
+outputs; the server sends no more than the client granted. When it pulls an output past
+the credit it sends the ones before it, holds that one, and waits for a CREDIT without
+asking the engine for more (an async generator that is not iterated is paused, which is
+all the back-pressure an engine needs). The check is one comparison per output; the wait
+costs nothing until it happens.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
@@ -59,6 +67,8 @@ MAX_BATCH: Final = 32
 #: the longest (seconds) a ready output is held back for the ones after it
 MAX_HOLD: Final = 0.005
 
+_HEARTBEAT_HEADERS: Final = {_wire.HEARTBEAT: "1"}
+
 
 @final
 class Served:
@@ -66,12 +76,15 @@ class Served:
 
     __slots__ = (
         "beat",
+        "beats_out_of_band",
+        "credit",
         "ctx",
         "gone",
         "held",
         "held_since",
         "inbox",
         "kill_early",
+        "limit",
         "reply",
         "seq",
         "shutdown",
@@ -90,6 +103,16 @@ class Served:
         self.kill_early = False
         self.held: list[Any] = []  # outputs ready but not sent yet
         self.held_since = 0.0  # when the oldest of them was produced (time.monotonic)
+        self.limit: float = math.inf  # outputs the client granted in all (flow control)
+        self.credit: anyio.Event | None = None  # set when more is granted, while waiting
+        self.beats_out_of_band = False  # heartbeats without a sequence number (wire 3)
+
+    def grant(self, total: int) -> None:
+        """The client granted ``total`` outputs in all (a CREDIT); stale grants are no-ops."""
+        if total > self.limit:
+            self.limit = total
+            if self.credit is not None:
+                self.credit.set()
 
     def stop(self) -> None:
         if self.ctx is None:
@@ -111,7 +134,17 @@ class StreamServer(Generic[In, Out]):
     It also keeps the worker's counts of what was sent, and of clients that went away.
     """
 
-    __slots__ = ("_codec", "_engine", "clients_gone", "messages", "nc", "outputs", "worker_id")
+    __slots__ = (
+        "_codec",
+        "_engine",
+        "clients_gone",
+        "messages",
+        "nc",
+        "outputs",
+        "paused",
+        "pauses",
+        "worker_id",
+    )
 
     def __init__(self, engine: Engine[In, Out], codec: Codec, worker_id: str) -> None:
         self._engine = engine
@@ -125,6 +158,10 @@ class StreamServer(Generic[In, Out]):
         self.outputs = 0
         #: requests cut short because the client cancelled or vanished
         self.clients_gone = 0
+        #: streams waiting for their client's credit now
+        self.paused = 0
+        #: times a stream waited for its client's credit
+        self.pauses = 0
 
     def client_gone(self, served: Served) -> None:
         """The client of ``served`` cancelled or vanished: kill it and send nothing more."""
@@ -144,7 +181,12 @@ class StreamServer(Generic[In, Out]):
                 metadata=request["metadata"],
                 deadline=None if timeout is None else anyio.current_time() + max(0.0, timeout),
             )
-            batching = request.get("wire", 1) >= 2
+            wire = request.get("wire", 1)
+            batching = wire >= 2
+            window = request.get("window")
+            if batching and window is not None:  # (flow control rides on the batching pump)
+                served.limit = max(1, int(window))
+            served.beats_out_of_band = wire >= 3
         except Exception as exc:
             undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
             await self.send(served, _wire.ERR, _wire.error_body(undecodable, ""))
@@ -180,6 +222,16 @@ class StreamServer(Generic[In, Out]):
         elif not ctx.is_killed:  # killed by its deadline: the client gave up at the same time
             await self.send(served, _wire.END, None)
 
+    async def abandon(self, served: Served) -> None:
+        """End a stream whose task was cancelled mid-way with an ERR (StreamDisconnected).
+
+        Outputs still held are dropped: the client replays what it received.
+        """
+        served.held.clear()
+        request_id = served.ctx.id if served.ctx is not None else ""
+        lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)
+        await self.send(served, _wire.ERR, _wire.error_body(lost, request_id))
+
     async def _pump(self, served: Served, stream: AsyncIterator[Any]) -> None:
         """Move ``stream``'s outputs into batches until it ends (see the module docstring)."""
         held = served.held
@@ -193,17 +245,58 @@ class StreamServer(Generic[In, Out]):
         except StopAsyncIteration:
             return
         await self.send(served, DATA, first)  # never held: the time to first token is as before
+        pulled = 1  # outputs taken from the engine
         while True:
             try:
                 item = await (next_or_wait(next_item(), flush) if held else next_item())
             except StopAsyncIteration:
                 return
+            pulled += 1
             now = time.monotonic()
             if not held:
                 served.held_since = now
             held.append(item)
-            if len(held) >= MAX_BATCH or now - served.held_since >= MAX_HOLD:
+            if pulled > served.limit:
+                await self._wait_for_credit(served, pulled)
+            elif len(held) >= MAX_BATCH or now - served.held_since >= MAX_HOLD:
                 await self._flush(served)
+
+    async def _wait_for_credit(self, served: Served, pulled: int) -> None:
+        """The output just pulled is one past the client's credit: send the ones before it,
+        then hold it until the client has granted it.
+
+        (Pulling it first means a stream that ends exactly at its credit ends without a
+        round trip.) A kill (the client went away, a shutdown) cancels the wait with the
+        stream.
+        """
+        over = served.held.pop()
+        await self._flush(served)
+        served.held.append(over)
+        served.held_since = time.monotonic()
+        self.pauses += 1
+        self.paused += 1
+        try:
+            while pulled > served.limit:
+                served.credit = anyio.Event()
+                await served.credit.wait()
+        finally:
+            served.credit = None
+            self.paused -= 1
+
+    async def heartbeat(self, served: Served) -> None:
+        """Tell a quiet stream's client that the worker is alive (and learn if it is not)."""
+        nc = self.nc
+        if not served.beats_out_of_band:
+            await self.send(served, _wire.HB, None)
+        elif not served.gone and nc is not None:
+            self.messages += 1
+            try:
+                # Published with the reply subject like a frame: a vanished client is
+                # noticed by its "no responders" (NatsWorker._on_gone).
+                await nc.publish(served.inbox, b"", reply=served.reply, headers=_HEARTBEAT_HEADERS)
+            except nats.errors.Error as exc:
+                logger.warning("worker %s cannot reach its client: %r", self.worker_id, exc)
+                self.client_gone(served)
 
     async def _flush(self, served: Served) -> None:
         """Send the outputs ``served`` holds, in one message."""

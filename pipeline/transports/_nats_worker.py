@@ -56,8 +56,10 @@ class NatsWorkerStatistics(NamedTuple):
     in_flight: int  #: requests being served now
     requests: int  #: requests accepted since the worker started
     clients_gone: int  #: requests cut short because the client cancelled or vanished
-    messages: int  #: stream messages published (START, DATA, BATCH, END, ERR, HB)
+    messages: int  #: stream messages published (START, DATA, BATCH, END, ERR, heartbeats)
     outputs: int  #: outputs published (one per DATA, several per BATCH)
+    paused: int  #: streams waiting for their client's credit now (flow control)
+    pauses: int  #: times a stream waited for its client's credit
 
 
 @final
@@ -73,10 +75,12 @@ class NatsWorker(Generic[In, Out]):
 
     Entering subscribes and registers the worker for discovery; a normal exit (after
     :meth:`stop`) is a graceful shutdown: deregister, stop taking requests, let in-flight
-    ones finish for up to ``timeouts.drain`` seconds, then cut off the rest (their clients
-    get StreamDisconnected and migrate). Exiting by an exception or cancellation skips the
-    wait. Pass ``nc`` (a connected client, left open) or ``url`` (connected and closed
-    here). ``register=False`` serves without discovery (no JetStream needed).
+    ones finish for up to ``timeouts.drain`` seconds, then cut off the rest. Exiting by an
+    exception or cancellation (a drain cut short) skips the wait. Either way every stream
+    cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
+    instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected
+    client, left open) or ``url`` (connected and closed here). ``register=False`` serves
+    without discovery (no JetStream needed).
     """
 
     def __init__(
@@ -176,6 +180,8 @@ class NatsWorker(Generic[In, Out]):
             clients_gone=self._streams.clients_gone,
             messages=self._streams.messages,
             outputs=self._streams.outputs,
+            paused=self._streams.paused,
+            pauses=self._streams.pauses,
         )
 
     @asynccontextmanager
@@ -311,7 +317,7 @@ class NatsWorker(Generic[In, Out]):
             await anyio.sleep(interval)
             for served in list(self._served.values()):
                 if served.ctx is not None and served.seq == served.beat and not served.gone:
-                    await self._streams.send(served, _wire.HB, None)
+                    await self._streams.heartbeat(served)
                 served.beat = served.seq
 
     # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
@@ -343,7 +349,10 @@ class NatsWorker(Generic[In, Out]):
         served = self._served.get(args[-1]) if args else None
         if served is None:
             return
-        if op == _wire.KILL:
+        if op == _wire.CREDIT:
+            if isinstance(args[0], int):
+                served.grant(args[0])
+        elif op == _wire.KILL:
             self._streams.client_gone(served)
         elif op == _wire.STOP:
             served.stop()
@@ -357,11 +366,19 @@ class NatsWorker(Generic[In, Out]):
     # -- serving one request
 
     async def _serve_one(self, served: Served, data: bytes) -> None:
+        cut_off = True  # until serve() returns or fails: only a cancellation leaves it set
         try:
             await self._streams.serve(served, data)
+            cut_off = False
         except Exception:  # a bug here must not take the other requests down
+            cut_off = False
             logger.exception("worker %s failed serving a request", self.worker_id)
         finally:
+            if cut_off:
+                # Cancelled: a drain cut short (a second signal), or the worker itself
+                # cancelled. Its client hears it now, not at its next idle ping.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                    await self._streams.abandon(served)
             del self._served[served.inbox]
             del self._by_reply[served.reply]
             if not self._served and self._drained is not None:

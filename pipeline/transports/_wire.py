@@ -4,12 +4,15 @@ Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
 
     {ns}.model.{model}.{role}     requests, load-balanced over a queue group of that name
     {ns}.worker.{worker_id}       requests for one worker (direct routing)
-    {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox], [PING, inbox]
+    {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox], [PING, inbox],
+                                  [CREDIT, outputs granted in all, reply inbox]
 
-A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata", "wire"}``,
-``wire`` being the highest wire version the client reads (absent: 1). Each request is
-published with a fresh reply inbox; the worker answers on it with one frame per message,
-``[seq, kind, body]``, ``seq`` counting the messages from 0 with no gaps::
+A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata", "wire",
+"window"}``, ``wire`` being the highest wire version the client reads (absent: 1) and
+``window`` how many outputs the worker may send before the client grants more (absent:
+no limit). Each request is published with a fresh reply inbox; the worker answers on it
+with one frame per message, ``[seq, kind, body]``, ``seq`` counting the messages from 0
+with no gaps::
 
     START  body: the worker id          first frame, sent before the engine runs
     DATA   body: one output
@@ -23,6 +26,18 @@ Wire version 2 adds BATCH: outputs the engine had ready together share one messa
 the client hands them on one by one, so what the stream yields is the same item
 sequence whichever way the outputs were grouped. A worker sends BATCH only to a client
 whose request says ``"wire": 2`` or more, so either side may be one version behind.
+
+Wire version 3 adds flow control, because core NATS has none: a client that reads slowly
+would otherwise buffer whatever the worker sends. The request's ``window`` is the
+client's first credit, in outputs; as its consumer reads, the client raises the total
+with CREDIT control messages (one per half window read, not one per token), and a
+worker that has sent all it may stops pulling outputs from its engine until more credit
+comes. So a stream's outputs received but not read never exceed ``window``. Heartbeats
+to a wire-3 client are out of band (an empty message with the :data:`HEARTBEAT` header,
+no sequence number): the client counts them as signs of life and never queues them, so a
+paused stream's heartbeats do not pile up either. A worker one version behind ignores the
+window and the CREDIT messages (no flow control, as before); a client one version behind
+sends no window and gets HB frames.
 """
 
 from __future__ import annotations
@@ -34,13 +49,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
-import nats
 import nats.errors
 import nats.js.errors
+from nats.aio.client import Client as NatsClient
 from nats.js.api import KeyValueConfig
 
 from pipeline import errors
-from pipeline.errors import EngineError, InvalidRequest, RequestError
+from pipeline.errors import ConnectFailed, EngineError, InvalidRequest, RequestError
 
 from .codec import MsgpackCodec
 
@@ -52,12 +67,16 @@ if TYPE_CHECKING:
 
 __all__ = (
     "BATCH",
+    "CONNECT_TIMEOUT",
+    "CREDIT",
     "DATA",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
+    "DEFAULT_WINDOW",
     "END",
     "ERR",
     "HB",
+    "HEARTBEAT",
     "KILL",
     "KNOWN",
     "MARKER_TTL",
@@ -98,11 +117,17 @@ HB: Final = 4
 BATCH: Final = 5
 
 #: the wire version this side speaks (see the module docstring)
-WIRE_VERSION: Final = 2
+WIRE_VERSION: Final = 3
 
 STOP: Final = "stop"
 KILL: Final = "kill"
 PING: Final = "ping"
+CREDIT: Final = "credit"
+
+#: the header of an out-of-band heartbeat (wire version 3)
+HEARTBEAT: Final = "Llm-Pipeline-Heartbeat"
+#: how many outputs a client lets a worker send ahead of its consumer, by default
+DEFAULT_WINDOW: Final = 256
 
 #: the roles a worker may announce in discovery
 ROLES: Final = ("aggregated", "prefill", "decode", "encode")
@@ -245,17 +270,54 @@ class NatsTimeouts:
             raise ValueError(f"NatsTimeouts.ttl must be >= 1 (NATS message TTLs), got {self.ttl}")
 
 
-async def connect(url: str | list[str], *, name: str | None = None) -> Client:
-    """A NATS connection for serving or discovery: it reconnects forever, every 0.5 s.
+#: how long :func:`connect` tries to reach a NATS server before ConnectFailed (seconds)
+CONNECT_TIMEOUT: Final = 10.0
 
-    Workers and frontends outlive server restarts; a connection that gives up would not.
+
+async def connect(
+    url: str | list[str], *, name: str | None = None, give_up_after: float = CONNECT_TIMEOUT
+) -> Client:
+    """A NATS connection for serving or discovery: once connected, it reconnects forever.
+
+    Workers and frontends outlive server restarts (it retries every 0.5 s); a connection
+    that gave up would not. The first connection, though, is bounded: no server at ``url``
+    within ``give_up_after`` seconds is a mistake to report, not to wait out.
 
     Raises:
-        nats.errors.NoServersError: when no server at ``url`` answers at first.
+        ConnectFailed: when no server at ``url`` accepted the connection within
+            ``give_up_after`` seconds (an unreachable address, an authorization failure), or
+            ``url`` is malformed; chained from nats-py's last error.
     """
-    return await nats.connect(
-        url, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5, connect_timeout=2
-    )
+    nc = NatsClient()
+    try:
+        with anyio.fail_after(give_up_after):
+            await nc.connect(
+                url,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds, annotated int
+                connect_timeout=2,
+            )
+    except TimeoutError as exc:
+        last = nc.last_error
+        await _abandon(nc)
+        raise ConnectFailed(
+            f"no NATS server accepted a connection at {url} within {give_up_after:g}s"
+            + ("" if last is None else f" (last error: {last!r})")
+        ) from (last or exc)
+    except (nats.errors.Error, OSError) as exc:  # a malformed URL
+        await _abandon(nc)
+        raise ConnectFailed(f"cannot connect to NATS at {url}: {exc}") from exc
+    return nc
+
+
+async def _abandon(nc: Client) -> None:
+    """Close a client whose first connection failed (it may hold a half-open socket)."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+        try:
+            await nc.close()
+        except Exception as exc:  # nats-py asserts when the URL never parsed
+            logger.debug("closing a client that never connected: %r", exc)
 
 
 async def settle(nc: Client) -> None:

@@ -12,7 +12,9 @@
   each gets its Context rebuilt (id, payload, deadline, metadata) and is streamed back as
   frames ``[seq, kind, body]`` (START, DATA, BATCH, END, ERR, HB; see ``_wire``). Outputs
   the engine has ready together share one BATCH message; the worker sends what it holds
-  the moment the engine would wait (see ``_nats_serving``).
+  the moment the engine would wait (see ``_nats_serving``). It sends at most the credit
+  its client granted (flow control), and a stream it cuts off (a drain that ran out or
+  was cut short) ends with an ERR frame, so its client migrates it at once.
 * :class:`RemoteEngine` is the client half, an Engine like any other. Errors raised by the
   remote engine come back as the same :mod:`pipeline.errors` type; transport failures
   become :class:`~pipeline.WorkerLost` (``ConnectFailed`` before the stream started,
@@ -20,16 +22,20 @@
   Migration retries them elsewhere.
 * :class:`NatsDiscovery` follows a JetStream KV bucket and keeps a
   :class:`~pipeline.WorkerSet` current: workers appear when they register, leave when they
-  stop gracefully, and are declared lost (their in-flight streams fail) when their key's
-  TTL runs out.
+  stop gracefully, are evicted at the first "no responders" for them, and are declared
+  lost (their in-flight streams fail) when their key's TTL runs out.
+* :func:`connect` makes the connection workers and frontends use: reconnecting forever
+  once connected, :class:`~pipeline.ConnectFailed` when the first connection does not
+  succeed within ``give_up_after`` seconds.
 
 Cancellation travels both ways. The client's stop and kill are control messages to the
 worker's control subject. A client that vanished is noticed by the worker on its next
 frame: frames are published with a reply subject, so NATS answers "no responders" when
-nobody listens on the client's inbox any more; idle streams get heartbeat frames, so that
-also happens while the engine is silent. A worker that vanished is noticed by the client
-when a stream goes quiet: it pings the worker's control subject, and a dead worker has no
-responders (a slow one answers, so a long prefill is never mistaken for a death).
+nobody listens on the client's inbox any more; idle streams get heartbeats, so that also
+happens while the engine is silent or the stream waits for credit. A worker that
+vanished is noticed by the client when a stream goes quiet: it pings the worker's control
+subject, and a dead worker has no responders (a slow one answers, so a long prefill is
+never mistaken for a death).
 
 A worker process and a frontend, in full::
 
@@ -58,19 +64,24 @@ from __future__ import annotations
 
 from ._nats_client import NatsEngine as NatsEngine
 from ._nats_client import RemoteEngine as RemoteEngine
+from ._nats_client import RemoteEngineStatistics as RemoteEngineStatistics
 from ._nats_discovery import NatsDiscovery as NatsDiscovery
 from ._nats_worker import NatsWorker as NatsWorker
 from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
 from ._nats_worker import serve as serve
+from ._wire import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
 from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
+from ._wire import DEFAULT_WINDOW as DEFAULT_WINDOW
 from ._wire import ROLES as ROLES
 from ._wire import NatsTimeouts as NatsTimeouts
 from ._wire import connect as connect
 
 __all__ = (
+    "CONNECT_TIMEOUT",
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
+    "DEFAULT_WINDOW",
     "ROLES",
     "NatsDiscovery",
     "NatsEngine",
@@ -78,6 +89,7 @@ __all__ = (
     "NatsWorker",
     "NatsWorkerStatistics",
     "RemoteEngine",
+    "RemoteEngineStatistics",
     "connect",
     "serve",
 )

@@ -366,6 +366,59 @@ async def test_workers_join_and_leave_while_traffic_flows(
     assert "Traceback" not in log
 
 
+#: slow enough that the long requests outlive the drain and the short ones do not
+DRAINED = ["--echo-delay-ms", "25", "--drain-timeout", "0.6"]
+
+
+@pytest.mark.parametrize("cut", ["drain-timeout", "second-signal"])
+@workers(w1=DRAINED, w2=DRAINED)
+async def test_a_worker_sigtermed_under_load_is_invisible(
+    deployment: Deployment, local_echo: ServerProcess, cut: str
+) -> None:
+    # Short requests (about 6 tokens) finish within the drain; long ones (60) outlive it
+    # and are cut off: by the drain timeout, or at once by a second SIGTERM.
+    requests = [
+        {**body, "max_tokens": 60 if i % 4 < 2 else 6}  # each worker gets both kinds
+        for i, body in enumerate(load_requests(12, stops=False))
+    ]
+    async with client(local_echo) as api:
+        want = [await chat_stream(api, **body) for body in requests]
+    got: list[dict[str, Any] | None] = [None] * len(requests)
+    started = [anyio.Event() for _ in requests]
+    leaving = deployment.workers["w1"]
+    async with client(deployment.server, timeout=8) as api:
+
+        async def run(i: int) -> None:
+            got[i] = await chat_stream(api, started=started[i], **requests[i])
+
+        with anyio.fail_after(8):  # a hung stream fails the test here
+            async with anyio.create_task_group() as tg:
+                for i in range(len(requests)):
+                    tg.start_soon(run, i)
+                for event in started:
+                    await event.wait()
+                leaving.signal(signal.SIGTERM)
+                if cut == "second-signal":
+                    await wait_until(lambda: "deregisters and drains" in leaving.stderr(), 3)
+                    leaving.signal(signal.SIGTERM)
+                code = await anyio.to_thread.run_sync(leaving.wait)
+    assert got == want
+    assert code == 0
+    ended = {how for _, how in leaving.served()}
+    if cut == "drain-timeout":
+        assert ended == {"finished", "cancelled"}  # drained, and cut off
+    else:
+        assert "cancelled" in ended
+    # Every stream cut off was migrated because the worker said so (its ERR frame), not
+    # because the frontend found the silence at its idle ping.
+    lost = re.findall(
+        r"worker lost at \w+ after \d+ tokens \((.*?)\); retrying", deployment.server.stderr()
+    )
+    assert lost
+    assert set(lost) == {"worker w1 shut down"}
+    assert "Traceback" not in leaving.stderr()
+
+
 @workers(slow=["--echo-delay-ms", "20", "--echo-cycle"])
 async def test_a_client_that_goes_away_stops_its_worker(deployment: Deployment) -> None:
     server, worker = deployment.server, deployment.workers["slow"]
@@ -449,3 +502,38 @@ async def test_disaggregated_roles_across_processes_answer_like_one_aggregated_s
     assert len(served["prefill-1"]) == 6
     assert len(served["decode-1"]) == 4  # max_tokens=1 needs no decode
     assert {how for ended in served.values() for _, how in ended} == {"finished"}
+
+
+@workers(
+    **{
+        "prefill-a": [*MOCKER, *SECRET, "--role", "prefill"],
+        "prefill-b": [*MOCKER, *SECRET, "--role", "prefill"],
+        "encode-a": [*MOCKER, *SECRET, "--role", "encode"],
+        "encode-b": [*MOCKER, *SECRET, "--role", "encode"],
+        "decode-1": [*MOCKER, *SECRET, "--role", "decode"],
+    }
+)
+async def test_killed_prefill_and_encode_workers_are_evicted_at_the_first_no_responders(
+    deployment: Deployment, local_mocker: ServerProcess
+) -> None:
+    picture = [{"type": "text", "text": "what is in this picture?"}, image_part()]
+    bodies = [
+        {"messages": [{"role": "user", "content": picture}], "max_tokens": 12},
+        {"messages": [{"role": "user", "content": "a longer one"}], "max_tokens": 16},
+    ] * 4
+    async with client(local_mocker) as api:
+        want = [await chat_stream(api, **body) for body in bodies]
+    for worker_id in ("prefill-a", "encode-a"):  # kill -9: their keys outlive the test
+        deployment.workers[worker_id].process.kill()
+        deployment.workers[worker_id].wait()
+    async with client(deployment.server) as api:
+        got = [await chat_stream(api, **body) for body in bodies]
+    assert got == want
+    log = deployment.server.stderr()
+    # The plain round-robin routers met each dead worker once: evicted there, never again.
+    for worker_id in ("prefill-a", "encode-a"):
+        lost = re.findall(rf"worker {worker_id} lost: (.*)", log)
+        assert lost == ["its request subject has no responders"]
+    assert len(re.findall(r"encode worker failed", log)) <= 1  # inline encoding, once
+    retried = 'llm_pipeline_migrations_total{kind="connect",outcome="retried"}'
+    assert await metric(deployment.server, retried) <= 1

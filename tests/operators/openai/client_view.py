@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import openai
 
 __all__ = ("chat_once", "chat_stream")
@@ -20,13 +21,18 @@ def _entries(content: Any) -> list[Any]:
     ]
 
 
-async def chat_stream(api: openai.AsyncOpenAI, **request: Any) -> dict[str, Any]:
-    """A streamed chat (with usage) as the client sees it."""
+async def chat_stream(
+    api: openai.AsyncOpenAI, *, started: anyio.Event | None = None, **request: Any
+) -> dict[str, Any]:
+    """A streamed chat (with usage) as the client sees it; ``started`` is set at its first
+    chunk."""
     stream = await api.chat.completions.create(
         model="echo", stream=True, stream_options={"include_usage": True}, **request
     )
     text, finishes, tokens, usage = "", [], [], None
     async for chunk in stream:
+        if started is not None:
+            started.set()
         if chunk.usage is not None:
             usage = chunk.usage.model_dump()
         for choice in chunk.choices:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -33,6 +34,8 @@ from pipeline import (
     EngineError,
     FunctionEngine,
     InvalidRequest,
+    LeastLoaded,
+    Random,
     ResponseTimeout,
     RoundRobin,
     Router,
@@ -51,6 +54,7 @@ from pipeline.transports.nats import (
     RemoteEngine,
     serve,
 )
+from pipeline.transports.nats import connect as connect_nats
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
@@ -364,14 +368,49 @@ async def test_a_stop_cuts_off_what_outlives_the_drain_deadline(
     assert "shut down" in ended[1]
 
 
+@pytest.mark.parametrize("when", ["serving", "draining"])
+async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
+    nc: Client, worker_nc: Client, when: str
+) -> None:
+    engine: ScriptedEngine[str] = ScriptedEngine(["a"], then="hang")
+    # The client never pings within the test: only a frame from the worker can end it.
+    patient: RemoteEngine[str, str] = RemoteEngine(nc, model="m", timeouts=NatsTimeouts(idle=60.0))
+    workers: WorkerSet[Any, str] = WorkerSet("m")
+    worker_scope = anyio.CancelScope()
+
+    async def run_worker(*, task_status: anyio.abc.TaskStatus[NatsWorker[Any, Any]]) -> None:
+        with worker_scope:
+            timeouts = NatsTimeouts(ttl=1, drain=60.0)
+            await serve(engine, nc=worker_nc, model="m", timeouts=timeouts).run(
+                task_status=task_status
+            )
+
+    async def cut_off(worker: NatsWorker[Any, Any]) -> None:
+        await engine.hanging.wait()
+        if when == "draining":
+            worker.stop()
+            await wait_until(lambda: worker.worker_id not in workers)  # it deregistered
+        worker_scope.cancel()  # a second Ctrl-C: the drain (or the serving) is cut short
+
+    async with NatsDiscovery(nc, model="m").watch(workers), anyio.create_task_group() as tg:
+        worker = await tg.start(run_worker)
+        tg.start_soon(cut_off, worker)
+        items, ended = await outcome(patient, make_context("request"))
+    assert items == ["a"]
+    assert ended is not None
+    assert ended[0] is StreamDisconnected
+    assert "shut down" in ended[1]
+    assert engine.requests[0].is_killed or engine.closed_early
+
+
 # -- dead workers: kill -9 ---------------------------------------------------------------------
 
 
 @asynccontextmanager
-async def worker_process(url: str, worker_id: str) -> AsyncIterator[Process]:
+async def worker_process(url: str, worker_id: str, ttl: float = 1) -> AsyncIterator[Process]:
     """``worker_process.py`` serving Countdown as ``worker_id``; killed on exit."""
     process = await anyio.open_process(
-        [sys.executable, str(HERE / "worker_process.py"), url, worker_id, "1"],
+        [sys.executable, str(HERE / "worker_process.py"), url, worker_id, str(ttl)],
         cwd=ROOT,
         stderr=None,
     )
@@ -485,6 +524,124 @@ async def test_migration_finishes_a_killed_workers_stream_on_another_worker(
     assert "".join(output.text for output in outputs) == "".join(map(chr, SCRIPT))
     assert events == [("stream", "retried")]
     assert survivor.requests[0].replayed_tokens >= 5
+
+
+# -- eviction: a dead worker leaves its WorkerSet at the first "no responders" ------------------
+
+#: a registration that outlives every test: only eviction can take a dead worker out
+LONG_TTL = 30
+
+
+def graph_over(
+    workers: WorkerSet[PreprocessedRequest, EngineOutput],
+    policy: Any,
+    events: list[tuple[str, str]],
+    limit: int,
+) -> Any:
+    return link(
+        Migration(limit=limit, on_event=lambda where, what: events.append((where, what))),
+        Backend(CharTokenizer()),
+        Router(workers, policy),
+    )
+
+
+def text(outputs: list[BackendOutput]) -> str:
+    return "".join(output.text for output in outputs)
+
+
+@pytest.mark.parametrize(
+    "policy", [RoundRobin(), Random(seed=3), LeastLoaded()], ids=lambda p: type(p).__name__
+)
+async def test_a_dead_worker_is_evicted_by_the_first_request_that_finds_it_gone(
+    nats_server: NatsServer, nc: Client, worker_nc: Client, policy: Any
+) -> None:
+    workers: WorkerSet[PreprocessedRequest, EngineOutput] = WorkerSet(MODEL)
+    events: list[tuple[str, str]] = []
+    survivor = Countdown(delay=0.001)
+    async with (
+        NatsDiscovery(nc, model=MODEL, codec=CODEC).watch(workers),
+        worker_process(nats_server.url, "doomed", ttl=LONG_TTL) as process,
+        serving(survivor, worker_nc, model=MODEL, codec=CODEC, worker_id="survivor"),
+    ):
+        await wait_until(lambda: "doomed" in workers and "survivor" in workers)
+        process.kill()
+        await process.wait()
+        # One retry in all: once a request found the dead worker gone, no other request
+        # and no retry is sent there (Migration allows a request one retry only).
+        graph = graph_over(workers, policy, events, limit=1)
+        for _ in range(8):
+            assert text(await collect(graph, make_context(request()))) == "".join(map(chr, SCRIPT))
+        assert "doomed" not in workers
+    assert events == [("connect", "retried")]
+    assert len(survivor.requests) == 8
+
+
+async def test_a_dead_worker_found_by_a_ping_is_evicted_and_its_streams_migrate_at_once(
+    nats_server: NatsServer, nc: Client, worker_nc: Client
+) -> None:
+    workers: WorkerSet[PreprocessedRequest, EngineOutput] = WorkerSet(MODEL)
+    events: list[tuple[str, str]] = []
+    survivor = Countdown(delay=0.001)
+    graph = graph_over(workers, RoundRobin(), events, limit=3)
+    texts: list[str] = []
+    async with (
+        NatsDiscovery(nc, model=MODEL, codec=CODEC).watch(workers),
+        worker_process(nats_server.url, "doomed", ttl=LONG_TTL) as process,
+    ):
+        await wait_until(lambda: "doomed" in workers)
+        flowing = [anyio.Event() for _ in range(3)]
+
+        async def consume(flowing: anyio.Event) -> None:
+            outputs: list[BackendOutput] = []
+            async with open_stream(graph, make_context(request())) as stream:
+                async for output in stream:
+                    outputs.append(output)
+                    if len(outputs) == 3:
+                        flowing.set()
+            texts.append(text(outputs))
+
+        async with anyio.create_task_group() as tg:
+            for event in flowing:  # all three on the doomed worker, its set's only member
+                tg.start_soon(consume, event)
+            for event in flowing:
+                await event.wait()
+            async with serving(survivor, worker_nc, model=MODEL, codec=CODEC, worker_id="survivor"):
+                await wait_until(lambda: "survivor" in workers)
+                process.kill()
+                await process.wait()
+                await wait_until(lambda: len(texts) == 3)
+                # Out at the first ping, long before its key (30 s) would have expired.
+                assert "doomed" not in workers
+    assert texts == ["".join(map(chr, SCRIPT))] * 3
+    # One retry each, all on the survivor: the first ping evicted the worker and failed
+    # the other two streams with it.
+    assert events == [("stream", "retried")] * 3
+    assert len(survivor.requests) == 3
+
+
+async def test_an_evicted_worker_that_is_alive_comes_back_when_it_refreshes(
+    nc: Client, worker_nc: Client
+) -> None:
+    workers: WorkerSet[Any, str] = WorkerSet("m")
+    timeouts = NatsTimeouts(ttl=1)
+    async with (
+        NatsDiscovery(nc, model="m").watch(workers),
+        serving(ScriptedEngine(["a"]), worker_nc, worker_id="w1", timeouts=timeouts) as worker,
+    ):
+        await wait_until(lambda: "w1" in workers)
+        engine = workers.members[0].engine
+        # Its request subscription goes away (as while a server restarts): evicted at once.
+        subscription = next(
+            sub for sub in worker_nc._subs.values() if sub.subject == worker.subject
+        )
+        await subscription.unsubscribe()
+        await settle(worker_nc)
+        with pytest.raises(ConnectFailed):
+            await collect(engine, make_context("x"))
+        assert "w1" not in workers
+        # It refreshes its registration (every ttl/3): only a live worker does that.
+        await wait_until(lambda: "w1" in workers, within=2.0)
+        assert await collect(RemoteEngine(nc, model="m"), make_context("x")) == ["a"]
 
 
 # -- discovery ---------------------------------------------------------------------------------
@@ -605,3 +762,40 @@ def test_bad_arguments_are_named() -> None:
     client = nats.NATS()
     with pytest.raises(ValueError, match=r"model= .* or worker_id="):
         RemoteEngine(client)
+    with pytest.raises(ValueError, match="window must be >= 1"):
+        RemoteEngine(client, model="m", window=0)
+
+
+# -- connecting --------------------------------------------------------------------------------
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+async def test_connect_gives_up_at_its_deadline_with_connect_failed() -> None:
+    url = f"nats://127.0.0.1:{unused_port()}"
+    before = len(anyio.get_running_tasks())
+    with pytest.raises(ConnectFailed, match=r"no NATS server .* within 0\.3s") as raised:
+        await connect_nats(url, give_up_after=0.3)
+    assert raised.value.__cause__ is not None  # the last connection error, chained
+    assert raised.value.request_id is None
+    await wait_until(lambda: len(anyio.get_running_tasks()) <= before)
+
+
+async def test_connect_reports_a_malformed_url_at_once() -> None:
+    with anyio.fail_after(1.0), pytest.raises(ConnectFailed, match="cannot connect to NATS"):
+        await connect_nats("nats://[bad", give_up_after=30.0)
+
+
+async def test_connect_returns_a_client_that_reconnects(nats_server: NatsServer) -> None:
+    nc = await connect_nats(nats_server.url, name="test", give_up_after=5.0)
+    try:
+        assert nc.is_connected
+        assert nc.options["max_reconnect_attempts"] == -1
+    finally:
+        await nc.close()
