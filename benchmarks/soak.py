@@ -109,7 +109,10 @@ async def one(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None
             response = await http.post(path, json=body)
             tally.statuses[response.status_code] += 1
             if response.status_code != 200:
-                tally.errors[f"{response.status_code} {response.json()['error']['type']}"] += 1
+                error = response.json()["error"]
+                tally.errors[
+                    f"{response.status_code} {error['type']}: {error['message'][:70]}"
+                ] += 1
             tally.outcomes["complete"] += 1
             return
         leave_after = rng.randint(1, 6) if rng.random() < 0.2 else None
