@@ -77,7 +77,9 @@ async def serve(
     finish, then :meth:`~.server.OpenAIApp.abort` ends the rest with an error. A second
     signal forces the exit. Returns normally after a signal-initiated shutdown.
 
-    Must run on an asyncio event loop; uvloop is recommended (and sets TCP_NODELAY).
+    Cancelling the task that runs it stops it at once (in-flight requests are cut, the
+    listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
+    (and sets TCP_NODELAY).
     """
     config = uvicorn.Config(
         app,
@@ -126,5 +128,11 @@ async def serve(
         if handle_signals:
             # Handlers are in place before the socket listens (and before on_ready).
             await tg.start(shut_down_on_signals)
-        await server.serve()
+        try:
+            await server.serve()
+        finally:
+            # Cancelled from outside (a caller stopping us): uvicorn's shutdown did not run,
+            # so its listening sockets are still open. Closing them is synchronous.
+            for listener in server.servers:
+                listener.close()
         tg.cancel_scope.cancel()

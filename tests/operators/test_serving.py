@@ -3,6 +3,8 @@ when cancelled; openai_client talks to an app without a socket."""
 
 from __future__ import annotations
 
+import gc
+
 import anyio
 import httpx
 
@@ -55,3 +57,4 @@ async def test_serve_runs_until_its_task_is_cancelled() -> None:
             assert response.json()["choices"][0]["text"] == "ok"
             tg.cancel_scope.cancel()
     assert app.inflight == 0
+    gc.collect()  # a listening socket left open would be an unraisable ResourceWarning here
