@@ -26,14 +26,14 @@ the stream then closes *without* ``data: [DONE]`` (as OpenAI does), so a client 
 failed stream from a finished one.
 
 Why it is raw ASGI and not a framework route: the per-token path is "render the event to
-bytes once (:mod:`.sse`), buffer it, write". Writes are coalesced, events are not: every
-event is its own SSE ``data:`` line, but the events that are ready when the server asks
-for the next one leave in one socket write, made the moment the graph would wait
-(:mod:`.ready`). Nothing is written before the first visible text, so the role chunk
+bytes once (:mod:`.sse`), buffer it, write". Writes are coalesced, events are not
+(:mod:`.sse_writer`): every event is its own SSE ``data:`` line, but the events that are
+ready when the server asks for the next one leave in one socket write, made the moment the
+graph would wait. Nothing is written before the first visible text, so the role chunk
 travels with the first token, an error before any output still gets its proper status
 code, and the finish chunk, usage and ``[DONE]`` leave in one write. The graph always ends
 with a :class:`~.events.Usage` (the server's token count); the renderer writes it only when
-the client asked for it.
+the client asked for it. :mod:`.asgi` has the plumbing every endpoint shares.
 
 A client that disconnects kills its request down to the engine (``ctx.kill()``), noticed
 by a watcher task waiting on ``http.disconnect``. A request's deadline (:mod:`.guard`) is a
@@ -46,32 +46,34 @@ with an error (a stream never gets a finish reason it did not earn).
 from __future__ import annotations
 
 import logging
-import re
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 import orjson
 
-from pipeline import (
-    CapacityExhausted,
-    Context,
-    EngineError,
-    InvalidRequest,
-    RequestError,
-    WorkerLost,
-    next_or_wait,
-    open_stream,
-)
+from pipeline import Context, InvalidRequest, open_stream
 
-from .events import OpenAIEvent, ResponseHead, Usage, aggregate_chat, aggregate_completion
+from .asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    describe_failure,
+    error_body,
+    id_header,
+    kill_on_disconnect,
+    read_body,
+    request_identity,
+    send_json,
+)
+from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .guard import Guard, timeout_error_body, unauthorized_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .preprocessor import OpenAIRequest
 from .protocol import ChatCompletionRequest, parse_chat_request, parse_completion_request
-from .sse import DONE, SseRenderer, is_visible
+from .sse_writer import CLIENT_GONE, WriteFailed, stream_response
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -85,70 +87,13 @@ __all__ = (
 
 logger = logging.getLogger(__name__)
 
-Scope: TypeAlias = MutableMapping[str, Any]
-Message: TypeAlias = MutableMapping[str, Any]
-Receive: TypeAlias = Callable[[], Awaitable[Message]]
-Send: TypeAlias = Callable[[Message], Awaitable[None]]
 
 CHAT_COMPLETIONS: Final = "/v1/chat/completions"
 COMPLETIONS: Final = "/v1/completions"
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 
-_CLIENT_GONE: Final = 499  # nginx's "client closed request", for the metrics label
-#: a stream writes at the latest when this many rendered events are waiting ...
-_MAX_PENDING: Final = 64
-#: ... or when the oldest of them has waited this long (seconds)
-_MAX_HOLD: Final = 0.02
-_JSON: Final = (b"content-type", b"application/json")
-_SSE_HEADERS: Final = (
-    (b"content-type", b"text/event-stream; charset=utf-8"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),
-)
 _GET_PATHS: Final = frozenset({"/v1/models", "/health", "/metrics"})
-#: what a client's ``x-request-id`` may look like (it becomes the request's id)
-_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-#: request headers kept out of ``ctx.metadata`` (secrets)
-_PRIVATE_HEADERS: Final = frozenset({"authorization", "cookie", "proxy-authorization"})
-_INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _WriteFailed(Exception):
-    """A write to the client failed; the cause is the transport's own exception."""
-
-
-def _error_body(
-    message: str, type_: str, *, param: str | None = None, code: str | None = None
-) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
-
-
-def _request_identity(scope: Scope) -> tuple[str | None, dict[str, str]]:
-    """The client's ``x-request-id`` (None if it sent none) and the headers for
-    ``ctx.metadata`` (lower-case names; credentials left out).
-
-    Raises:
-        InvalidRequest: an ``x-request-id`` that is not 1-128 of ``A-Za-z0-9._:-``.
-    """
-    metadata: dict[str, str] = {}
-    for raw_name, raw_value in scope.get("headers", ()):
-        name = raw_name.decode("latin-1").lower()
-        if name not in _PRIVATE_HEADERS:
-            metadata[name] = raw_value.decode("latin-1")
-    request_id = metadata.get("x-request-id")
-    if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
-        raise InvalidRequest(
-            "the x-request-id header must be 1 to 128 characters of A-Z a-z 0-9 . _ : -",
-            param="x-request-id",
-        )
-    return request_id, metadata
 
 
 def _endpoint_label(path: str) -> str:
@@ -158,67 +103,6 @@ def _endpoint_label(path: str) -> str:
     if path == "/v1/models" or path.startswith("/v1/models/"):
         return "/v1/models"
     return "other"
-
-
-def _describe_failure(exc: Exception, request_id: str) -> tuple[int, bytes]:
-    """The HTTP status and OpenAI error body for an exception a request raised."""
-    if isinstance(exc, InvalidRequest):
-        return 400, _error_body(exc.message, "invalid_request_error", param=exc.param)
-    if isinstance(exc, CapacityExhausted | WorkerLost):
-        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
-        return 503, _error_body(exc.message, "service_unavailable_error")
-    if isinstance(exc, EngineError | RequestError):
-        logger.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-        return 500, _error_body(exc.message, "server_error")
-    logger.error("request %s failed unexpectedly", request_id, exc_info=exc)
-    return 500, _error_body(f"{_INTERNAL_MESSAGE} (request id {request_id})", "server_error")
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole request body, or None when the client went away first."""
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        return None
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        if len(body) > limit:
-            raise _BodyTooLarge
-        return body
-    parts = [body]
-    size = len(body)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        part = message.get("body", b"")
-        size += len(part)
-        if size > limit:
-            raise _BodyTooLarge
-        parts.append(part)
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-async def _kill_on_disconnect(receive: Receive, ctx: Context[Any]) -> None:
-    """Kill ``ctx`` when the client disconnects; cancelled once the response is complete."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            ctx.kill()
-            return
-
-
-async def _send_json(
-    send: Send, status: int, body: bytes, extra_headers: tuple[tuple[bytes, bytes], ...] = ()
-) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [_JSON, (b"content-length", b"%d" % len(body)), *extra_headers],
-        }
-    )
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 @final
@@ -302,7 +186,7 @@ class OpenAIApp:
         if self._guard.requires_key and path.startswith("/v1/"):
             allowed, presented = self._guard.check_key(scope)
             if not allowed:
-                await _send_json(
+                await send_json(
                     send, 401, unauthorized_body(presented), ((b"www-authenticate", b"Bearer"),)
                 )
                 self.metrics.rejected.labels("invalid_api_key").inc()
@@ -323,7 +207,7 @@ class OpenAIApp:
         elif path == "/health":
             status = 503 if self._draining else 200
             body = b'{"status":"draining"}' if self._draining else b'{"status":"ok"}'
-            await _send_json(send, status, body)
+            await send_json(send, status, body)
         elif path == "/metrics":
             body = self.metrics.render()
             headers = [
@@ -334,8 +218,8 @@ class OpenAIApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         else:
-            body = _error_body(f"Unknown path {path!r}.", "invalid_request_error")
-            await _send_json(send, 404, body)
+            body = error_body(f"Unknown path {path!r}.", "invalid_request_error")
+            await send_json(send, 404, body)
             status = 404
             path = "other"  # a label per unknown path would let clients grow the registry
         self.metrics.count_request(path, status)
@@ -351,24 +235,24 @@ class OpenAIApp:
                 return
 
     async def _method_not_allowed(self, send: Send, path: str, allowed: str) -> int:
-        body = _error_body(f"{path} only accepts {allowed}.", "invalid_request_error")
-        await _send_json(send, 405, body, ((b"allow", allowed.encode()),))
+        body = error_body(f"{path} only accepts {allowed}.", "invalid_request_error")
+        await send_json(send, 405, body, ((b"allow", allowed.encode()),))
         return 405
 
     async def _models(self, path: str, send: Send) -> int:
         if path == "/v1/models":
             body = orjson.dumps({"object": "list", "data": [self._model_card]})
-            await _send_json(send, 200, body)
+            await send_json(send, 200, body)
             return 200
         name = path.removeprefix("/v1/models/")
         if name == self._model_name:
-            await _send_json(send, 200, orjson.dumps(self._model_card))
+            await send_json(send, 200, orjson.dumps(self._model_card))
             return 200
-        await _send_json(send, 404, self._unknown_model(name))
+        await send_json(send, 404, self._unknown_model(name))
         return 404
 
     def _unknown_model(self, name: str) -> bytes:
-        return _error_body(
+        return error_body(
             f"The model {name!r} does not exist; this server serves {self._model_name!r}.",
             "invalid_request_error",
             param="model",
@@ -393,13 +277,13 @@ class OpenAIApp:
         self, endpoint: str, scope: Scope, receive: Receive, send: Send, started: float
     ) -> int:
         try:
-            body = await _read_body(receive, self._max_body_bytes)
-        except _BodyTooLarge:
+            body = await read_body(receive, self._max_body_bytes)
+        except BodyTooLarge:
             message = f"The request body exceeds {self._max_body_bytes} bytes."
-            await _send_json(send, 413, _error_body(message, "invalid_request_error"))
+            await send_json(send, 413, error_body(message, "invalid_request_error"))
             return 413
         if body is None:
-            return _CLIENT_GONE
+            return CLIENT_GONE
         request: OpenAIRequest
         try:
             if endpoint == CHAT_COMPLETIONS:
@@ -407,37 +291,37 @@ class OpenAIApp:
             else:
                 request = parse_completion_request(body)
         except InvalidRequest as exc:
-            await _send_json(
-                send, 400, _error_body(exc.message, "invalid_request_error", param=exc.param)
+            await send_json(
+                send, 400, error_body(exc.message, "invalid_request_error", param=exc.param)
             )
             return 400
         if request.model is not None and request.model != self._model_name:
-            await _send_json(send, 404, self._unknown_model(request.model))
+            await send_json(send, 404, self._unknown_model(request.model))
             return 404
         if self._draining:
-            body = _error_body("The server is shutting down.", "service_unavailable_error")
-            await _send_json(send, 503, body)
+            body = error_body("The server is shutting down.", "service_unavailable_error")
+            await send_json(send, 503, body)
             self.metrics.rejected.labels("draining").inc()
             return 503
         limit = self._guard.max_inflight
         if limit is not None and len(self._contexts) >= limit:
-            body = _error_body(
+            body = error_body(
                 f"The server is at its limit of {limit} requests in flight; retry shortly.",
                 "service_unavailable_error",
             )
-            await _send_json(send, 503, body, ((b"retry-after", b"1"),))
+            await send_json(send, 503, body, ((b"retry-after", b"1"),))
             self.metrics.rejected.labels("max_inflight").inc()
             return 503
         try:
-            request_id, metadata = _request_identity(scope)
+            request_id, metadata = request_identity(scope)
             if request_id is not None and any(c.id == request_id for c in self._contexts):
                 raise InvalidRequest(
                     f"a request with x-request-id {request_id!r} is already in flight",
                     param="x-request-id",
                 )
         except InvalidRequest as exc:
-            await _send_json(
-                send, 400, _error_body(exc.message, "invalid_request_error", param=exc.param)
+            await send_json(
+                send, 400, error_body(exc.message, "invalid_request_error", param=exc.param)
             )
             return 400
         time_limit = self._guard.timeout_for(scope, stream=request.stream)
@@ -448,19 +332,25 @@ class OpenAIApp:
             deadline=None if time_limit is None else anyio.current_time() + time_limit,
         )
         self._contexts.add(ctx)
-        status = _CLIENT_GONE
+        status = CLIENT_GONE
         failed: BaseException | None = None
         try:
             async with anyio.create_task_group() as watcher:
-                watcher.start_soon(_kill_on_disconnect, receive, ctx)
+                watcher.start_soon(kill_on_disconnect, receive, ctx)
                 try:
                     if request.stream:
-                        status = await self._stream(
-                            ctx, send, started, request.include_usage, time_limit
+                        status = await stream_response(
+                            self._graph,
+                            ctx,
+                            send,
+                            started=started,
+                            include_usage=request.include_usage,
+                            metrics=self.metrics,
+                            ended_by_server=lambda ctx: self._ended_by_server(ctx, time_limit),
                         )
                     else:
                         status = await self._complete(ctx, send, time_limit)
-                except _WriteFailed as exc:
+                except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
                     watcher.cancel_scope.cancel()
@@ -478,7 +368,7 @@ class OpenAIApp:
         None when the client went away."""
         if ctx in self._aborted:
             message = "The server shut down before the request finished."
-            return 503, _error_body(message, "service_unavailable_error")
+            return 503, error_body(message, "service_unavailable_error")
         deadline = ctx.deadline
         if time_limit is not None and deadline is not None and anyio.current_time() >= deadline:
             self.metrics.timed_out.inc()
@@ -501,151 +391,19 @@ class OpenAIApp:
         except Exception as exc:
             if ctx.is_killed:
                 return await self._send_kill(ctx, send, time_limit)
-            status, body = _describe_failure(exc, ctx.id)
-            await _send_json(send, status, body, _id_header(ctx))
+            status, body = describe_failure(exc, ctx.id)
+            await send_json(send, status, body, id_header(ctx))
             return status
         usage = response["usage"]
         if usage is not None:
             self.metrics.output_tokens.inc(usage["completion_tokens"])
-        await _send_json(send, 200, orjson.dumps(response), _id_header(ctx))
+        await send_json(send, 200, orjson.dumps(response), id_header(ctx))
         return 200
 
     async def _send_kill(self, ctx: Context[Any], send: Send, time_limit: float | None) -> int:
         ended = self._ended_by_server(ctx, time_limit)
         if ended is None:
-            return _CLIENT_GONE
+            return CLIENT_GONE
         status, body = ended
-        await _send_json(send, status, body, _id_header(ctx))
+        await send_json(send, status, body, id_header(ctx))
         return status
-
-    async def _stream(
-        self,
-        ctx: Context[OpenAIRequest],
-        send: Send,
-        started: float,
-        include_usage: bool,
-        time_limit: float | None,
-    ) -> int:
-        """Stream the graph's events as server-sent events, coalescing ready ones.
-
-        Every event is rendered once, into ``pending``. Nothing is written before the first
-        visible text (so an early error still gets its status code); that write carries
-        the headers and everything held so far. After it, ``pending`` is written whenever
-        the graph would wait for its next event (:func:`pipeline.next_or_wait`), once it
-        holds :data:`_MAX_PENDING` events or its oldest is :data:`_MAX_HOLD` seconds old,
-        and at the end. A failed write is the connection's problem, not the graph's: it
-        propagates (the stream is closed on the way out) instead of becoming an error event.
-        A request the server killed (its deadline, :meth:`abort`) ends with an error event.
-        """
-        metrics = self.metrics
-        pending: list[bytes] = []
-        committed = False
-        held_since = 0.0  # when the oldest pending event was rendered
-        last_write = 0.0
-        tokens = 0
-        observe_gap = metrics.inter_token_latency.observe
-
-        async def write(more_body: bool = True) -> None:
-            nonlocal last_write
-            data = b"".join(pending)
-            pending.clear()
-            try:
-                await send({"type": "http.response.body", "body": data, "more_body": more_body})
-            except Exception as exc:
-                raise _WriteFailed from exc
-            now = perf_counter()
-            if last_write:
-                observe_gap(now - last_write)
-            last_write = now
-
-        async def end_killed() -> int:
-            ended = self._ended_by_server(ctx, time_limit)
-            if ended is None:
-                return _CLIENT_GONE
-            status, body = ended
-            if not committed:
-                await _send_json(send, status, body, _id_header(ctx))
-                return status
-            pending.append(b"data: " + body + b"\n\n")
-            await write(more_body=False)
-            return status
-
-        try:
-            async with open_stream(self._graph, ctx) as stream:
-                next_event = stream.__anext__
-                head = await next_event()
-                if not isinstance(head, ResponseHead):
-                    raise TypeError(
-                        f"the graph's first event is {type(head).__name__}, not a ResponseHead"
-                    )
-                render = SseRenderer(head, include_usage=include_usage).render
-                while True:
-                    try:
-                        if pending and committed:
-                            event = await next_or_wait(next_event(), write)
-                        else:
-                            event = await next_event()
-                    except StopAsyncIteration:
-                        break
-                    if type(event) is Usage:
-                        tokens = event.completion_tokens
-                    data = render(event)
-                    if not data:
-                        continue
-                    if committed:
-                        if not pending:
-                            held_since = perf_counter()
-                        pending.append(data)
-                        if len(pending) >= _MAX_PENDING or (
-                            perf_counter() - held_since >= _MAX_HOLD
-                        ):
-                            await write()
-                    else:
-                        pending.append(data)
-                        if is_visible(event):
-                            committed = True
-                            try:
-                                await send(self._stream_start(ctx))
-                            except Exception as exc:
-                                raise _WriteFailed from exc
-                            await write()
-                            metrics.time_to_first_token.observe(last_write - started)
-            if ctx.is_killed:
-                return await end_killed()
-            if not committed:
-                try:
-                    await send(self._stream_start(ctx))
-                except Exception as exc:
-                    raise _WriteFailed from exc
-            pending.append(DONE)
-            await write(more_body=False)
-            return 200
-        except _WriteFailed:
-            if ctx.is_killed:  # the client went away: its writes may fail on the way
-                return _CLIENT_GONE
-            raise
-        except Exception as exc:
-            if ctx.is_killed:
-                return await end_killed()
-            status, body = _describe_failure(exc, ctx.id)
-            if not committed:
-                await _send_json(send, status, body, _id_header(ctx))
-                return status
-            pending.append(b"data: " + body + b"\n\n")
-            await write(more_body=False)
-            return status
-        finally:
-            if tokens:
-                metrics.output_tokens.inc(tokens)
-
-    @staticmethod
-    def _stream_start(ctx: Context[Any]) -> Message:
-        return {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [*_SSE_HEADERS, *_id_header(ctx)],
-        }
-
-
-def _id_header(ctx: Context[Any]) -> tuple[tuple[bytes, bytes]]:
-    return ((b"x-request-id", ctx.id.encode()),)
