@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pipeline import Context, Engine, StateKey, WorkerLost
 
+from .detokenizer import PROMPT_CONTEXT_IDS
 from .llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
 from .stop_jail import Released, StopJail, Stopped
 
@@ -45,8 +46,6 @@ logger = logging.getLogger(__name__)
 #: Set to True by an operator upstream (Migration) while a lost worker will be retried:
 #: the Backend then keeps withheld text for the next attempt instead of flushing it.
 RESUMABLE = StateKey[bool]("backend.resumable")
-
-_PROMPT_CONTEXT = 8  # prompt ids that prime the detokenizer (leading spaces, merges)
 
 
 class _Detokenizer(Protocol):
@@ -303,7 +302,7 @@ class Backend:
             end = request.prompt_tokens  # (a slice of the end only: prompts can be millions)
             detok = self._tokenizer.decode_stream(
                 skip_special_tokens=request.output.skip_special_tokens,
-                prompt_ids=request.token_ids[max(0, end - _PROMPT_CONTEXT) : end],
+                prompt_ids=request.token_ids[max(0, end - PROMPT_CONTEXT_IDS) : end],
             )
             choice = state.choices[index] = ChoiceDecoder(request, detok, index)
         return choice

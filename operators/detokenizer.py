@@ -52,14 +52,16 @@ __all__ = (
     "ByteLevelVocabulary",
     "IncrementalDecoder",
     "StreamDecoder",
+    "PROMPT_CONTEXT_IDS",
     "byte_level_alphabet",
     "has_byte_level_decoder",
 )
 
-# How many trailing prompt ids prime a StreamDecoder. Decoders such as Metaspace strip the
-# leading space of the first token of a text; priming with context that precedes the generated
-# ids makes the first generated token decode exactly as it does inside the full text.
-_PREFILL_IDS: Final = 8
+#: How many trailing prompt ids prime a StreamDecoder (callers pass at most these). Decoders
+#: such as Metaspace strip the leading space of the first token of a text; priming with
+#: context that precedes the generated ids makes the first generated token decode exactly as
+#: it does inside the full text.
+PROMPT_CONTEXT_IDS: Final = 8
 
 # DecodeStream takes ids as Rust u32.
 _MAX_TOKEN_ID: Final = 2**32 - 1
@@ -152,7 +154,7 @@ class StreamDecoder(IncrementalDecoder):
         self._skip_special_tokens = skip_special_tokens
         # ids fed since the last non-None result (only touched on the rare None path).
         self._pending: list[int] = []
-        prefill = list(prompt_ids[-_PREFILL_IDS:])
+        prefill = list(prompt_ids[-PROMPT_CONTEXT_IDS:])
         # A prefill that ends inside a character would make DecodeStream re-emit the prompt
         # (it only adopts a prefix that does not end in U+FFFD); without it the continuation
         # bytes decode as U+FFFD, exactly as in decode(prompt + generated) minus the prompt.
