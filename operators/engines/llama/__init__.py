@@ -13,7 +13,8 @@ The modules, from the request inwards:
 - :mod:`.engine` — :class:`LlamaEngine`: validation, FIFO admission to the slots, streaming.
 - ``_validation`` — what a request may ask (every refusal is an ``InvalidRequest``).
 - ``_job`` — the hand-off between a request's task and the scheduler thread.
-- ``_scheduler`` — the thread that plans and runs every step; :class:`LlamaStep` records.
+- ``_scheduler`` — the thread that plans and runs every step; ``_steps`` — its records
+  (:class:`LlamaStep`) and counters.
 - ``_sequence`` — one choice: stop rules and emission; ``_sampling`` — numpy sampling.
 - ``_speculation`` — prompt-lookup drafts per sequence (:mod:`operators.engines.ngram`).
 - ``_runtime`` — the llama.cpp context: batches, logits and a KV sequence per slot.
@@ -26,7 +27,7 @@ from __future__ import annotations
 from operators.engines.ngram import NgramProposer as NgramProposer
 from operators.engines.ngram import NgramSpeculation as NgramSpeculation
 
-from ._scheduler import LlamaStep as LlamaStep
+from ._steps import LlamaStep as LlamaStep
 from .engine import DEFAULT_PARALLEL as DEFAULT_PARALLEL
 from .engine import DEFAULT_STEP_TOKENS as DEFAULT_STEP_TOKENS
 from .engine import LlamaEngine as LlamaEngine

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence as Tokens
-from typing import Final, NamedTuple, final
+from typing import Final, final
 
 from operators.engines.ngram import NgramSpeculation
 from operators.llm import EngineOutput
@@ -49,69 +49,17 @@ from pipeline import EngineError
 from ._job import Job
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
+from ._steps import Counters, LlamaStep
 
-__all__ = ("Counters", "LlamaStep", "Scheduler")
+__all__ = ("Scheduler",)
 
 logger = logging.getLogger("operators.engines.llama")
 
 #: a cached prefix at least this much longer in an occupied slot is copied, not prefilled
 #: (a copy moves the whole KV stream: a few ms, against ~3 ms per prompt token)
 _MIN_COPY: Final = 16
-#: steps kept in :attr:`Scheduler.steps`
+#: steps kept for :meth:`Scheduler.recent_steps`
 _HISTORY: Final = 1024
-
-
-class LlamaStep(NamedTuple):
-    """What one step of the llama engine did (:meth:`LlamaEngine.recent_steps`)."""
-
-    #: slots that decoded: their pending token, plus drafts when speculating
-    decoded: tuple[int, ...]
-    #: those of them whose drafts were verified in this step
-    drafted: tuple[int, ...]
-    #: tokens fed for them (one per slot, plus the drafts)
-    decode_tokens: int
-    #: slots that got a chunk of their prompt
-    prefilled: tuple[int, ...]
-    #: prompt tokens evaluated
-    prefill_tokens: int
-    #: how long llama_decode took, in seconds
-    seconds: float
-
-    @property
-    def batch_size(self) -> int:
-        """Sequences in the step."""
-        return len(self.decoded) + len(self.prefilled)
-
-
-@final
-class Counters:
-    """The scheduler's counters: written by its thread only, read from anywhere."""
-
-    __slots__ = (
-        "accepted",
-        "batch_sizes",
-        "cached",
-        "decode",
-        "generated",
-        "prefill",
-        "prompt",
-        "proposed",
-        "requests",
-        "steps",
-    )
-
-    def __init__(self, parallel: int) -> None:
-        self.requests = 0
-        self.prompt = 0
-        self.generated = 0
-        self.proposed = 0
-        self.accepted = 0
-        self.steps = 0
-        self.prefill = 0
-        self.cached = 0
-        self.decode = 0
-        #: steps by batch size (index: sequences in the step)
-        self.batch_sizes = [0] * (parallel + 1)
 
 
 def _common(cached: list[int], prompt: Tokens[int], limit: int) -> int:
@@ -307,9 +255,10 @@ class Scheduler:
         cached = runtime.cached
         budget = self._step_tokens
         decoding = [
-            seq for seq in self._slots if seq is not None and seq.pending is not None
-            and seq.behind <= 1
-        ]  # fmt: skip
+            seq
+            for seq in self._slots
+            if seq is not None and seq.pending is not None and seq.behind <= 1
+        ]  # in slot order; a sequence whose consumer is two outputs behind waits
         budget -= len(decoding)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._prefilling:

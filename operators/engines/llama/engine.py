@@ -23,7 +23,8 @@ from pipeline import EngineError
 
 from ._job import Job
 from ._runtime import Runtime
-from ._scheduler import LlamaStep, Scheduler
+from ._scheduler import Scheduler
+from ._steps import LlamaStep
 from ._validation import token_budget
 
 try:
