@@ -111,7 +111,11 @@ class Job:
     # ------------------------------------------------------------ the scheduler's side
 
     def push(self, output: EngineOutput) -> None:
+        """Queue ``output``; the request's task sees it after the next :meth:`ring`."""
         self._outbox.append(output)
+
+    def ring(self) -> None:
+        """Wake the request's task."""
         self._ring()
 
     def end(self, error: Exception | None = None) -> None:

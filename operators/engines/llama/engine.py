@@ -197,7 +197,14 @@ class LlamaEngine:
         self._n_ctx = runtime.n_ctx
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
-        self._batch_invariant = runtime.batch_invariant()
+        # Every decode runs in the scheduler's thread, the probe included (see there).
+        self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
+        try:
+            self._batch_invariant = self._scheduler.batch_invariant()
+        except EngineError:
+            self._scheduler.stop()
+            runtime.close()
+            raise
         if not self._batch_invariant:
             logger.warning(
                 "this llama.cpp build computes a token's logits differently depending on the "
@@ -206,7 +213,6 @@ class LlamaEngine:
                 "plain decoding, where two tokens are nearly tied. Build llama-cpp-python "
                 "with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF for identical output."
             )
-        self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
         self._slots = _Slots(parallel)
         self._closing = False
         logger.info(
