@@ -739,3 +739,17 @@ async def test_a_long_prompt_does_not_stall_running_sequences(
     for step in prefill:  # ...and every one of them carried a token of both running ones
         assert len(step.decoded) == 2
         assert step.decode_tokens + step.prefill_tokens <= engine.step_tokens
+
+
+@pytest.mark.llama
+async def test_more_choices_than_slots_run_in_waves(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    n = chunked_engine.parallel + 2
+    req = request(tokenizer, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True, n=n)
+    first = await run(chunked_engine, req)
+    assert [len(ids(first, index)) for index in range(n)] == [3] * n
+    assert sorted(out.index for out in first if out.finish_reason) == list(range(n))
+    again = await run(chunked_engine, req)
+    assert [ids(again, index) for index in range(n)] == [ids(first, index) for index in range(n)]
+    assert chunked_engine.statistics().running_sequences == 0
