@@ -9,7 +9,11 @@ repetitions, and speed-ups are medians of paired runs.
 - prompt tokens/s: a ~450-token prompt with ``max_tokens=1`` (each run's prompt differs at
   its start, so the prefix cache cannot help).
 - generated tokens/s at concurrency 1 and 4 (greedy, ``ignore_eos``): per-request decode
-  speed and the aggregate; requests take turns, so concurrency adds queueing, not speed.
+  speed and the aggregate.
+- batching sweep (``--parallel 1,4,8``, ``--concurrency 1,2,4,8``): c requests at once,
+  each a distinct ~64-token chat prompt and exactly ``--max-tokens`` tokens: aggregate
+  tokens/s, time to first token p50/p99 and inter-token latency p50/p99, per engine
+  ``parallel`` setting (``parallel=1`` is the old one-at-a-time behaviour).
 - speculation: "repeat this passage" (greedy, 160 tokens) with and without prompt lookup;
   the outputs must be identical. ``--sweep`` tries several n-gram sizes and draft lengths.
 """
@@ -46,6 +50,7 @@ class Run:
     tokens: list[int]
     first_token: float  # seconds from start to the first output
     total: float  # seconds from start to the end of the stream
+    gaps: list[float]  # seconds between consecutive outputs
 
     @property
     def decode_rate(self) -> float:
@@ -64,14 +69,79 @@ def greedy(ids: list[int], max_tokens: int) -> PreprocessedRequest:
 
 async def timed(engine: LlamaEngine, request: PreprocessedRequest) -> Run:
     tokens: list[int] = []
-    start = time.perf_counter()
+    gaps: list[float] = []
+    start = last = time.perf_counter()
     first = 0.0
     async with open_stream(engine, Context.new(request)) as stream:
         async for output in stream:
+            now = time.perf_counter()
             if not tokens:
-                first = time.perf_counter() - start
+                first = now - start
+            else:
+                gaps.append(now - last)
+            last = now
             tokens.extend(output.token_ids)
-    return Run(tokens, first, time.perf_counter() - start)
+    return Run(tokens, first, time.perf_counter() - start, gaps)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+async def _together(engine: LlamaEngine, requests: list[PreprocessedRequest]) -> list[Run]:
+    runs: list[Run] = []
+
+    async def one(request: PreprocessedRequest) -> None:
+        runs.append(await timed(engine, request))
+
+    async with anyio.create_task_group() as tg:
+        for request in requests:
+            tg.start_soon(one, request)
+    return runs
+
+
+async def bench_batching(
+    tokenizer: Tokenizer,
+    threads: int | None,
+    parallel: int,
+    concurrencies: list[int],
+    max_tokens: int,
+    repeats: int,
+) -> None:
+    """c requests at once, ``repeats`` times; each prompt is new (no prefix beyond the chat
+    template is cached)."""
+    engine = LlamaEngine(n_threads=threads, parallel=parallel)
+    topic = (
+        "Write a detailed report about the history of request number {i}, its travels "
+        "through the pipeline, the operators it met and what each one did to it, "
+        "and the answer it finally received from the engine."
+    )
+    serial = 0
+    for concurrency in concurrencies:
+        rates: list[float] = []
+        firsts: list[float] = []
+        gaps: list[float] = []
+        for _ in range(repeats):
+            requests = []
+            for _ in range(concurrency):
+                serial += 1
+                ids = tokenizer.encode(CHAT.format(f"{serial}: " + topic.format(i=serial)))
+                requests.append(greedy(ids, max_tokens))
+            start = time.perf_counter()
+            runs = await _together(engine, requests)
+            wall = time.perf_counter() - start
+            rates.append(sum(len(run.tokens) for run in runs) / wall)
+            firsts.extend(run.first_token for run in runs)
+            gaps.extend(gap for run in runs for gap in run.gaps)
+        print(
+            f"  parallel={parallel} c={concurrency}: {statistics.median(rates):6.1f} tok/s"
+            f" (median of {repeats}); TTFT p50/p99 {percentile(firsts, 0.5) * 1000:5.0f} /"
+            f" {percentile(firsts, 0.99) * 1000:5.0f} ms; ITL p50/p99"
+            f" {percentile(gaps, 0.5) * 1000:5.1f} / {percentile(gaps, 0.99) * 1000:5.1f} ms;"
+            f" prompt {len(requests[0].token_ids)} tokens"
+        )
+    engine.close()
 
 
 def bench_load(repeats: int, threads: int | None) -> float:
@@ -166,8 +236,20 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sweep", action="store_true", help="try many speculation settings")
+    parser.add_argument("--parallel", default="1,4,8", help="engine slots to compare")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="requests at once")
+    parser.add_argument("--only-batching", action="store_true", help="run the batching sweep alone")
     args = parser.parse_args()
     tokenizer = Tokenizer.default()
+
+    print(f"batching ({args.max_tokens} tokens per request, greedy):")
+    for parallel in (int(p) for p in args.parallel.split(",")):
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        await bench_batching(
+            tokenizer, args.threads, parallel, concurrencies, args.max_tokens, args.repeats
+        )
+    if args.only_batching:
+        return
 
     print(f"load: {bench_load(args.repeats, args.threads) * 1000:.0f} ms")
     engine = LlamaEngine(n_threads=args.threads)

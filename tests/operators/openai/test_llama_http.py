@@ -153,3 +153,32 @@ async def test_two_concurrent_requests_both_complete(llama: ServerProcess) -> No
         tg.start_soon(one, 1)
     assert results[0] == (await greedy(llama, QUESTION)).choices[0].message.content
     assert results[1] == (await greedy(llama, REPEAT)).choices[0].message.content
+
+
+async def test_concurrent_requests_are_batched_and_the_metrics_say_so(
+    llama: ServerProcess,
+) -> None:
+    steps_before = await metric(llama, "llm_pipeline_llama_batch_size_count")
+    decoded_before = await metric(llama, "llm_pipeline_llama_decode_tokens_total")
+    alone = [
+        (await greedy(llama, messages)).choices[0].message.content
+        for messages in (QUESTION, REPEAT)
+    ]
+    together: dict[int, str] = {}
+
+    async def one(index: int) -> None:
+        response = await greedy(llama, QUESTION if index == 0 else REPEAT)
+        together[index] = response.choices[0].message.content
+
+    async with anyio.create_task_group() as tg:
+        for index in range(2):
+            tg.start_soon(one, index)
+    assert [together[0], together[1]] == alone  # batch invariance, through the whole graph
+    assert await metric(llama, "llm_pipeline_llama_batch_size_count") > steps_before
+    assert await metric(llama, "llm_pipeline_llama_decode_tokens_total") > decoded_before
+    assert await metric(llama, "llm_pipeline_llama_prefill_tokens_total") > 0
+    assert await metric(llama, "llm_pipeline_llama_running_sequences") == 0.0
+    assert await metric(llama, "llm_pipeline_llama_waiting_sequences") == 0.0
+    # steps of two sequences happened (le="1.0" counts the one-sequence steps only)
+    one_sequence = await metric(llama, 'llm_pipeline_llama_batch_size_bucket{le="1.0"}')
+    assert await metric(llama, "llm_pipeline_llama_batch_size_count") > one_sequence

@@ -1,0 +1,135 @@
+"""The hand-off between a request's task and the scheduler thread: an outbox and a doorbell.
+
+Why a socket pair per request: the scheduler thread must wake the task that waits for its
+outputs without ever blocking on the event loop (a busy loop would stall every sequence in
+the batch), and without knowing which event loop that is. Writing one byte to a
+non-blocking socket is safe from any thread; the task waits with ``anyio.wait_readable``.
+No worker thread is parked per waiting request, and only admitted requests hold a pair.
+
+Ownership: the scheduler appends to the outbox, rings and finally closes the writing end;
+the request's task takes from the outbox, waits and closes the reading end. The deque is
+the only shared structure (appends and pops are atomic), and each counter has one writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from collections import deque
+from typing import TYPE_CHECKING, final
+
+import anyio
+
+from operators.llm import EngineOutput, PreprocessedRequest
+
+if TYPE_CHECKING:
+    from pipeline import Context
+
+    from ._sequence import Sequence
+
+__all__ = ("Job",)
+
+
+@final
+class Job:
+    """One request on its way through the scheduler: its choices, outbox and doorbell.
+
+    ``width`` is how many slots the request holds (its choices run side by side, at most
+    that many at a time). Outputs carry their choice in ``index``; ``None`` in the outbox
+    ends the stream, an exception fails it.
+    """
+
+    __slots__ = (
+        "_outbox",
+        "_reader",
+        "_writer",
+        "budget",
+        "cancelled",
+        "consumed",
+        "ctx",
+        "ended",
+        "finished",
+        "n",
+        "queued",
+        "request",
+        "running",
+        "width",
+    )
+
+    def __init__(self, ctx: Context[PreprocessedRequest], *, budget: int, width: int) -> None:
+        self.ctx = ctx
+        self.request = ctx.data
+        self.budget = budget
+        self.n = max(self.request.n, 1)
+        self.width = width
+        # written by the request's task only
+        self.cancelled = False
+        self.consumed = [0] * self.n
+        self.ended = False
+        # the scheduler thread's bookkeeping: choices not yet in a slot, choices in one,
+        # and how many are done
+        self.queued: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.finished = 0
+        self._outbox: deque[EngineOutput | Exception | None] = deque()
+        self._reader, self._writer = socket.socketpair()
+        self._reader.setblocking(False)
+        self._writer.setblocking(False)
+
+    # ----------------------------------------------------------- the request's task side
+
+    def take(self) -> EngineOutput | None:
+        """The next output; None when there is none yet, or after the end (``ended``).
+
+        Raises:
+            Exception: what the scheduler failed the request with (an ``EngineError``).
+        """
+        if not self._outbox:
+            return None
+        item = self._outbox.popleft()
+        if item is None or isinstance(item, Exception):
+            self.ended = True
+            if item is not None:
+                raise item
+            return None
+        self.consumed[item.index] += 1
+        return item
+
+    async def wait(self) -> None:
+        """Wait until the scheduler rings (an output, the end, or an error is in)."""
+        await anyio.wait_readable(self._reader)
+        with contextlib.suppress(BlockingIOError):
+            self._reader.recv(4096)
+
+    def close(self) -> None:
+        """The request's task is done with the job: a job that has not ended is cancelled
+        (the scheduler frees its slots at its next step)."""
+        if not self.ended:
+            self.cancelled = True
+        self._reader.close()
+
+    # ------------------------------------------------------------ the scheduler's side
+
+    def push(self, output: EngineOutput) -> None:
+        """Queue ``output``; the request's task sees it after the next :meth:`ring`."""
+        self._outbox.append(output)
+
+    def ring(self) -> None:
+        """Wake the request's task."""
+        self._ring()
+
+    def end(self, error: Exception | None = None) -> None:
+        """Deliver the end of the stream (or ``error``) and let go of the doorbell."""
+        self._outbox.append(error)
+        self._ring()
+        self._writer.close()
+
+    def drop(self) -> None:
+        """Let go of a cancelled job's doorbell."""
+        self._writer.close()
+
+    def _ring(self) -> None:
+        # BlockingIOError: the buffer is full, so the reader has bytes to wake on anyway;
+        # OSError: the request's task has closed its end.
+        with contextlib.suppress(OSError):
+            self._writer.send(b"\0")

@@ -1,0 +1,266 @@
+"""One llama.cpp context with a KV sequence per slot: loading, batches, logits and KV cells.
+
+llama.cpp is driven at the low level (our own ``llama_batch``, ``llama_decode``,
+``llama_get_logits_ith``, ``llama_memory_seq_*``), so logits are read only for the positions
+that need them and every step can mix tokens of several sequences.
+
+Why a KV stream per slot (``kv_unified`` off) rather than one shared cache: in its own
+stream a sequence's token at position i always sits in cell i, whatever the other slots
+hold, so attention sums the same numbers in the same order whether the sequence runs alone
+or beside seven others. In a unified cache the cells of concurrent sequences interleave and
+the sums regroup, which breaks batch invariance. The costs, both taken into account by the
+scheduler:
+
+- a copy between slots (prefix reuse, the ``n`` choices of one request) copies the whole
+  stream, a few ms for SmolLM2 at n_ctx 2048;
+- llama.cpp puts only consecutive sequence ids into one micro-batch: feeds go in slot order,
+  and new sequences take the lowest free slot.
+
+Every method blocks and must be called from one thread at a time (the scheduler's).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple, final
+
+from pipeline import EngineError
+
+try:
+    import llama_cpp
+    import numpy as np
+except ImportError:  # the [llama] extra is missing: LlamaEngine() says so before any use
+    pass
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    Row = NDArray[np.float32]
+
+__all__ = ("Aborted", "Feed", "LlamaFailure", "Runtime")
+
+_backend_ready = False
+
+
+class Aborted(Exception):
+    """A step was abandoned because its abort check fired (a request in it was stopped)."""
+
+
+class LlamaFailure(RuntimeError):
+    """llama.cpp reported an error (surfaces as :class:`pipeline.EngineError`)."""
+
+
+class Feed(NamedTuple):
+    """Tokens appended to one sequence by a step."""
+
+    #: the sequence (slot) id
+    seq: int
+    tokens: Sequence[int]
+    #: how many of the last tokens need logits (0 for a chunk inside a prompt)
+    logits: int
+
+
+@final
+class Runtime:
+    """A llama.cpp model and context with ``parallel`` KV sequences of ``n_ctx`` cells each.
+
+    ``cached[s]`` mirrors sequence ``s``'s KV cells: the token at position i is
+    ``cached[s][i]``. It survives the sequence that filled it, so a new prompt can reuse the
+    longest common prefix.
+    """
+
+    def __init__(
+        self, path: Path, *, n_ctx: int, n_threads: int, parallel: int, n_batch: int
+    ) -> None:
+        global _backend_ready
+        if not _backend_ready:
+            # llama-cpp-python's log callback prints whatever its logger lets through.
+            quiet = logging.getLogger("llama-cpp-python")
+            if quiet.level == logging.NOTSET:
+                quiet.setLevel(logging.ERROR)
+            llama_cpp.llama_backend_init()
+            _backend_ready = True
+        model = llama_cpp.llama_model_load_from_file(
+            str(path).encode(), llama_cpp.llama_model_default_params()
+        )
+        if not model:
+            raise EngineError(f"llama.cpp could not load {path}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = n_ctx * parallel
+        params.n_batch = params.n_ubatch = n_batch
+        params.n_seq_max = parallel
+        params.kv_unified = False
+        params.n_threads = params.n_threads_batch = n_threads
+        params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # see docs/llama.md
+        params.no_perf = True
+        ctx = llama_cpp.llama_init_from_model(model, params)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            raise EngineError(f"llama.cpp could not create a context for {path}")
+        self._model = model
+        self._ctx: object | None = ctx
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        memory = llama_cpp.llama_get_memory(ctx)
+        if memory is None or vocab is None:
+            self.close()
+            raise EngineError(f"{path}: llama.cpp found no KV memory or no vocabulary")
+        self._memory = memory
+        self.parallel = parallel
+        self.n_batch = n_batch
+        self.n_ctx = int(llama_cpp.llama_n_ctx_seq(ctx))
+        self.n_vocab = int(llama_cpp.llama_vocab_n_tokens(vocab))
+        self.eog = frozenset(
+            token for token in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, token)
+        )
+        self.cached: list[list[int]] = [[] for _ in range(parallel)]
+        # The batch lives in numpy arrays of our own, so a step fills it with slice
+        # assignments; every token belongs to exactly one sequence.
+        self._tokens = np.zeros(n_batch, dtype=np.int32)
+        self._positions = np.zeros(n_batch, dtype=np.int32)
+        self._n_seq_ids = np.ones(n_batch, dtype=np.int32)
+        self._seq_ids = np.zeros(n_batch, dtype=np.int32)
+        self._want_logits = np.zeros(n_batch, dtype=np.int8)
+        int32_p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq_ids.ctypes.data
+        self._seq_id_rows = (int32_p * n_batch)(
+            *(ctypes.cast(base + 4 * i, int32_p) for i in range(n_batch))
+        )
+        self._batch = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self._tokens.ctypes.data_as(int32_p),
+            embd=None,
+            pos=self._positions.ctypes.data_as(int32_p),
+            n_seq_id=self._n_seq_ids.ctypes.data_as(int32_p),
+            seq_id=ctypes.cast(self._seq_id_rows, ctypes.POINTER(int32_p)),
+            logits=self._want_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self._abort: Callable[[], bool] | None = None
+        self._abort_callback = llama_cpp.ggml_abort_callback(self._should_abort)
+
+    def _should_abort(self, _data: object) -> bool:
+        abort = self._abort
+        return abort is not None and abort()
+
+    def decode(self, feeds: Sequence[Feed], abort: Callable[[], bool] | None = None) -> list[int]:
+        """Append every feed's tokens to its sequence in one ``llama_decode``.
+
+        Feeds must be in increasing sequence order and hold at most ``n_batch`` tokens in
+        all. Returns the batch index of each feed's first token (for :meth:`row`).
+        ``abort`` is polled by llama.cpp while it computes (between graph nodes): only
+        steps that may be long (a prompt chunk) should pass it.
+
+        Raises:
+            Aborted: ``abort()`` returned True; every sequence is as before the call.
+            LlamaFailure: llama.cpp failed; every sequence is as before the call.
+        """
+        n = 0
+        offsets: list[int] = []
+        want = self._want_logits
+        for feed in feeds:
+            size = len(feed.tokens)
+            start = len(self.cached[feed.seq])
+            end = n + size
+            self._tokens[n:end] = feed.tokens
+            self._positions[n:end] = np.arange(start, start + size, dtype=np.int32)
+            self._seq_ids[n:end] = feed.seq
+            want[n : end - feed.logits] = 0
+            want[end - feed.logits : end] = 1
+            offsets.append(n)
+            n = end
+        if n and not want[:n].any():
+            want[n - 1] = 1  # llama.cpp expects at least one output per batch
+        self._batch.n_tokens = n
+        if abort is not None:
+            self._abort = abort
+            llama_cpp.llama_set_abort_callback(self._ctx, self._abort_callback, None)
+        try:
+            code = llama_cpp.llama_decode(self._ctx, self._batch)
+        finally:
+            if abort is not None:
+                llama_cpp.llama_set_abort_callback(self._ctx, llama_cpp.ggml_abort_callback(), None)
+                self._abort = None
+        if code != 0:
+            # Micro-batches computed before a failure or an abort stay in the cache.
+            for feed in feeds:
+                self._remove(feed.seq, len(self.cached[feed.seq]))
+            if code == 2 and abort is not None:
+                raise Aborted
+            raise LlamaFailure(f"llama_decode failed with code {code}")
+        for feed in feeds:
+            self.cached[feed.seq].extend(feed.tokens)
+        return offsets
+
+    def row(self, i: int) -> Row:
+        """The logits at batch index ``i`` of the last decode (a view, valid until the next
+        decode); ``i`` must be a position that asked for logits."""
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx, i)
+        if not pointer:
+            raise LlamaFailure(f"llama.cpp returned no logits for batch index {i}")
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    def keep(self, seq: int, length: int) -> None:
+        """Drop sequence ``seq``'s cells from position ``length`` on."""
+        if length < len(self.cached[seq]):
+            self._remove(seq, length)
+
+    def copy(self, source: int, target: int) -> None:
+        """Make sequence ``target`` a copy of ``source`` (in a split cache llama.cpp copies
+        the whole stream before the next decode)."""
+        if source != target:
+            llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+            self.cached[target] = list(self.cached[source])
+
+    def clear(self) -> None:
+        """Forget every sequence."""
+        llama_cpp.llama_memory_clear(self._memory, True)
+        for cached in self.cached:
+            cached.clear()
+
+    def _remove(self, seq: int, start: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self._memory, seq, start, -1):
+            llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)  # whole: never fails
+            self.cached[seq].clear()
+            raise LlamaFailure(
+                "this model's KV memory cannot drop the end of a sequence "
+                "(a recurrent model?); the llama engine cannot run it"
+            )
+        del self.cached[seq][start:]
+
+    def _fill(self, seq: int, tokens: Sequence[int]) -> None:
+        for start in range(0, len(tokens), self.n_batch):
+            self.decode([Feed(seq, tokens[start : start + self.n_batch], 0)])
+
+    def batch_invariant(self) -> bool:
+        """Whether a token's logits are the same bits alone, at the end of a burst of its
+        own sequence (speculative verification), and beside other sequences' tokens.
+
+        Only then is batched output identical to one-at-a-time output. Checked on a
+        24-token probe; clears the cache.
+        """
+        probe = [(7 * i + 100) % self.n_vocab for i in range(24)]
+        other = [(11 * i + 300) % self.n_vocab for i in range(16)]
+        self.clear()
+        self._fill(0, probe[:-1])
+        self.decode([Feed(0, probe[-1:], 1)])
+        alone = self.row(0).copy()
+        self.keep(0, len(probe) - 2)
+        self.decode([Feed(0, probe[-2:], 2)])
+        same = bool(np.array_equal(alone, self.row(1)))
+        if self.parallel > 1:
+            self._fill(1, other[:8])
+            for beside in (other[8:9], other[9:]):  # another decode, then a prompt chunk
+                self.keep(0, len(probe) - 1)
+                offsets = self.decode([Feed(0, probe[-1:], 1), Feed(1, beside, 1)])
+                same = same and bool(np.array_equal(alone, self.row(offsets[0])))
+        self.clear()
+        return same
+
+    def close(self) -> None:
+        """Free the context and the model. Idempotent."""
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(self._model)

@@ -1,0 +1,126 @@
+"""Per-sequence sampling in numpy: penalties, stop-id masking, greedy or temperature + top_p.
+
+Why numpy and not llama.cpp's sampler chain: the same code scores a plain decode step and
+every row of a speculative verification, so greedy output is identical with and without
+speculation, and a seeded request is reproducible whatever else shares its batch (each
+choice owns its generator). Logprobs are computed only for the sequences that ask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import TYPE_CHECKING, Final, final
+
+from operators.llm import PreprocessedRequest, TopLogprobs
+
+try:
+    import numpy as np
+except ImportError:  # the [llama] extra is missing: LlamaEngine() says so before any use
+    pass
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+    Row = NDArray[np.float32]
+
+__all__ = ("Sampler", "choice_generator", "logprobs_of", "nucleus")
+
+#: candidates examined first when cutting the top_p nucleus (grown until it holds top_p)
+_NUCLEUS_FIRST: Final = 64
+
+
+def choice_generator(seed: int | None, index: int) -> np.random.Generator:
+    """The random generator of choice ``index`` of a request seeded with ``seed``.
+
+    One per choice, so a choice's tokens do not depend on how its siblings' steps
+    interleave with it (they run side by side, and may start at different times when slots
+    are short). Choice 0 draws exactly what ``default_rng(seed)`` would, as before batching.
+    ``None`` gives fresh entropy.
+    """
+    if seed is None:
+        return np.random.default_rng()
+    spawn_key = (index,) if index else ()
+    return np.random.default_rng(np.random.SeedSequence(seed % 2**64, spawn_key=spawn_key))
+
+
+@final
+class Sampler:
+    """Turns one row of logits into a token: penalties, stop-id suppression, then greedy or
+    temperature + top_p sampling with the choice's own seeded generator."""
+
+    __slots__ = ("_counts", "_frequency", "_presence", "_rng", "_temperature", "_top_p", "greedy")
+
+    def __init__(self, request: PreprocessedRequest, rng: np.random.Generator | None) -> None:
+        sampling = request.sampling
+        temperature = 1.0 if sampling.temperature is None else sampling.temperature
+        self.greedy = temperature <= 0.0
+        self._temperature = temperature
+        self._top_p = 1.0 if sampling.top_p is None else sampling.top_p
+        self._presence = sampling.presence_penalty or 0.0
+        self._frequency = sampling.frequency_penalty or 0.0
+        self._rng = rng
+        # Penalties count this choice's output; on a migration retry that includes the
+        # output replayed at the end of the prompt.
+        replayed = request.replayed_tokens
+        tail = request.token_ids[len(request.token_ids) - replayed :] if replayed else ()
+        self._counts: Counter[int] = Counter(tail)
+
+    def accept(self, token: int) -> None:
+        self._counts[token] += 1
+
+    def choose(self, row: Row, suppressed: NDArray[np.intp] | None) -> int:
+        """The next token from ``row`` (not modified), never one of ``suppressed``."""
+        counts = self._counts
+        penalize = bool(counts) and (self._presence != 0.0 or self._frequency != 0.0)
+        if penalize or suppressed is not None:
+            row = row.copy()
+            if penalize:
+                ids = np.fromiter(counts.keys(), dtype=np.intp, count=len(counts))
+                seen = np.fromiter(counts.values(), dtype=np.float32, count=len(counts))
+                row[ids] -= seen * self._frequency + self._presence
+            if suppressed is not None:
+                row[suppressed] = -np.inf
+        if self.greedy:
+            return int(np.argmax(row))
+        weights = np.exp((row.astype(np.float64) - float(np.max(row))) / self._temperature)
+        ids_kept: NDArray[np.intp] | None = None
+        if self._top_p < 1.0:
+            ids_kept, weights = nucleus(weights, self._top_p)
+        cumulative = np.cumsum(weights)
+        assert self._rng is not None
+        draw = self._rng.random() * float(cumulative[-1])
+        pick = min(int(np.searchsorted(cumulative, draw, side="right")), len(cumulative) - 1)
+        return pick if ids_kept is None else int(ids_kept[pick])
+
+
+def nucleus(
+    weights: NDArray[np.float64], top_p: float
+) -> tuple[NDArray[np.intp], NDArray[np.float64]]:
+    """The smallest set of most likely ids holding ``top_p`` of the mass, best first."""
+    size = len(weights)
+    target = top_p * float(weights.sum())
+    k = min(_NUCLEUS_FIRST, size)
+    while True:
+        ids = np.argpartition(weights, size - k)[size - k :] if k < size else np.arange(size)
+        ids = ids[np.argsort(-weights[ids], kind="stable")]
+        kept = weights[ids]
+        cumulative = np.cumsum(kept)
+        if cumulative[-1] >= target or k == size:
+            cut = min(int(np.searchsorted(cumulative, target)) + 1, k)
+            return ids[:cut], kept[:cut]
+        k = min(k * 8, size)
+
+
+def logprobs_of(row: Row, token: int, k: int) -> tuple[float, TopLogprobs]:
+    """``token``'s log-probability under ``row`` and the ``k`` most likely alternatives."""
+    shifted = row - np.max(row)
+    log_total = math.log(float(np.exp(shifted).sum(dtype=np.float64)))
+    top: TopLogprobs = []
+    if k > 0:
+        size = len(row)
+        k = min(k, size)
+        ids = np.argpartition(shifted, size - k)[size - k :]
+        ids = ids[np.argsort(-shifted[ids], kind="stable")]
+        top = [(int(i), float(shifted[i]) - log_total) for i in ids]
+    return float(shifted[token]) - log_total, top

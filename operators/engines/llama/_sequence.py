@@ -1,0 +1,139 @@
+"""One choice of one request as the scheduler sees it: stop rules, sampling, emission.
+
+A sequence is sans-IO: it never touches llama.cpp. The scheduler feeds its tokens, hands it
+rows of logits and keeps its KV cells; the sequence turns rows into an
+:class:`~operators.llm.EngineOutput` (one token, or a burst of accepted drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Tokens
+from typing import TYPE_CHECKING, final
+
+from operators.engines.ngram import NgramSpeculation
+from operators.llm import EngineOutput, FinishReason, TopLogprobs
+
+from ._sampling import Sampler, choice_generator, logprobs_of
+from ._speculation import Drafter
+
+try:
+    import numpy as np
+except ImportError:  # the [llama] extra is missing: LlamaEngine() says so before any use
+    pass
+
+if TYPE_CHECKING:
+    from ._job import Job
+    from ._sampling import Row
+
+__all__ = ("Sequence",)
+
+
+@final
+class Sequence:
+    """Choice ``index`` of ``job``.
+
+    ``slot`` is its KV sequence once placed. ``pending`` is the last emitted token: not in
+    the KV cache yet, the next step feeds it (with any drafts behind it); None while the
+    prompt is prefilled. ``leader`` is a sibling whose prompt this one will copy instead of
+    prefilling it again (``n > 1``); ``followers`` are the siblings waiting on this one.
+    """
+
+    __slots__ = (
+        "_logprobs",
+        "_min_tokens",
+        "_sampler",
+        "_stop_ids",
+        "_suppress",
+        "budget",
+        "drafter",
+        "followers",
+        "generated",
+        "index",
+        "job",
+        "leader",
+        "pending",
+        "produced",
+        "prompt",
+        "slot",
+    )
+
+    def __init__(
+        self,
+        job: Job,
+        index: int,
+        *,
+        eog: frozenset[int],
+        n_vocab: int,
+        speculation: NgramSpeculation | None,
+    ) -> None:
+        request = job.request
+        stop = request.stop
+        self.job = job
+        self.index = index
+        self.prompt = request.token_ids
+        self.budget = job.budget
+        self._logprobs = request.output.logprobs
+        self._min_tokens = stop.min_tokens
+        self._sampler = Sampler(request, choice_generator(request.sampling.seed, index))
+        eos = () if stop.ignore_eos else eog.union(stop.eos_token_ids)
+        stop_ids = frozenset(eos).union(stop.stop_token_ids, stop.visible_stop_token_ids)
+        self._stop_ids = stop_ids
+        # Until min_tokens is reached no stop id may be generated at all (as in vLLM).
+        self._suppress = np.array(sorted(i for i in stop_ids if 0 <= i < n_vocab), dtype=np.intp)
+        self.drafter: Drafter | None = None
+        if speculation is not None and self._sampler.greedy:
+            self.drafter = Drafter(speculation, request.token_ids)
+        self.generated = 0
+        self.pending: int | None = None
+        self.slot: int | None = None
+        self.leader: Sequence | None = None
+        self.followers: list[Sequence] = []
+        #: outputs handed to the job (the scheduler's count; the job counts what was taken)
+        self.produced = 0
+
+    @property
+    def behind(self) -> int:
+        """Outputs produced that the request's task has not taken yet."""
+        return self.produced - self.job.consumed[self.index]
+
+    def room(self, n_ctx: int, cached: int) -> int:
+        """How many draft tokens may follow the pending one: the budget (the step emits a
+        token of its own) and the context window (``cached`` cells are in use)."""
+        return min(self.budget - self.generated - 1, n_ctx - cached - 1)
+
+    def emit(self, rows: Tokens[Row], drafts: Tokens[int]) -> tuple[EngineOutput, int]:
+        """Choose a token from each row while the drafts match; how many drafts matched.
+
+        ``rows[0]`` follows the pending token (or the prompt), ``rows[i]`` draft ``i - 1``.
+        """
+        sampler = self._sampler
+        k = self._logprobs
+        token_ids: list[int] = []
+        matched = False
+        logprobs: list[float] | None = None if k is None else []
+        top_logprobs: list[TopLogprobs] | None = None if k is None else []
+        finish: FinishReason | None = None
+        for position, row in enumerate(rows):
+            suppressed = self._suppress if self.generated < self._min_tokens else None
+            token = sampler.choose(row, suppressed)
+            sampler.accept(token)
+            token_ids.append(token)
+            self.generated += 1
+            if logprobs is not None and top_logprobs is not None and k is not None:
+                logprob, top = logprobs_of(row, token, k)
+                logprobs.append(logprob)
+                top_logprobs.append(top)
+            matched = position < len(drafts) and token == drafts[position]
+            if token in self._stop_ids:
+                finish = "stop"
+                break
+            if self.generated >= self.budget:
+                finish = "length"
+                break
+            if not matched:
+                break
+        self.pending = token_ids[-1]
+        if self.drafter is not None:
+            self.drafter.extend(token_ids)
+        output = EngineOutput(token_ids, logprobs, top_logprobs, finish, self.index)
+        return output, len(token_ids) - 1 + matched

