@@ -753,3 +753,13 @@ async def test_more_choices_than_slots_run_in_waves(
     again = await run(chunked_engine, req)
     assert [ids(again, index) for index in range(n)] == [ids(first, index) for index in range(n)]
     assert chunked_engine.statistics().running_sequences == 0
+
+
+@pytest.mark.llama
+async def test_the_llama_engine_passes_check_engine(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    from operators.testing import check_engine
+
+    prompt = tokenizer.encode("The capital of France is")
+    await check_engine(lambda: engine, prompt=prompt)
