@@ -25,7 +25,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, Final, Literal, Protocol
+from typing import Any, ClassVar, Final, Literal, Protocol
 
 from operators.detokenizer import byte_level_alphabet
 from operators.llm import BackendOutput, TopLogprobs
@@ -138,20 +138,23 @@ class _Chunks:
 
     __slots__ = ("_base", "_choices", "_echo", "_logprobs", "_texts", "completion_tokens", "head")
 
+    #: the response id's prefix and the chunks' ``object`` (set by each kind of response)
+    _ID_PREFIX: ClassVar[str]
+    _OBJECT: ClassVar[Literal["chat.completion.chunk", "text_completion"]]
+
     def __init__(
         self,
         *,
-        id_prefix: str,
-        obj: Literal["chat.completion.chunk", "text_completion"],
         model: str,
         logprobs: int | None,
         texts: TokenTexts,
         request_id: str | None = None,
     ) -> None:
+        """``request_id`` names the response (``chatcmpl-<id>``); a fresh one if None."""
         #: the response's constant part, the first event of its stream
         self.head = ResponseHead(
-            id=f"{id_prefix}-{request_id or uuid.uuid4().hex}",
-            object=obj,
+            id=f"{self._ID_PREFIX}-{request_id or uuid.uuid4().hex}",
+            object=self._OBJECT,
             created=int(time.time()),
             model=model,
         )
@@ -190,23 +193,8 @@ class ChatChunks(_Chunks):
     """
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        logprobs: int | None,
-        texts: TokenTexts,
-        request_id: str | None = None,
-    ) -> None:
-        super().__init__(
-            id_prefix="chatcmpl",
-            obj="chat.completion.chunk",
-            model=model,
-            logprobs=logprobs,
-            texts=texts,
-            request_id=request_id,
-        )
+    _ID_PREFIX = "chatcmpl"
+    _OBJECT = "chat.completion.chunk"
 
     def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
         """The events for one output: a ChoiceStart first for a new choice, then one delta
@@ -261,23 +249,8 @@ class CompletionChunks(_Chunks):
     """The events of one completions response (``text_completion`` when rendered)."""
 
     __slots__ = ()
-
-    def __init__(
-        self,
-        *,
-        model: str,
-        logprobs: int | None,
-        texts: TokenTexts,
-        request_id: str | None = None,
-    ) -> None:
-        super().__init__(
-            id_prefix="cmpl",
-            obj="text_completion",
-            model=model,
-            logprobs=logprobs,
-            texts=texts,
-            request_id=request_id,
-        )
+    _ID_PREFIX = "cmpl"
+    _OBJECT = "text_completion"
 
     def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
         """The delta for one output, unless there is nothing to say."""

@@ -150,10 +150,11 @@ class OpenAIPreprocessor:
                 the context, token ids outside the vocabulary, or what :meth:`render_chat`
                 raises.
         """
+        self._refuse_unfittable(request)
         return [leg.request for leg in self._legs(request)]
 
     def _legs(self, request: OpenAIRequest) -> list[_Leg]:
-        self._refuse_unfittable(request)
+        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through."""
         if isinstance(request, ChatCompletionRequest):
             # The rendered text is encoded with special tokens parsed, because the template's
             # role markers must become control ids. The users' message text is part of that

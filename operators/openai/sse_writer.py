@@ -87,17 +87,18 @@ async def stream_response(
             observe_gap(now - last_write)
         last_write = now
 
-    async def end_killed() -> int:
-        ended = ended_by_server(ctx)
-        if ended is None:
-            return CLIENT_GONE
-        status, body = ended
+    async def send_error(status: int, body: bytes) -> int:
+        """An error as the response (nothing written yet) or as the stream's last event."""
         if not committed:
             await send_json(send, status, body, id_header(ctx))
             return status
         pending.append(b"data: " + body + b"\n\n")
         await write(more_body=False)
         return status
+
+    async def end_killed() -> int:
+        ended = ended_by_server(ctx)
+        return CLIENT_GONE if ended is None else await send_error(*ended)
 
     try:
         async with open_stream(graph, ctx) as stream:
@@ -154,13 +155,7 @@ async def stream_response(
     except Exception as exc:
         if ctx.is_killed:
             return await end_killed()
-        status, body = describe_failure(exc, ctx.id)
-        if not committed:
-            await send_json(send, status, body, id_header(ctx))
-            return status
-        pending.append(b"data: " + body + b"\n\n")
-        await write(more_body=False)
-        return status
+        return await send_error(*describe_failure(exc, ctx.id))
     finally:
         if tokens:
             metrics.output_tokens.inc(tokens)
