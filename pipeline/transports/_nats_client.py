@@ -339,13 +339,22 @@ class RemoteEngine(Generic[In, Out]):
                         request_id=ctx.id,
                     )
                 expected += 1
-                if kind == _wire.DATA:
-                    yield body
-                    read += 1
-                elif kind == _wire.BATCH:
-                    for item in body:
-                        yield item
-                    read += len(body)
+                if kind == _wire.DATA or kind == _wire.BATCH:
+                    if ctx.is_stopped:
+                        # Asked to stop: what the worker sent before it heard is not wanted
+                        # (as a local engine would yield nothing more); tell it now, not at
+                        # the next timer tick, and read on to its END.
+                        if control is not None and not stop_sent:
+                            stop_sent = True
+                            await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
+                    elif kind == _wire.DATA:
+                        yield body
+                    else:
+                        for item in body:
+                            yield item
+                            if ctx.is_stopped:
+                                break
+                    read += 1 if kind == _wire.DATA else len(body)
                 elif kind == _wire.START:
                     worker = str(body)
                     if control is None:

@@ -198,7 +198,11 @@ async def test_a_kill_during_a_batch_reaches_the_engine_and_drops_the_batch(
     assert stats.messages == 2  # START and the first output: the held batch was dropped
 
 
-async def test_a_stop_during_a_batch_delivers_what_was_held(nc: Client, worker_nc: Client) -> None:
+async def test_a_stop_during_a_batch_ends_cleanly_with_nothing_more(
+    nc: Client, worker_nc: Client
+) -> None:
+    """The worker flushes what it held and ends; the client, asked to stop, yields none of it
+    (as a local engine yields nothing after its stop) and the stream ends without a kill."""
     closed = anyio.Event()
     with bounds(max_batch=10**9):
         async with pair(endless(closed), nc, worker_nc) as (worker, remote):
@@ -210,9 +214,9 @@ async def test_a_stop_during_a_batch_delivers_what_was_held(nc: Client, worker_n
                     if item == 0:
                         ctx.stop_generating()
             stats = worker.statistics()
-    assert items == list(range(len(items)))  # every output the engine made, in order
-    assert stats.outputs == len(items)
-    assert stats.clients_gone == 0
+    assert items == [0]
+    assert stats.outputs >= 1
+    assert stats.clients_gone == 0  # a clean END, not a client that went away
 
 
 async def test_a_wire_1_client_gets_one_message_per_output(nc: Client, worker_nc: Client) -> None:
