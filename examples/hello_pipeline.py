@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import anyio
 
-from pipeline import Context, Engine, FunctionEngine, link, open_stream
+from pipeline import Context, Engine, FunctionEngine, Stream, link, open_stream
 
 
 async def words(ctx: Context[str]) -> AsyncIterator[str]:
@@ -21,7 +21,7 @@ async def words(ctx: Context[str]) -> AsyncIterator[str]:
 class Shout:
     """The operator: upper-cases every output on its way back to the caller."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for word in downstream.generate(ctx):
             yield word.upper() + "!"
 

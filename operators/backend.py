@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline import Context, Engine, StateKey, WorkerLost
+from pipeline import Context, Engine, StateKey, Stream, WorkerLost
 
 from .detokenizer import PROMPT_CONTEXT_IDS
 from .llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
@@ -311,14 +310,14 @@ class Backend:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> Stream[BackendOutput]:
         """Decode the downstream stream for ``ctx`` (resuming earlier attempts' state)."""
         request = ctx.data
         state = ctx.state.setdefault(_STATE, BackendState())
         n = request.n
         leg = ctx.child(request)
         try:
-            async with aclosing(downstream.generate(leg)) as stream:  # type: ignore[type-var]
+            async with aclosing(downstream.generate(leg)) as stream:
                 async for output in stream:
                     choice = state.choices.get(output.index)
                     if choice is None:

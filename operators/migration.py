@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Literal
 
-from pipeline import ConnectFailed, Context, Engine, WorkerLost
+from pipeline import ConnectFailed, Context, Engine, Stream, WorkerLost
 
 from .backend import RESUMABLE
 from .llm import BackendOutput, PreprocessedRequest, StopConditions
@@ -62,7 +62,7 @@ class Migration:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> Stream[BackendOutput]:
         """Stream ``ctx`` from downstream, retrying on ``WorkerLost``."""
         original = ctx.data
         retries_left = self.limit if self._migratable(original) else 0
@@ -75,7 +75,7 @@ class Migration:
             started = False
             try:
                 leg = ctx.child(attempt)
-                async with aclosing(downstream.generate(leg)) as stream:  # type: ignore[type-var]
+                async with aclosing(downstream.generate(leg)) as stream:
                     async for output in stream:
                         started = True
                         generated.extend(output.token_ids)

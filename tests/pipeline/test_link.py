@@ -13,7 +13,16 @@ from anyio.lowlevel import checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import Context, Engine, EngineError, FunctionEngine, LinkError, link, open_stream
+from pipeline import (
+    Context,
+    Engine,
+    EngineError,
+    FunctionEngine,
+    LinkError,
+    Stream,
+    link,
+    open_stream,
+)
 from pipeline.testing import ScriptedEngine, collect, make_context
 
 
@@ -23,7 +32,7 @@ class Tag:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx.replace(f"{ctx.data}>{self.name}")):
             yield f"{item}<{self.name}"
 
@@ -35,7 +44,7 @@ class Recorded:
         self.name = name
         self.log = log
 
-    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> AsyncIterator[Any]:
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -51,7 +60,7 @@ class RecordedEngine:
         self.log = log
         self.saw_close = False
 
-    async def generate(self, ctx: Context[Any], /) -> AsyncIterator[int]:
+    async def generate(self, ctx: Context[Any], /) -> Stream[int]:
         try:
             for i in range(self.n):
                 await checkpoint()
@@ -98,7 +107,7 @@ async def test_an_operator_may_change_the_payload_type_and_keep_the_request() ->
     class Tokenize:
         async def generate(
             self, ctx: Context[str], downstream: Engine[list[int], int]
-        ) -> AsyncIterator[str]:
+        ) -> Stream[str]:
             async for token in downstream.generate(ctx.replace([ord(c) for c in ctx.data])):
                 yield chr(token)
 
@@ -122,9 +131,7 @@ async def test_every_stage_runs_in_the_consumers_task_and_sees_its_contextvars()
     seen: list[tuple[int, str]] = []
 
     class Probe:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             seen.append((anyio.get_current_task().id, var.get()))
             async for item in downstream.generate(ctx):
                 yield item
@@ -212,9 +219,7 @@ async def test_streams_an_operator_abandoned_are_closed_with_its_own_stream() ->
     class PeekTwice:
         """Opens downstream twice, takes one item from each and never closes either."""
 
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             for _ in range(2):
                 async for item in downstream.generate(ctx):
                     yield item
@@ -232,10 +237,8 @@ async def test_an_operator_that_closes_downstream_itself_is_not_closed_twice() -
     engine = RecordedEngine(10, log)
 
     class Tidy:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
-            async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
+            async with aclosing(downstream.generate(ctx)) as stream:
                 async for item in stream:
                     yield item
 
@@ -247,7 +250,7 @@ async def test_an_operator_that_closes_downstream_itself_is_not_closed_twice() -
 class Sometimes:
     """Tags requests that start with "tag"; hands every other one downstream's own stream."""
 
-    def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         if ctx.data.startswith("tag"):
             return Tag("t").generate(ctx, downstream)
         return downstream.generate(ctx)
@@ -259,7 +262,7 @@ async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -
     seen: list[AsyncIterator[Any]] = []
 
     class Spy:
-        def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+        def generate(self, ctx: Context[Any], /) -> Stream[Any]:
             stream = engine.generate(ctx)
             seen.append(stream)
             return stream
@@ -296,7 +299,7 @@ async def test_a_stream_closed_before_its_first_item_never_starts_the_engine() -
 
 
 class Upper:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 
@@ -332,7 +335,7 @@ class EngineReturningList:
 class TooManyParameters:
     async def generate(
         self, ctx: Context[str], downstream: Engine[str, str], extra: int
-    ) -> AsyncIterator[str]:
+    ) -> Stream[str]:
         yield "never"
 
 
