@@ -1,4 +1,5 @@
-"""link(): composition order, nesting, early close down to the engine, wiring mistakes."""
+"""link() and chain(): composition order, nesting, early close down to the engine, wiring
+mistakes. (That mypy rejects a mis-ordered graph is tests/operators/test_typed_graph.py.)"""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pipeline import (
     FunctionEngine,
     LinkError,
     Stream,
+    chain,
     link,
     open_stream,
 )
@@ -271,7 +273,7 @@ async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -
     stream = graph.generate(make_context("plain"))
     assert seen == [stream]  # no wrapper, so no hop per item
     assert await stream.__anext__() == 0
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     assert engine.saw_close
     assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("tag")) == ["a<t"]
     assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("x")) == ["a"]
@@ -293,6 +295,50 @@ async def test_a_stream_closed_before_its_first_item_never_starts_the_engine() -
         pass
     assert engine.requests == []
     assert engine.open_streams == 0
+
+
+# -- chain ------------------------------------------------------------------------------------
+
+
+async def test_a_chain_is_its_operators_spliced_in_place() -> None:
+    engine = FunctionEngine(echo_engine)
+    flat = await collect(link(Tag("a"), Tag("b"), Tag("c"), Tag("d"), engine), make_context("r"))
+    spliced = link(Tag("a"), chain(Tag("b"), chain(Tag("c"))), Tag("d"), engine)
+    assert await collect(spliced, make_context("r")) == flat == ["r>a>b>c>d<d<c<b<a"]
+    assert repr(chain(Tag("b"), chain(), chain(Tag("c")))).count("Tag") == 2  # flattened
+
+
+async def test_an_empty_chain_is_a_passthrough_with_no_hop() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(3, log)
+    seen: list[Stream[Any]] = []
+
+    class Spy:
+        def generate(self, ctx: Context[Any], /) -> Stream[Any]:
+            seen.append(engine.generate(ctx))
+            return seen[-1]
+
+    assert link(chain(), Spy()).generate(make_context(None)) is seen[0]
+    await seen[0].aclose()
+    assert await collect(link(chain(), ScriptedEngine(["a"])), make_context(None)) == ["a"]
+
+
+async def test_a_chain_used_directly_as_an_operator_closes_all_it_opened() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(10, log)
+    grouped = chain(Recorded("a", log), Recorded("b", log))
+    stream = grouped.generate(make_context(None), engine)
+    assert [await stream.__anext__(), await stream.__anext__()] == [0, 1]
+    await stream.aclose()
+    assert [name for name, _ in log] == ["a", "b", "engine"]
+    assert engine.saw_close
+
+
+def test_chain_refuses_what_is_not_an_operator() -> None:
+    with pytest.raises(LinkError, match="looks like an engine"):
+        chain(ScriptedEngine(["x"]))  # type: ignore[arg-type]
+    with pytest.raises(LinkError, match=r"did you mean Tag\(\)"):
+        chain(Tag)  # type: ignore[arg-type]
 
 
 # -- wiring mistakes --------------------------------------------------------------------------
