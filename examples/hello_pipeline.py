@@ -5,14 +5,12 @@ Run it: ``python examples/hello_pipeline.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 
 from pipeline import Context, Engine, FunctionEngine, Stream, link, open_stream
 
 
-async def words(ctx: Context[str]) -> AsyncIterator[str]:
+async def words(ctx: Context[str]) -> Stream[str]:
     """The engine: streams the request's words back, one at a time."""
     for word in ctx.data.split():
         yield word
