@@ -74,8 +74,8 @@ class RecordedEngine:
             self.log.append(("engine", anyio.get_current_task().id))
 
 
-def echo_engine(ctx: Context[str]) -> AsyncIterator[str]:
-    async def gen() -> AsyncIterator[str]:
+def echo_engine(ctx: Context[str]) -> Stream[str]:
+    async def gen() -> Stream[str]:
         yield ctx.data
 
     return gen()
@@ -261,7 +261,7 @@ class Sometimes:
 async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -> None:
     log: list[tuple[str, int]] = []
     engine = RecordedEngine(10, log)
-    seen: list[AsyncIterator[Any]] = []
+    seen: list[Stream[Any]] = []
 
     class Spy:
         def generate(self, ctx: Context[Any], /) -> Stream[Any]:
