@@ -11,8 +11,6 @@ Run it: ``python examples/custom_engine.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 from anyio.lowlevel import checkpoint
 
@@ -20,7 +18,7 @@ from operators.llm import EngineOutput, FinishReason, PreprocessedRequest
 from operators.serving import build_app
 from operators.testing import check_engine, openai_client
 from operators.tokenizer import Tokenizer
-from pipeline import Context, InvalidRequest
+from pipeline import Context, InvalidRequest, Stream
 
 
 class CannedEngine:
@@ -29,7 +27,7 @@ class CannedEngine:
     def __init__(self, answer: list[int]) -> None:
         self.answer = answer
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         request = ctx.data
         if request.prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty", param="prompt")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 
 import anyio
 
@@ -24,14 +23,14 @@ from operators.engines import EchoEngine
 from operators.serving import build_app
 from operators.testing import check_engine, openai_client
 from operators.tokenizer import Tokenizer
-from pipeline import Context, Engine, link
+from pipeline import Context, Engine, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
 
 class Upper:
     """An operator: upper-cases every output on its way back."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 

@@ -3,7 +3,8 @@
 - :mod:`operators.llm` — hot-path types (PreprocessedRequest, EngineOutput, BackendOutput).
 - :mod:`operators.tokenizer` — Tokenizer (the shipped SmolLM2 one by default).
 - :mod:`operators.stop_jail` — StopJail, the sans-IO stop-string matcher.
-- :mod:`operators.backend`, :mod:`operators.migration` — the token Backend and Migration.
+- :mod:`operators.backend`, :mod:`operators.migration` — the token Backend and Migration;
+  :mod:`operators.resumption` — the contract between them (Migration upstream).
 - :mod:`operators.openai` — the OpenAI protocol, preprocessor and HTTP server.
 - :mod:`operators.engines` — built-in engines (echo, mocker, llama.cpp).
 - :mod:`operators.serving` — ``build_app`` and ``serve``: a graph as an OpenAI server

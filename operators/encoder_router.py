@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Literal, TypeAlias
 
-from pipeline import Context, Engine, RoundRobin, Router, WorkerSet, open_stream
+from pipeline import Context, Engine, RoundRobin, Router, Stream, WorkerSet, open_stream
 
 from .llm import EngineOutput, PreprocessedRequest
 
@@ -108,7 +107,7 @@ class EncoderRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         """Encode ``ctx``'s images on an encode worker if possible, then serve downstream.
 
         A request with nothing to encode gets downstream's own stream: the router adds no
@@ -122,13 +121,13 @@ class EncoderRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         result = await self._encode(ctx)
         if ctx.is_killed:
             return
         if result is not None:
             ctx = ctx.replace(dataclasses.replace(ctx.data, encoder_result=result))
-        async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(downstream.generate(ctx)) as stream:
             async for output in stream:
                 yield output
 

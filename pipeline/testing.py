@@ -13,7 +13,7 @@ operator in a graph must keep.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, final
 
 import anyio
@@ -22,7 +22,7 @@ from anyio.lowlevel import checkpoint
 from .context import Context
 from .errors import RequestError
 from .link import link
-from .operator import Engine, Operator
+from .operator import Engine, Operator, Stream
 from .routers import WorkerSet
 from .streams import open_stream
 
@@ -118,12 +118,12 @@ class ScriptedEngine(Generic[Out]):
             self._hanging = anyio.Event()
         return self._hanging
 
-    def generate(self, ctx: Context[Any], /) -> AsyncIterator[Out]:
+    def generate(self, ctx: Context[Any], /) -> Stream[Out]:
         """Record ``ctx`` and play the script."""
         self.requests.append(ctx)
         return self._play(ctx)
 
-    async def _play(self, ctx: Context[Any]) -> AsyncIterator[Out]:
+    async def _play(self, ctx: Context[Any]) -> Stream[Out]:
         outputs = self._outputs(ctx) if callable(self._outputs) else self._outputs
         self.open_streams += 1
         finished = False

@@ -41,7 +41,7 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
 
 import anyio
@@ -54,7 +54,7 @@ from .echo import echo_logprob
 
 if TYPE_CHECKING:
     from operators.tokenizer import Tokenizer
-    from pipeline import Context
+    from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_MAX_TOKENS", "IMAGE_TOKENS", "MockerEngine", "MockerStatistics", "Role")
 
@@ -372,7 +372,7 @@ class MockerEngine:
             return _Plan(replayed + 1, max(budget - 1, 0), 0)
         return _Plan(replayed, budget, len(request.token_ids) + self._image_tokens(ctx))
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         """Serve ``ctx`` in this worker's role, on the worker's step clock.
 
         Raises:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar, final
 
 import anyio
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
     from pipeline.context import Context
+    from pipeline.operator import Stream
 
 __all__ = ("NatsEngine", "RemoteEngine", "RemoteEngineStatistics")
 
@@ -246,7 +247,7 @@ class RemoteEngine(Generic[In, Out]):
         for stream in self._streams:
             stream.signal(lost)
 
-    async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+    async def generate(self, ctx: Context[In], /) -> Stream[Out]:
         """Send ``ctx`` to a worker and stream its outputs back."""
         if ctx.is_stopped:
             return

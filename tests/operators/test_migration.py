@@ -26,6 +26,7 @@ from pipeline import (
     FunctionEngine,
     RoundRobin,
     Router,
+    Stream,
     StreamDisconnected,
     WorkerSet,
     link,
@@ -58,7 +59,7 @@ class Continuing:
         self.fail_after = fail_after
         self.requests: list[PreprocessedRequest] = []
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         request = ctx.data
         self.requests.append(request)
         done = request.replayed_tokens

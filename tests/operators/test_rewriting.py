@@ -25,12 +25,10 @@ from operators.openai.server import OpenAIApp
 from operators.rewriting import joined, rewritten
 from operators.testing import openai_client
 from operators.tokenizer import Tokenizer
-from pipeline import Context, Engine, link
+from pipeline import Context, Engine, Stream, link
 from pipeline.testing import ScriptedEngine, collect, make_context
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator
-
     from operators.llm import PreprocessedRequest
 
 WORD = " Rumpelstiltskin"  # seven tokens
@@ -53,7 +51,7 @@ class Redact:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> Stream[BackendOutput]:
         held: dict[int, list[BackendOutput]] = {}  # per choice, what may still be rewritten
         async for output in downstream.generate(ctx):
             group = held.setdefault(output.index, [])

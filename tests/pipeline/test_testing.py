@@ -19,6 +19,7 @@ from pipeline import (
     FunctionEngine,
     RoundRobin,
     Router,
+    Stream,
     StreamDisconnected,
     link,
 )
@@ -116,7 +117,7 @@ async def test_scripted_engine_stops_before_the_next_output_when_asked() -> None
 
 async def test_scripted_engine_records_an_early_close() -> None:
     engine = ScriptedEngine(["a", "b"])
-    async with aclosing(engine.generate(make_context(None))) as stream:  # type: ignore[type-var]
+    async with aclosing(engine.generate(make_context(None))) as stream:
         async for _ in stream:
             break
     assert engine.closed_early
@@ -143,7 +144,7 @@ def test_scripted_engine_repr_counts_requests() -> None:
 
 
 class Upper:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 
@@ -151,7 +152,7 @@ class Upper:
 class ViaChild:
     """Sends a child leg downstream, as Migration does."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx.child(ctx.data + "!")):
             yield item
 
@@ -159,12 +160,12 @@ class ViaChild:
 class Tidy:
     """Closes downstream itself and runs a task group that finishes before the first yield."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         results: list[int] = []
         async with anyio.create_task_group() as tg:
             for n in range(3):
                 tg.start_soon(_append, results, n)
-        async with aclosing(downstream.generate(ctx.replace(ctx.data))) as stream:  # type: ignore[type-var]
+        async with aclosing(downstream.generate(ctx.replace(ctx.data))) as stream:
             async for item in stream:
                 yield f"{item}{len(results)}"
 
@@ -177,7 +178,7 @@ async def _append(results: list[int], n: int) -> None:
 class Buffering:
     """Yields nothing until downstream ends: the early-stop check must still terminate."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         items = [item async for item in downstream.generate(ctx)]
         for item in items:
             yield item
@@ -204,13 +205,13 @@ async def test_the_custom_operator_example_holds() -> None:
 
 
 class NewContext:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(Context.new(ctx.data)):
             yield item
 
 
 class SwallowsErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -219,7 +220,7 @@ class SwallowsErrors:
 
 
 class WrapsErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -228,7 +229,7 @@ class WrapsErrors:
 
 
 class CopiesErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -239,7 +240,7 @@ class CopiesErrors:
 class KeepsGoingAfterKill:
     """Catches the cancellation from kill() and yields one more item."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -250,7 +251,7 @@ class KeepsGoingAfterKill:
 class EndsQuietlyAfterKill:
     """Catches the cancellation from kill() and ends the stream as if it were complete."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -264,7 +265,7 @@ class HandsStreamToTask:
     def __init__(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         send, receive = anyio.create_memory_object_stream[str](math.inf)
 
         async def pump() -> None:
@@ -287,14 +288,14 @@ class LeavesTask:
     def __init__(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         self._tg.start_soon(anyio.sleep_forever)
         async for item in downstream.generate(ctx):
             yield item
 
 
 class NeverCallsDownstream:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         yield "made up"
 
 
@@ -336,9 +337,7 @@ async def test_check_operator_rejects_an_operator_that_leaves_work_in_other_task
 
 async def test_check_operator_gives_up_on_an_operator_that_hangs() -> None:
     class Hangs:
-        async def generate(
-            self, ctx: Context[str], downstream: Engine[str, str]
-        ) -> AsyncIterator[str]:
+        async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.2)
             async for item in downstream.generate(ctx):

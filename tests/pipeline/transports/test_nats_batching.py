@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from operators.llm import EngineOutput
 from operators.transport import llm_codec
-from pipeline import Context, EngineError, FunctionEngine, open_stream
+from pipeline import Context, EngineError, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
 from pipeline.transports import _nats_serving, _wire
 from pipeline.transports.codec import Codec, MsgpackCodec
@@ -82,7 +82,7 @@ async def a_real_wait() -> None:
 def burst(outputs: list[Any], then: Exception | None = None) -> FunctionEngine[Any, Any]:
     """An engine whose outputs are all ready at once (a checkpoint between them, no wait)."""
 
-    async def generate(ctx: Context[Any]) -> AsyncIterator[Any]:
+    async def generate(ctx: Context[Any]) -> Stream[Any]:
         for output in outputs:
             await checkpoint()
             yield output
@@ -169,7 +169,7 @@ async def test_an_unencodable_output_fails_the_stream_after_the_ones_before_it(
 def endless(closed: anyio.Event) -> FunctionEngine[Any, int]:
     """An engine that is always ready, until it is stopped or killed; ``closed`` at the end."""
 
-    async def generate(ctx: Context[Any]) -> AsyncIterator[int]:
+    async def generate(ctx: Context[Any]) -> Stream[int]:
         try:
             for token in range(10**9):
                 await checkpoint()
