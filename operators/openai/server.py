@@ -173,10 +173,7 @@ class OpenAIApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
-        kind = scope["type"]
-        if kind != "http":
-            if kind == "lifespan":
-                await self._lifespan(receive, send)
+        if scope["type"] != "http":  # no lifespan: the runner serves with lifespan="off"
             return
         path: str = scope["path"]
         method: str = scope["method"]
@@ -219,16 +216,6 @@ class OpenAIApp:
             status = 404
             path = "other"  # a label per unknown path would let clients grow the registry
         self.metrics.count_request(path, status)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self.drain()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
 
     async def _method_not_allowed(self, send: Send, path: str, allowed: str) -> int:
         body = method_not_allowed_body(path, allowed)
