@@ -8,8 +8,8 @@ by that count, ``replayed_tokens`` telling the engine how much of the prompt is 
 output. The Backend's decoder state is in the request's Context state, so the new attempt
 resumes it: withheld text, detokenizer and counters carry over (see ``operators.backend``).
 
-It never migrates n>1 or guided-decoding requests (their engine state cannot be rebuilt
-from the prompt), a request the client cancelled, or one that would exceed the maximum
+It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
+request the client cancelled, or one that would exceed the maximum
 sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
 """
 
@@ -56,7 +56,7 @@ class Migration:
         self._on_event = on_event
 
     def _migratable(self, request: PreprocessedRequest) -> bool:
-        return request.n == 1 and request.sampling.guided_decoding is None
+        return request.n == 1
 
     async def generate(
         self,
