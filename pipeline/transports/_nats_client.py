@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from pipeline.context import Context
 
-__all__ = ("NatsEngine", "RemoteEngine", "RemoteEngineStatistics")
+__all__ = ("RemoteEngine", "RemoteEngineStatistics")
 
 logger = logging.getLogger(__name__)
 
@@ -453,7 +453,3 @@ class RemoteEngine(Generic[In, Out]):
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.subject!r})"
-
-
-#: the client engine under the name the transport gives it
-NatsEngine = RemoteEngine
