@@ -1,7 +1,7 @@
 """The LLM hot-path vocabulary: what flows between the LLM operators and engines.
 
 These are plain ``slots`` dataclasses, built once per request or once per engine step;
-pydantic stays at the HTTP edge (``operators/openai/protocol.py``). The flow::
+pydantic stays at the HTTP edge (``operators/openai/protocol/``). The flow::
 
     OpenAI request --[OpenAIPreprocessor]--> PreprocessedRequest --> ... --> engine
     OpenAI chunks  <--[OpenAIPreprocessor]-- BackendOutput <--[Backend]-- EngineOutput
