@@ -6,7 +6,7 @@ choice) and turn each :class:`~operators.llm.BackendOutput` into typed events
 (:mod:`operators.openai.events`), which the server renders to bytes once
 (:mod:`operators.openai.sse`) or folds into a non-streamed response.
 
-Rules every response keeps (``research/anchors.md`` B4, B8, B11, B14):
+Rules every response keeps (``docs/bug-classes.md`` B4, B8, B11, B14):
 
 * one id, ``created`` and model on every chunk; chat choices open with a role chunk;
 * ``finish_reason`` exactly once per choice, on the chunk of the output that carries it
