@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 from nats.aio.msg import Msg
 
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ("IDLE", "STOPPED", "ClientStream", "Signal")
 
 
+@final
 class Signal:
     """Something other than a frame woke a client stream: the idle timer, a stop, a loss."""
 
@@ -34,6 +35,7 @@ IDLE = Signal("idle")
 STOPPED = Signal("stopped")
 
 
+@final
 class ClientStream:
     """One in-flight request on the client: its inbox buffer and its idle bookkeeping.
 
