@@ -79,7 +79,6 @@ class ChoiceDecoder:
         "_stop_ids",
         "_text_len",
         "_user_ids",
-        "_visible_ids",
         "delivered",
         "finished",
         "generated",
@@ -96,8 +95,7 @@ class ChoiceDecoder:
         self._user_ids = frozenset(stop.stop_token_ids)
         self._eos = frozenset(() if stop.ignore_eos else stop.eos_token_ids)
         self._hidden_ids = self._user_ids | self._eos
-        self._visible_ids = frozenset(stop.visible_stop_token_ids) - self._hidden_ids
-        self._stop_ids = self._hidden_ids | self._visible_ids
+        self._stop_ids = self._hidden_ids
         self._jail_active = self._jail.active
         #: tokens generated so far (every id the engine produced for this choice, once)
         self.generated = 0
@@ -202,12 +200,6 @@ class ChoiceDecoder:
                     finish, stop_reason = "stop", result.stop
                     if not self._jail.include_stop_in_output:
                         swallow_from = self._released
-                    break
-                if token_id in self._visible_ids:
-                    flushed = self._jail.flush()
-                    text_parts.append(flushed)
-                    self._released += len(flushed)
-                    finish, stop_reason = "stop", token_id
                     break
             if self._max_tokens is not None and self.generated >= self._max_tokens:
                 finish = "length"

@@ -56,9 +56,6 @@ class EncoderRouter:
         """``"pending"`` (never had encode workers), ``"active"``, or ``"unavailable"``."""
         return "pending" if self.workers is None else self.workers.lifecycle
 
-    async def aclose(self) -> None:
-        """Nothing to release (the router owns no task); here for symmetry with workers."""
-
     def _should_encode(self, ctx: Context[PreprocessedRequest]) -> bool:
         request = ctx.data
         return (

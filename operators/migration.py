@@ -11,8 +11,8 @@ Migration is the retrier of the contract in :mod:`operators.resumption`: it arms
 :data:`~operators.resumption.RESUMABLE` for each attempt, and must be linked upstream of
 the Backend (it raises :class:`~operators.resumption.ResumptionOrderError` below one).
 
-It never migrates n>1 or guided-decoding requests (their engine state cannot be rebuilt
-from the prompt), a request the client cancelled, or one that would exceed the maximum
+It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
+request the client cancelled, or one that would exceed the maximum
 sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
 """
 
@@ -59,7 +59,7 @@ class Migration:
         self._on_event = on_event
 
     def _migratable(self, request: PreprocessedRequest) -> bool:
-        return request.n == 1 and request.sampling.guided_decoding is None
+        return request.n == 1
 
     async def generate(
         self,

@@ -80,9 +80,6 @@ class PrefillRouter:
         """``"pending"`` (never had prefill workers), ``"active"``, or ``"unavailable"``."""
         return "pending" if self.workers is None else self.workers.lifecycle
 
-    async def aclose(self) -> None:
-        """Nothing to release (the router owns no task); here for symmetry with workers."""
-
     def _disaggregate(self, request: PreprocessedRequest) -> bool:
         max_tokens = request.stop.max_tokens
         return (

@@ -15,7 +15,6 @@ from operators.llm import (
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
     StopConditions,
 )
 from operators.migration import Migration
@@ -218,17 +217,8 @@ async def test_limit_exhausted_gives_one_clean_error_and_nothing_duplicated() ->
     assert events == [("stream", "retried"), ("stream", "retried"), ("stream", "exhausted")]
 
 
-@pytest.mark.parametrize(
-    "req",
-    [
-        request(n=2),
-        PreprocessedRequest(
-            token_ids=[1], sampling=SamplingOptions(guided_decoding={"regex": "a+"})
-        ),
-    ],
-    ids=["n>1", "guided"],
-)
-async def test_never_migrates_n_above_one_or_guided_decoding(req: PreprocessedRequest) -> None:
+async def test_never_migrates_n_above_one() -> None:
+    req = request(n=2)
     tok = ByteTokenizer()
     engine = ScriptedEngine(
         [EngineOutput(token_ids=tok.tokenize([b"x"]))], then=StreamDisconnected("gone")

@@ -48,7 +48,6 @@ from pipeline.testing import ScriptedEngine, collect, make_context
 from pipeline.transports.codec import MsgpackCodec
 from pipeline.transports.nats import (
     NatsDiscovery,
-    NatsEngine,
     NatsTimeouts,
     NatsWorker,
     RemoteEngine,
@@ -159,7 +158,7 @@ async def test_no_worker_means_connect_failed(nc: Client) -> None:
     with pytest.raises(ConnectFailed):
         await collect(RemoteEngine(nc, model="nobody"), make_context("request"))
     with pytest.raises(ConnectFailed):
-        await collect(NatsEngine(nc, worker_id="nobody"), make_context("request"))
+        await collect(RemoteEngine(nc, worker_id="nobody"), make_context("request"))
 
 
 async def test_an_unregistered_payload_type_is_an_engine_error(
