@@ -35,9 +35,8 @@ LogLevel = Literal["debug", "info", "warning", "error"]
 
 def _fields_from(cls: type[Any], args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     """``cls``'s fields from ``args`` (by name), except those ``given``."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.init}
-    values.update(given)
-    return values
+    names = (f.name for f in dataclasses.fields(cls) if f.init and f.name not in given)
+    return {**{name: getattr(args, name) for name in names}, **given}
 
 
 @dataclass(frozen=True, kw_only=True)
