@@ -33,6 +33,13 @@ class Run:
 RUNS: dict[str, Run] = {
     "hello_pipeline.py": Run(expect=("HELLO!\nPIPELINE!\nWORLD!\n",)),
     "custom_operator.py": Run(expect=("Upper passes check_operator",)),
+    "extend_default_graph.py": Run(
+        expect=(
+            "HELLO FROM THE GRAPH\n",
+            "OpenAIPreprocessor -> Migration -> Shout -> Backend -> EncoderRouter -> "
+            "PrefillRouter -> engine\n",
+        )
+    ),
 }
 
 

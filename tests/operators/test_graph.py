@@ -240,3 +240,15 @@ def test_mypy_rejects_an_operator_inserted_where_its_types_do_not_fit(tmp_path: 
     errors = [line for line in result.stdout.splitlines() if ": error:" in line]
     assert [line.split(":")[1] for line in errors] == ["23", "24", "25"], result.stdout
     assert all("insert_before" in line for line in errors)
+
+
+def test_the_readme_snippet_is_the_example() -> None:
+    """The README's "Add an operator to the default graph" code is the example's own lines
+    (which tests/test_examples.py runs), so it cannot rot unnoticed."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Add an operator to the default graph", 1)[1]
+    snippet = section.split("```python\n", 1)[1].split("```", 1)[0]
+    example = set((ROOT / "examples" / "extend_default_graph.py").read_text().splitlines())
+    missing = [line for line in snippet.splitlines() if line and line not in example]
+    assert not missing, missing
+    assert "build_app(" in snippet
