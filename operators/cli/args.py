@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES
+from .insertions import insertion
 from .options import (
     add_engine_options,
     add_log_level,
@@ -50,6 +51,18 @@ def build_parser() -> argparse.ArgumentParser:
         serve_parser,
         ENGINES,
         model_help="the model name clients must ask for (others get 404) and responses report",
+    )
+    serve_parser.add_argument(
+        "--insert-before",
+        type=insertion,
+        action="append",
+        default=[],
+        metavar="STAGE=MODULE:NAME",
+        help=(
+            "insert the operator MODULE.NAME() just before STAGE of the default graph "
+            "(preprocessor, migration, backend, encoder_router, prefill_router or engine); "
+            "repeatable, in order"
+        ),
     )
     serve_parser.add_argument(
         "--max-model-len",

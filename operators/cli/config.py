@@ -15,7 +15,7 @@ import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .defaults import (
     API_KEY_ENV,
@@ -27,6 +27,9 @@ from .defaults import (
     EngineName,
     Role,
 )
+
+if TYPE_CHECKING:
+    from operators.graph import Point
 
 __all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig")
 
@@ -115,6 +118,8 @@ class ServeConfig:
     request_timeout: float | None = None
     drain_timeout: float = 30.0
     log_level: LogLevel = "warning"
+    #: operators to insert, as (point, ``MODULE:NAME``), loaded when the graph is built
+    insert_before: tuple[tuple[Point, str], ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -137,6 +142,7 @@ class ServeConfig:
                 engine=EngineConfig.from_args(args),
                 allowed_image_hosts=hosts,
                 api_keys=tuple(keys),
+                insert_before=tuple(getattr(args, "insert_before", None) or ()),
             )
         )
 

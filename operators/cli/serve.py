@@ -23,6 +23,7 @@ from pipeline import Engine, RoundRobin, Router, WorkerSet
 
 from .config import ServeConfig
 from .engines import load_llama, watch_llama, worker_set
+from .insertions import load_insertions
 from .nats import close_nats, connect_nats
 
 if TYPE_CHECKING:
@@ -96,13 +97,17 @@ def build_graph(
     ``config`` may also be the parsed ``serve`` arguments. ``engine`` (an already loaded
     one, e.g. llama.cpp's) replaces in-process workers; ``workers`` (discovered remote
     workers) replaces the in-process ones with a Router that retries elsewhere. Migrations
-    are counted in ``metrics``.
+    are counted in ``metrics``; ``--insert-before`` operators are loaded and inserted.
+
+    Raises:
+        ValueError: an operator to insert cannot be loaded.
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
     engine, options = _engine_and_options(config, tokenizer, workers, engine)
     options["on_migration"] = metrics.count_migration
-    return default_graph(engine, tokenizer, model_name=config.model_name, **options)
+    before = load_insertions(config.insert_before)
+    return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
 
 
 def guard(config: ServeConfig) -> Guard:
@@ -119,7 +124,13 @@ def _display_host(host: str) -> str:
 
 
 async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
-    """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine)."""
+    """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine; 2: an
+    operator to insert cannot be loaded)."""
+    try:
+        before = load_insertions(config.insert_before)
+    except ValueError as exc:
+        print(f"llm-pipeline: cannot insert an operator: {exc}", file=sys.stderr)
+        return 2
     metrics = ServerMetrics()
     async with contextlib.AsyncExitStack() as stack:
         workers = None
@@ -155,6 +166,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             model_name=config.model_name,
             guard=guard(config),
             metrics=metrics,
+            before=before,
             **options,
         )
 

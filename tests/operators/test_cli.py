@@ -4,12 +4,15 @@ typed config the arguments become."""
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 import pytest
 
 from operators import cli
 from operators.cli.defaults import ROLES
+from operators.cli.insertions import load_operator
+from operators.cli.serve import run_serve
 from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_TOKENS
 from operators.openai.metrics import ServerMetrics
 from operators.openai.server import OpenAIApp
@@ -124,3 +127,57 @@ async def test_build_graph_takes_the_config_or_the_parsed_arguments(typed: bool)
 def test_the_worker_roles_are_the_transports() -> None:
     nats = pytest.importorskip("pipeline.transports.nats", exc_type=ImportError)
     assert nats.ROLES == ROLES
+
+
+# -- serve --insert-before ------------------------------------------------------------------
+
+
+async def test_insert_before_splices_operators_into_the_served_graph_in_order() -> None:
+    args = parse(
+        "serve", "--model-name", "m",
+        "--insert-before", "backend=shout:Exclaim", "--insert-before", "backend=shout:Shout",
+    )  # fmt: skip
+    config = cli.ServeConfig.from_args(args)
+    assert config.insert_before == (("backend", "shout:Exclaim"), ("backend", "shout:Shout"))
+    metrics = ServerMetrics()
+    app = OpenAIApp(cli.build_graph(config, TOKENIZER, metrics), model_name="m", metrics=metrics)
+    async with openai_client(app) as client:
+        reply = await client.completions.create(model="m", prompt="a b")
+    # Exclaim is in front of Shout, so it sees Shout's output: "!" after upper-casing
+    assert reply.choices[0].text == "A! B!"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("backend", "expected STAGE=MODULE:NAME"),
+        ("backend=shout", "expected STAGE=MODULE:NAME"),
+        ("detokenizer=shout:Shout", "'preprocessor', 'migration', 'backend'"),
+    ],
+)
+def test_a_malformed_insertion_is_a_usage_error(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse("serve", "--insert-before", value)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_here:Shout", "cannot import no_such_module_here:Shout"),
+        ("shout:Missing", "cannot import shout:Missing"),
+        ("shout:broken", "shout:broken() failed: RuntimeError('no configuration')"),
+        ("shout:not_an_operator", "has no generate() method"),
+    ],
+)
+async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
+    spec: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_operator(spec)
+    config = cli.ServeConfig(insert_before=(("backend", spec),))
+    assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    assert message in capsys.readouterr().err
