@@ -2,8 +2,8 @@
 
 ::
 
-    OpenAI request -> [OpenAIPreprocessor] -> [Migration] -> [Backend] -> [EncoderRouter]
-                   -> [PrefillRouter] -> engine (one engine, or a Router over decode workers)
+    OpenAI request -> [preprocessor] -> [migration] -> [backend] -> [encoder_router]
+                   -> [prefill_router] -> engine (one engine, or a Router over decode workers)
 
 Backward, every operator sees the engine's outputs on their way out:
 
@@ -14,36 +14,217 @@ Backward, every operator sees the engine's outputs on their way out:
 * the EncoderRouter runs image requests on an encode worker first, when there are any;
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
-The routers are passthroughs when their worker sets are empty or absent. The result is an
-ordinary Engine: serve it with :class:`operators.openai.server.OpenAIApp`, drive it with
-``pipeline.open_stream``, or link more operators in front of it.
+The graph is a value before it is an engine: :func:`default_stages` gives the five named
+stages (:class:`Stages`), which a user splices (``insert_before``/``insert_after`` a named
+stage, or ``dataclasses.replace`` one) and then links to an engine. :func:`default_graph`
+is that in one call, with ``before={stage: [operators]}``; ``build_app`` and the CLI build
+their graphs through it, so an extended graph is served exactly like the default one.
+
+What an inserted operator sees depends on where it sits (its type says which):
+
+=============================================  ==================  ===================
+where                                          forward (request)   backward (outputs)
+=============================================  ==================  ===================
+before ``preprocessor``                        OpenAIRequest       OpenAIEvent
+before ``migration`` / ``backend``             PreprocessedRequest BackendOutput
+before ``encoder_router`` / ``prefill_router``
+/ ``engine``                                   PreprocessedRequest EngineOutput
+=============================================  ==================  ===================
+
+An operator between Migration and the Backend is inside the retry loop: a lost worker
+restarts it with a child context, so whatever it keeps per request belongs in
+``ctx.state`` (as the Backend's does), not in locals.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
-from pipeline import link
+from pipeline import Engine, Operator, chain, link
 
 from .backend import Backend
 from .encoder_router import EncoderRouter
+from .llm import BackendOutput, EngineOutput, PreprocessedRequest
 from .migration import Migration, MigrationEvent
+from .openai.events import OpenAIEvent
 from .openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from .prefill_router import PrefillRouter
 
 if TYPE_CHECKING:
-    from pipeline import Engine, WorkerSet
+    from pipeline import WorkerSet
 
-    from .llm import EngineOutput, PreprocessedRequest
-    from .openai.events import OpenAIEvent
     from .openai.images import ImagePolicy
     from .tokenizer import Tokenizer
 
-__all__ = ("default_graph",)
+__all__ = (
+    "POINTS",
+    "STAGES",
+    "GraphOptions",
+    "OpenAIOperator",
+    "Point",
+    "Stage",
+    "Stages",
+    "TextOperator",
+    "TokenOperator",
+    "default_graph",
+    "default_stages",
+)
+
+Stage = Literal["preprocessor", "migration", "backend", "encoder_router", "prefill_router"]
+"""The names of the default graph's stages, front to back."""
+Point = Stage | Literal["engine"]
+"""Where operators can be inserted *before*: a stage, or the engine."""
+#: the stages in order, front to back
+STAGES: Final[tuple[Stage, ...]] = get_args(Stage)
+#: the insertion points in order: every stage, then the engine
+POINTS: Final[tuple[Point, ...]] = (*STAGES, "engine")
+
+OpenAIOperator = Operator[OpenAIRequest, OpenAIEvent, OpenAIRequest, OpenAIEvent]
+"""An operator in front of the preprocessor: OpenAI requests in, OpenAI events out."""
+TextOperator = Operator[PreprocessedRequest, BackendOutput, PreprocessedRequest, BackendOutput]
+"""An operator between the preprocessor and the Backend: token requests, detokenized output."""
+TokenOperator = Operator[PreprocessedRequest, EngineOutput, PreprocessedRequest, EngineOutput]
+"""An operator between the Backend and the engine: token requests, raw engine output."""
+
+_AnyOperator = Operator[Any, Any, Any, Any]
 
 
-def default_graph(
-    engine: Engine[PreprocessedRequest, EngineOutput],
+class GraphOptions(TypedDict, total=False):
+    """The optional settings of :func:`default_stages` (and so of ``default_graph`` and
+    ``build_app``), as a type for ``**options``."""
+
+    max_model_len: int | None
+    default_max_tokens: int | None
+    chat_template: str | None
+    migration_limit: int
+    on_migration: MigrationEvent | None
+    encode_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None
+    prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None
+    disagg_min_prompt_tokens: int
+    images: ImagePolicy | None
+
+
+def _check_point(name: str, valid: Sequence[str], where: str) -> None:
+    if name not in valid:
+        raise ValueError(
+            f"cannot insert {where} {name!r}: the default graph's points are "
+            + ", ".join(repr(v) for v in valid)
+        )
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The default graph without its engine: five named stages and what was inserted.
+
+    A value: every method returns a new ``Stages`` and leaves this one as it was, so one
+    ``Stages`` can be extended two ways or linked to several engines. Replace a stage
+    with ``dataclasses.replace(stages, backend=MyBackend(...))``.
+    """
+
+    preprocessor: Operator[OpenAIRequest, OpenAIEvent, PreprocessedRequest, BackendOutput]
+    migration: TextOperator
+    backend: Operator[PreprocessedRequest, BackendOutput, PreprocessedRequest, EngineOutput]
+    encoder_router: TokenOperator
+    prefill_router: TokenOperator
+    #: operators inserted before each point, front to back
+    before: Mapping[Point, tuple[_AnyOperator, ...]] = field(default_factory=dict)
+
+    @overload
+    def insert_before(self, name: Literal["preprocessor"], *ops: OpenAIOperator) -> Stages: ...
+    @overload
+    def insert_before(
+        self, name: Literal["migration", "backend"], *ops: TextOperator
+    ) -> Stages: ...
+    @overload
+    def insert_before(
+        self, name: Literal["encoder_router", "prefill_router", "engine"], *ops: TokenOperator
+    ) -> Stages: ...
+    def insert_before(self, name: Point, *ops: _AnyOperator) -> Stages:
+        """These stages with ``ops`` (front to back) just before stage ``name`` (or the
+        engine); after anything inserted there before.
+
+        Raises:
+            ValueError: ``name`` is not one of :data:`POINTS`.
+        """
+        _check_point(name, POINTS, "before")
+        before = dict(self.before)
+        before[name] = (*before.get(name, ()), *ops)
+        return dataclasses.replace(self, before=before)
+
+    @overload
+    def insert_after(
+        self, name: Literal["preprocessor", "migration"], *ops: TextOperator
+    ) -> Stages: ...
+    @overload
+    def insert_after(
+        self, name: Literal["backend", "encoder_router", "prefill_router"], *ops: TokenOperator
+    ) -> Stages: ...
+    def insert_after(self, name: Stage, *ops: _AnyOperator) -> Stages:
+        """These stages with ``ops`` (front to back) just after stage ``name``; before
+        anything inserted there before.
+
+        Raises:
+            ValueError: ``name`` is not one of :data:`STAGES`.
+        """
+        _check_point(name, STAGES, "after")
+        following = POINTS[STAGES.index(name) + 1]
+        before = dict(self.before)
+        before[following] = (*ops, *before.get(following, ()))
+        return dataclasses.replace(self, before=before)
+
+    def insert(self, before: Mapping[Point, Sequence[_AnyOperator]]) -> Stages:
+        """These stages with ``before[name]`` inserted before each ``name``.
+
+        Raises:
+            ValueError: a key is not one of :data:`POINTS`.
+        """
+        stages = self
+        for name, ops in before.items():
+            stages = cast(Any, stages).insert_before(name, *ops)
+        return stages
+
+    def __iter__(self) -> Iterator[_AnyOperator]:
+        """Every operator, front to back, inserted ones included (the engine excluded)."""
+        for name in STAGES:
+            yield from self.before.get(name, ())
+            yield getattr(self, name)
+        yield from self.before.get("engine", ())
+
+    def link(
+        self, engine: Engine[PreprocessedRequest, EngineOutput]
+    ) -> Engine[OpenAIRequest, OpenAIEvent]:
+        """The graph: every operator linked, front to back, onto ``engine``.
+
+        Each point's inserted operators are one :func:`pipeline.chain` (spliced in place by
+        ``link``, so an empty point costs nothing), which keeps the link typed stage by
+        stage (``link(*self, engine)`` would not type-check). Eleven operators are more
+        than one ``link`` call types, so the routers' end is linked first: ``link`` folds
+        to the right anyway, so the nesting builds the same chain as one flat call.
+        """
+        at = self.before.get
+        routers = link(
+            chain(*at("encoder_router", ())),
+            self.encoder_router,
+            chain(*at("prefill_router", ())),
+            self.prefill_router,
+            chain(*at("engine", ())),
+            engine,
+        )
+        return link(
+            chain(*at("preprocessor", ())),
+            self.preprocessor,
+            chain(*at("migration", ())),
+            self.migration,
+            chain(*at("backend", ())),
+            self.backend,
+            routers,
+        )
+
+
+def default_stages(
     tokenizer: Tokenizer,
     *,
     model_name: str,
@@ -56,8 +237,8 @@ def default_graph(
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
     disagg_min_prompt_tokens: int = 0,
     images: ImagePolicy | None = None,
-) -> Engine[OpenAIRequest, OpenAIEvent]:
-    """The full default graph around ``engine``, all sharing ``tokenizer``.
+) -> Stages:
+    """The default graph's stages, all sharing ``tokenizer``, ready to splice and link.
 
     ``model_name`` is reported in responses; ``max_model_len`` bounds prompt plus output
     (and stops migrating a request that outgrew it); ``default_max_tokens`` applies when a
@@ -67,19 +248,37 @@ def default_graph(
     disaggregated prefill (for prompts of at least ``disagg_min_prompt_tokens``);
     ``images`` says which image inputs are accepted.
     """
-    preprocessor = OpenAIPreprocessor(
-        tokenizer,
-        model_name=model_name,
-        max_model_len=max_model_len,
-        default_max_tokens=default_max_tokens,
-        chat_template=chat_template,
-        images=images,
+    return Stages(
+        preprocessor=OpenAIPreprocessor(
+            tokenizer,
+            model_name=model_name,
+            max_model_len=max_model_len,
+            default_max_tokens=default_max_tokens,
+            chat_template=chat_template,
+            images=images,
+        ),
+        migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),
+        backend=Backend(tokenizer),
+        encoder_router=EncoderRouter(encode_workers),
+        prefill_router=PrefillRouter(prefill_workers, min_prompt_tokens=disagg_min_prompt_tokens),
     )
-    return link(
-        preprocessor,
-        Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),
-        Backend(tokenizer),
-        EncoderRouter(encode_workers),
-        PrefillRouter(prefill_workers, min_prompt_tokens=disagg_min_prompt_tokens),
-        engine,
-    )
+
+
+def default_graph(
+    engine: Engine[PreprocessedRequest, EngineOutput],
+    tokenizer: Tokenizer,
+    *,
+    model_name: str,
+    before: Mapping[Point, Sequence[_AnyOperator]] | None = None,
+    **options: Unpack[GraphOptions],
+) -> Engine[OpenAIRequest, OpenAIEvent]:
+    """The full default graph around ``engine``, all sharing ``tokenizer``.
+
+    ``before`` inserts operators before named stages (or the engine), e.g.
+    ``before={"backend": [Redact()]}``; ``options`` are :func:`default_stages`'s.
+
+    Raises:
+        ValueError: a key of ``before`` is not one of :data:`POINTS`.
+    """
+    stages = default_stages(tokenizer, model_name=model_name, **options)
+    return stages.insert(before or {}).link(engine)

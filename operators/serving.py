@@ -12,25 +12,28 @@
 
 :func:`build_app` puts the default graph (:func:`operators.graph.default_graph`) in front of
 an engine, names the model once, and wires the metrics (migrations included) into
-``app.metrics``. :func:`serve` runs it with uvicorn on the current event loop; to stop it
-from Python, cancel the task running it (``serve(..., handle_signals=False)`` inside a task
-group whose scope you cancel) — in-flight requests are cut, as with a second signal. To test
-an app without a socket, :func:`operators.testing.openai_client` gives the official
-``openai.AsyncOpenAI`` client talking to it in-process.
+``app.metrics``; ``before={"backend": [MyOperator()]}`` splices operators into that graph
+(:mod:`operators.graph` names its stages). :func:`serve` runs it with uvicorn on the
+current event loop; to stop it from Python, cancel the task running it
+(``serve(..., handle_signals=False)`` inside a task group whose scope you cancel) —
+in-flight requests are cut, as with a second signal. To test an app without a socket,
+:func:`operators.testing.openai_client` gives the official ``openai.AsyncOpenAI`` client
+talking to it in-process.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Unpack
 
-from .graph import default_graph
+from .graph import GraphOptions, Point, default_graph
 from .openai.guard import Guard
 from .openai.metrics import ServerMetrics
 from .openai.runner import serve
 from .openai.server import OpenAIApp
 
 if TYPE_CHECKING:
-    from pipeline import Engine
+    from pipeline import Engine, Operator
 
     from .llm import EngineOutput, PreprocessedRequest
     from .tokenizer import Tokenizer
@@ -45,16 +48,22 @@ def build_app(
     model_name: str,
     guard: Guard | None = None,
     metrics: ServerMetrics | None = None,
-    **graph_options: Any,
+    before: Mapping[Point, Sequence[Operator[Any, Any, Any, Any]]] | None = None,
+    **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
 
-    ``graph_options`` go to :func:`~operators.graph.default_graph` (``max_model_len``,
+    ``before`` inserts operators before named stages of the graph (or the engine), as in
+    :func:`~operators.graph.default_graph`: ``before={"backend": [Redact()]}``.
+    ``graph_options`` go to :func:`~operators.graph.default_stages` (``max_model_len``,
     ``default_max_tokens``, ``chat_template``, ``migration_limit``, worker sets...);
     ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
     ``app.metrics`` unless ``on_migration`` is given.
+
+    Raises:
+        ValueError: a key of ``before`` names no stage of the default graph.
     """
     metrics = metrics if metrics is not None else ServerMetrics()
     graph_options.setdefault("on_migration", metrics.count_migration)
-    graph = default_graph(engine, tokenizer, model_name=model_name, **graph_options)
+    graph = default_graph(engine, tokenizer, model_name=model_name, before=before, **graph_options)
     return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard)

@@ -47,6 +47,13 @@ RUNS: dict[str, Run] = {
             "gives the same answer: True\n",
         )
     ),
+    "extend_default_graph.py": Run(
+        expect=(
+            "HELLO FROM THE GRAPH\n",
+            "OpenAIPreprocessor -> Migration -> Shout -> Backend -> EncoderRouter -> "
+            "PrefillRouter -> engine\n",
+        )
+    ),
 }
 
 

@@ -33,6 +33,7 @@ PUBLIC_MODULES = frozenset(
         "pipeline.transports",
         "pipeline.transports.codec",
         "pipeline.transports.nats",
+        "pipeline.transports.roles",
     }
 )
 #: top-level packages pipeline must never import

@@ -58,6 +58,7 @@ from pipeline import errors
 from pipeline.errors import ConnectFailed, EngineError, InvalidRequest, RequestError
 
 from .codec import MsgpackCodec
+from .roles import ROLES
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -129,8 +130,6 @@ HEARTBEAT: Final = "Llm-Pipeline-Heartbeat"
 #: how many outputs a client lets a worker send ahead of its consumer, by default
 DEFAULT_WINDOW: Final = 256
 
-#: the roles a worker may announce in discovery
-ROLES: Final = ("aggregated", "prefill", "decode", "encode")
 
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")

@@ -1,13 +1,25 @@
-"""``llm-pipeline`` options that need no server: the llama engine's batching flags."""
+"""``llm-pipeline`` options that need no server: the llama engine's batching flags, and the
+typed config the arguments become."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 
 from operators import cli
+from operators.cli.defaults import ROLES
+from operators.cli.insertions import load_operator
+from operators.cli.serve import run_serve
 from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_TOKENS
+from operators.openai.metrics import ServerMetrics
+from operators.openai.server import OpenAIApp
+from operators.testing import openai_client
+from operators.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.default()
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -47,3 +59,125 @@ def test_bad_batching_options_are_rejected(
         parse("serve", "--engine", "llama", *argv)
     assert caught.value.code == 2
     assert "--parallel" in capsys.readouterr().err or "--step-tokens" in argv
+
+
+# -- the typed config ---------------------------------------------------------------------
+
+
+def test_the_configs_defaults_are_the_parsers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(cli.API_KEY_ENV, raising=False)
+    monkeypatch.delenv(cli.TRANSFER_SECRET_ENV, raising=False)
+    assert cli.ServeConfig.from_args(parse("serve")) == cli.ServeConfig()
+    worker = cli.WorkerConfig.from_args(parse("worker", "--nats", "nats://h:4222"))
+    assert worker.id.startswith("aggregated-")
+    assert worker == cli.WorkerConfig(nats="nats://h:4222", worker_id=worker.id)
+    assert cli.WorkerConfig(nats="n", role="decode").id.startswith("decode-")
+
+
+def test_from_args_converts_and_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cli.API_KEY_ENV, " from-env ")
+    monkeypatch.setenv(cli.TRANSFER_SECRET_ENV, "shh")
+    argv = (
+        "serve", "--api-key", "k1", "--allowed-image-hosts", " a.example, ,b.example",
+        "--engine", "mocker", "--prefill-workers", "2", "--port", "0",
+    )  # fmt: skip
+    config = cli.ServeConfig.from_args(parse(*argv))
+    assert config.api_keys == ("k1", "from-env")
+    assert config.allowed_image_hosts == frozenset({"a.example", "b.example"})
+    assert (config.engine.engine, config.prefill_workers, config.port) == ("mocker", 2, 0)
+    assert config.engine.transfer_secret == "shh"
+    given = cli.ServeConfig.from_args(parse("serve", "--transfer-secret", "mine"))
+    assert given.engine.transfer_secret == "mine"
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (("serve",), cli.DEFAULT_MODEL_NAME),
+        (("serve", "--engine", "mocker", "--model-name", "m"), "m"),
+        (("serve", "--engine", "llama"), cli.DEFAULT_LLAMA_MODEL_NAME),
+        (("serve", "--engine", "llama", "--model", "/models/tiny-q4.gguf"), "tiny-q4"),
+    ],
+)
+def test_the_served_model_name_defaults_by_engine(argv: tuple[str, ...], name: str) -> None:
+    assert cli.ServeConfig.from_args(parse(*argv)).model_name == name
+
+
+def test_a_llama_engine_uses_its_models_tokenizer_unless_told() -> None:
+    model = Path("/models/tiny.gguf")
+    assert cli.EngineConfig(engine="llama", model=model).tokenizer_path == model
+    assert cli.EngineConfig(engine="llama", model=model, tokenizer=Path("t")).tokenizer_path == (
+        Path("t")
+    )
+    assert cli.EngineConfig(engine="echo", model=model).tokenizer_path is None
+
+
+@pytest.mark.parametrize("typed", [True, False], ids=["config", "namespace"])
+async def test_build_graph_takes_the_config_or_the_parsed_arguments(typed: bool) -> None:
+    args = parse("serve", "--model-name", "m", "--fail-after-tokens", "1", "--decode-workers", "2")
+    metrics = ServerMetrics()
+    graph = cli.build_graph(cli.ServeConfig.from_args(args) if typed else args, TOKENIZER, metrics)
+    app = OpenAIApp(graph, model_name="m", metrics=metrics)
+    async with openai_client(app) as client:
+        reply = await client.completions.create(model="m", prompt="a b c")
+    assert (reply.model, reply.choices[0].text) == ("m", "a b c")
+    assert 'outcome="retried"} 1.0' in metrics.render().decode()  # counted in its metrics
+
+
+def test_the_worker_roles_are_the_transports() -> None:
+    nats = pytest.importorskip("pipeline.transports.nats", exc_type=ImportError)
+    assert nats.ROLES == ROLES
+
+
+# -- serve --insert-before ------------------------------------------------------------------
+
+
+async def test_insert_before_splices_operators_into_the_served_graph_in_order() -> None:
+    args = parse(
+        "serve", "--model-name", "m",
+        "--insert-before", "backend=shout:Exclaim", "--insert-before", "backend=shout:Shout",
+    )  # fmt: skip
+    config = cli.ServeConfig.from_args(args)
+    assert config.insert_before == (("backend", "shout:Exclaim"), ("backend", "shout:Shout"))
+    metrics = ServerMetrics()
+    app = OpenAIApp(cli.build_graph(config, TOKENIZER, metrics), model_name="m", metrics=metrics)
+    async with openai_client(app) as client:
+        reply = await client.completions.create(model="m", prompt="a b")
+    # Exclaim is in front of Shout, so it sees Shout's output: "!" after upper-casing
+    assert reply.choices[0].text == "A! B!"
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("backend", "expected STAGE=MODULE:NAME"),
+        ("backend=shout", "expected STAGE=MODULE:NAME"),
+        ("detokenizer=shout:Shout", "'preprocessor', 'migration', 'backend'"),
+    ],
+)
+def test_a_malformed_insertion_is_a_usage_error(
+    value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse("serve", "--insert-before", value)
+    assert caught.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_here:Shout", "cannot import no_such_module_here:Shout"),
+        ("shout:Missing", "cannot import shout:Missing"),
+        ("shout:broken", "shout:broken() failed: RuntimeError('no configuration')"),
+        ("shout:not_an_operator", "has no generate() method"),
+    ],
+)
+async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
+    spec: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_operator(spec)
+    config = cli.ServeConfig(insert_before=(("backend", spec),))
+    assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    assert message in capsys.readouterr().err

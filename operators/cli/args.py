@@ -1,0 +1,276 @@
+"""The ``llm-pipeline`` argument parser, and the option combinations argparse cannot
+express. Parsing happens here and nowhere else: everything after it takes a typed config
+(:mod:`operators.cli.config`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES
+from .insertions import insertion
+from .options import (
+    add_engine_options,
+    add_log_level,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+    worker_id,
+)
+
+__all__ = ("build_parser", "check_args")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``llm-pipeline`` and its commands."""
+    parser = argparse.ArgumentParser(
+        prog="llm-pipeline",
+        description="Assemble and serve LLM pipelines.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run an OpenAI-compatible HTTP server over the default graph",
+        description=(
+            "Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
+            "over the default graph (OpenAI preprocessor -> Migration -> Backend -> "
+            "EncoderRouter -> PrefillRouter -> engine). The engine is in-process workers, "
+            "or with --nats the workers registered over NATS for --model-name. "
+            "SIGINT/SIGTERM shut it down gracefully: new requests get 503, in-flight ones "
+            "have --drain-timeout seconds to finish, what is left ends with an error; exit "
+            "code 0."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve_parser.add_argument(
+        "--port", type=port, default=8000, help="port to listen on (0: pick a free one)"
+    )
+    add_engine_options(
+        serve_parser,
+        ENGINES,
+        model_help="the model name clients must ask for (others get 404) and responses report",
+    )
+    serve_parser.add_argument(
+        "--insert-before",
+        type=insertion,
+        action="append",
+        default=[],
+        metavar="STAGE=MODULE:NAME",
+        help=(
+            "insert the operator MODULE.NAME() just before STAGE of the default graph "
+            "(preprocessor, migration, backend, encoder_router, prefill_router or engine); "
+            "repeatable, in order"
+        ),
+    )
+    serve_parser.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="context length: prompt plus output must fit (None: unlimited)",
+    )
+    serve_parser.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="output limit for requests that set none (None: no limit)",
+    )
+    serve_parser.add_argument(
+        "--migration-limit",
+        type=non_negative_int,
+        default=3,
+        metavar="N",
+        help="retries on another worker when a worker is lost mid-request (0: never)",
+    )
+    workers = serve_parser.add_argument_group(
+        "in-process worker sets",
+        "Several in-process workers of the chosen engine; prefill and encode workers need "
+        "--engine mocker.",
+    )
+    workers.add_argument(
+        "--decode-workers",
+        type=positive_int,
+        default=1,
+        metavar="M",
+        help="decode (or aggregated) workers, round-robin",
+    )
+    workers.add_argument(
+        "--prefill-workers",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="prefill workers: prompts are prefilled there, then decoded on a decode worker",
+    )
+    workers.add_argument(
+        "--encode-workers",
+        type=non_negative_int,
+        default=0,
+        metavar="K",
+        help="encode workers: image inputs are encoded there before prefill/decode",
+    )
+    workers.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="shorter prompts skip the prefill workers (conditional disaggregation)",
+    )
+    remote = serve_parser.add_argument_group(
+        "remote workers",
+        "With --nats the server builds no workers (the engine and in-process worker options "
+        "do not apply): it routes to the workers `llm-pipeline worker` registered for "
+        "--model-name, round-robin over aggregated and decode workers, with prefill and "
+        "encode workers feeding the PrefillRouter and the EncoderRouter "
+        "(--disagg-min-prompt-tokens applies).",
+    )
+    remote.add_argument(
+        "--nats",
+        default=None,
+        metavar="URL",
+        help="discover workers over the NATS server at URL (e.g. nats://127.0.0.1:4222)",
+    )
+    remote.add_argument(
+        "--worker-wait",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long a request waits for a decode or aggregated worker to register",
+    )
+    images = serve_parser.add_argument_group("image inputs")
+    images.add_argument(
+        "--allowed-image-hosts",
+        default="",
+        metavar="HOST[,HOST...]",
+        help=(
+            "hosts whose http(s) image URLs the server may fetch; others are refused "
+            "(data: URLs are always accepted)"
+        ),
+    )
+    images.add_argument(
+        "--max-image-bytes",
+        type=positive_int,
+        default=8 * 1024 * 1024,
+        metavar="N",
+        help="largest image accepted",
+    )
+    guard = serve_parser.add_argument_group(
+        "protections",
+        "API keys guard /v1/* (/health and /metrics stay open); admission control and "
+        "deadlines apply to generation requests.",
+    )
+    guard.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=(
+            f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; or set "
+            f"{API_KEY_ENV}; the command line is visible to other users, the environment "
+            "is not)"
+        ),
+    )
+    guard.add_argument(
+        "--max-inflight",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="most generation requests in flight; more get 503 with Retry-After (None: no limit)",
+    )
+    guard.add_argument(
+        "--request-timeout",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "kill a generation request down to the engine after this long and answer with a "
+            "timeout error (None: no limit)"
+        ),
+    )
+    guard.add_argument(
+        "--drain-timeout",
+        type=non_negative_float,
+        default=30.0,
+        metavar="SECONDS",
+        help=(
+            "on SIGINT/SIGTERM, how long in-flight requests may run on; what is left then "
+            "ends with an error (never a false finish)"
+        ),
+    )
+    add_log_level(serve_parser, "server")
+
+    worker_parser = commands.add_parser(
+        "worker",
+        help="serve an engine over NATS to `llm-pipeline serve --nats` frontends",
+        description=(
+            "Serve one engine for --model-name in one role over NATS, registered for "
+            "discovery (JetStream KV), until SIGINT/SIGTERM. The worker runs the raw engine "
+            "(token ids in, token ids out); the frontend keeps the Backend, Migration and the "
+            "OpenAI layer. Prints 'llm-pipeline worker ID serving model NAME as ROLE via "
+            "URL' once registered. A signal deregisters the worker and lets its in-flight "
+            "requests finish (up to --drain-timeout; the rest migrate elsewhere), then it "
+            "exits with code 0; a second signal cuts the drain short. Exits with code 1 "
+            f"when no NATS server answers within {NATS_CONNECT_TIMEOUT:g} s."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    worker_parser.add_argument(
+        "--nats",
+        required=True,
+        metavar="URL",
+        help="the NATS server (with JetStream) to serve through, e.g. nats://127.0.0.1:4222",
+    )
+    worker_parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="aggregated",
+        help=(
+            "what this worker does for a request: prefill/decode/encode (disaggregated "
+            "serving) need --engine mocker"
+        ),
+    )
+    worker_parser.add_argument(
+        "--worker-id",
+        type=worker_id,
+        default=None,
+        metavar="ID",
+        help="this worker's id in discovery and logs ([A-Za-z0-9_-]+; None: ROLE-<random>)",
+    )
+    worker_parser.add_argument(
+        "--drain-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on shutdown, how long in-flight requests may take to finish",
+    )
+    add_engine_options(
+        worker_parser,
+        ENGINES,
+        model_help="the model to serve: frontends started with the same --model-name find it",
+    )
+    add_log_level(worker_parser, "worker")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject option combinations argparse cannot express (exits with code 2)."""
+    if args.command == "serve":
+        if args.nats is not None:
+            if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
+                parser.error(
+                    "--nats discovers its workers: drop --decode-workers, --prefill-workers "
+                    "and --encode-workers"
+                )
+        elif args.engine != "mocker" and (args.prefill_workers or args.encode_workers):
+            parser.error("--prefill-workers and --encode-workers need --engine mocker")
+        elif args.engine == "llama" and args.decode_workers != 1:
+            parser.error("--engine llama serves one in-process model: drop --decode-workers")
+    elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
+        parser.error(f"--role {args.role} needs --engine mocker")
+    if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
+        parser.error(
+            f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "
+            "every step carries a token of each running sequence"
+        )

@@ -1,0 +1,81 @@
+"""``main``: parse, check, turn the arguments into a typed config, load the tokenizer, and
+run ``serve`` or ``worker`` on uvloop. Exit codes: 0 after a graceful shutdown, 1 when a
+service or the engine is unavailable, 2 for a usage error or an unloadable tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import anyio
+
+from operators.tokenizer import Tokenizer
+
+from .args import build_parser, check_args
+from .config import ServeConfig, WorkerConfig
+from .defaults import TRANSFER_SECRET_ENV
+from .engines import load_tokenizer
+from .nats import OneLineErrors
+from .serve import run_serve
+from .tuning import tune_gc, tune_threads
+from .worker import run_worker
+
+__all__ = ("main",)
+
+logger = logging.getLogger(__name__)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``llm-pipeline`` with ``argv`` (default: the process's); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    check_args(parser, args)
+    config = (
+        ServeConfig.from_args(args) if args.command == "serve" else WorkerConfig.from_args(args)
+    )
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    if config.log_level != "debug":
+        logging.getLogger("nats.aio.client").addFilter(OneLineErrors())
+    if (
+        isinstance(config, WorkerConfig)
+        and config.engine.engine == "mocker"
+        and config.role in ("prefill", "decode")
+        and config.engine.transfer_secret is None
+    ):
+        logger.warning(
+            "a %s worker without --transfer-secret (or %s) signs or verifies transfer handles "
+            "with a secret of its own process: its peers in other processes will reject them",
+            config.role,
+            TRANSFER_SECRET_ENV,
+        )
+    try:
+        tokenizer: Tokenizer | None = None
+        if not (isinstance(config, WorkerConfig) and config.engine.engine == "llama"):
+            try:
+                tokenizer = load_tokenizer(config.engine.tokenizer_path)
+            except Exception as exc:  # tokenizers raises plain Exception for a missing file
+                print(f"llm-pipeline: cannot load the tokenizer: {exc}", file=sys.stderr)
+                return 2
+        tune_gc()
+        tune_threads()
+        options = {"use_uvloop": True}
+        code: int
+        if isinstance(config, ServeConfig):
+            assert tokenizer is not None
+            code = anyio.run(
+                run_serve, config, tokenizer, backend="asyncio", backend_options=options
+            )
+        else:
+            code = anyio.run(
+                run_worker, config, tokenizer, backend="asyncio", backend_options=options
+            )
+    except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers
+        return 128 + signal.SIGINT
+    return code

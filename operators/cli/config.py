@@ -1,0 +1,180 @@
+"""The typed configuration of ``serve`` and ``worker``: what the command line asked for.
+
+argparse gives a ``Namespace`` of untyped attributes; everything after parsing takes these
+frozen dataclasses instead, so the graph, engine and lifecycle code is type-checked and
+can be driven from Python without building a command line. ``from_args`` is the one
+place that reads a ``Namespace`` and the environment (API keys, the transfer secret);
+the defaults here are the parser's (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .defaults import (
+    API_KEY_ENV,
+    DEFAULT_LLAMA_MODEL_NAME,
+    DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_TOKENS,
+    DEFAULT_MODEL_NAME,
+    TRANSFER_SECRET_ENV,
+    EngineName,
+    Role,
+)
+
+if TYPE_CHECKING:
+    from operators.graph import Point
+
+__all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig")
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+def _fields_from(cls: type[Any], args: argparse.Namespace, **given: Any) -> dict[str, Any]:
+    """``cls``'s fields from ``args`` (by name), except those ``given``."""
+    names = (f.name for f in dataclasses.fields(cls) if f.init and f.name not in given)
+    return {**{name: getattr(args, name) for name in names}, **given}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The engine options ``serve`` and ``worker`` share (``--engine`` and its groups)."""
+
+    engine: EngineName = "echo"
+    #: the served name; None: 'echo', or for llama the default model's or --model's name
+    model_name: str | None = None
+    tokenizer: Path | None = None
+    fail_after_tokens: int | None = None
+    echo_delay_ms: float = 0.0
+    echo_cycle: bool = False
+    model: Path | None = None
+    n_ctx: int = 2048
+    parallel: int = DEFAULT_LLAMA_PARALLEL
+    step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
+    threads: int | None = None
+    speculative: Literal["ngram"] | None = None
+    ngram_size: int = 3
+    draft_tokens: int = 8
+    mocker_prefill_ms_per_token: float = 0.05
+    mocker_decode_ms_per_step: float = 5.0
+    mocker_max_batch: int = 64
+    mocker_tokens: Literal["echo", "random"] = "echo"
+    mocker_seed: int = 0
+    #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
+    transfer_secret: str | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The model name clients ask for and responses report."""
+        if self.model_name is not None:
+            return self.model_name
+        if self.engine != "llama":
+            return DEFAULT_MODEL_NAME
+        return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        """The tokenizer to load (None: SmolLM2's, shipped): llama's is the model's own."""
+        if self.tokenizer is None and self.engine == "llama":
+            return self.model
+        return self.tokenizer
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The engine options in ``args``; the transfer secret from the environment if
+        ``--transfer-secret`` was not given."""
+        secret = args.transfer_secret
+        if secret is None:
+            secret = os.environ.get(TRANSFER_SECRET_ENV) or None
+        return cls(**_fields_from(cls, args, transfer_secret=secret))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """What ``llm-pipeline serve`` was asked for."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int | None = None
+    default_max_tokens: int | None = None
+    migration_limit: int = 3
+    decode_workers: int = 1
+    prefill_workers: int = 0
+    encode_workers: int = 0
+    disagg_min_prompt_tokens: int = 0
+    nats: str | None = None
+    worker_wait: float = 5.0
+    allowed_image_hosts: frozenset[str] = frozenset()
+    max_image_bytes: int = 8 * 1024 * 1024
+    api_keys: tuple[str, ...] = ()
+    max_inflight: int | None = None
+    request_timeout: float | None = None
+    drain_timeout: float = 30.0
+    log_level: LogLevel = "warning"
+    #: operators to insert, as (point, ``MODULE:NAME``), loaded when the graph is built
+    insert_before: tuple[tuple[Point, str], ...] = ()
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (the engine config's)."""
+        return self.engine.served_name
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+        """The config of ``serve`` from its parsed arguments; API keys from ``--api-key``
+        and the environment."""
+        keys = list(args.api_key or ())
+        from_env = os.environ.get(API_KEY_ENV, "").strip()
+        if from_env:
+            keys.append(from_env)
+        hosts = frozenset(h.strip() for h in args.allowed_image_hosts.split(",") if h.strip())
+        return cls(
+            **_fields_from(
+                cls,
+                args,
+                engine=EngineConfig.from_args(args),
+                allowed_image_hosts=hosts,
+                api_keys=tuple(keys),
+                insert_before=tuple(getattr(args, "insert_before", None) or ()),
+            )
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    """What ``llm-pipeline worker`` was asked for."""
+
+    nats: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    role: Role = "aggregated"
+    #: None: ``ROLE-<random>``, chosen when the config is made
+    worker_id: str | None = None
+    drain_timeout: float = 10.0
+    log_level: LogLevel = "warning"
+
+    def __post_init__(self) -> None:
+        if self.worker_id is None:
+            object.__setattr__(self, "worker_id", f"{self.role}-{uuid.uuid4().hex[:8]}")
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (the engine config's)."""
+        return self.engine.served_name
+
+    @property
+    def id(self) -> str:
+        """This worker's id in discovery and logs."""
+        assert self.worker_id is not None  # (__post_init__)
+        return self.worker_id
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerConfig:
+        """The config of ``worker`` from its parsed arguments."""
+        return cls(**_fields_from(cls, args, engine=EngineConfig.from_args(args)))

