@@ -118,7 +118,7 @@ class ChatChunks(_Chunks):
         if self._logprobs is not None:
             entries = choice.delivered(output)
             if entries:
-                content = [self._entry(entry) for entry in entries if entry is not None]
+                content = [self._entry(entry) for entry in entries if isinstance(entry, tuple)]
                 if content:
                     logprobs = {"content": content, "refusal": None}
         text = output.text
@@ -192,7 +192,8 @@ class CompletionChunks(_Chunks):
         k = self._logprobs or 0
         offset = choice.text_offset
         for entry in entries:
-            if entry is None:
+            if not isinstance(entry, tuple):
+                offset += entry or 0  # a token shown without logprobs: its output's text
                 continue
             _, token, logprob, top = entry
             tokens.append(token)

@@ -20,7 +20,11 @@ __all__ = ("ChoiceState", "Entry", "TokenDecoder", "TokenTexts")
 
 # A generated token waiting for delivery: (token id, its text, logprob, alternatives), or
 # None when the engine sent no logprob for it.
-Entry = tuple[int, str, float, TopLogprobs | None] | None
+Entry = tuple[int, str, float, TopLogprobs | None] | int | None
+"""A token's logprob record (id, text, logprob, alternatives); or, for a token without one
+(its output carried no logprobs: an operator rewrote its text), None, except that the first
+such token of an output is the length of that output's text, so completions' ``text_offset``
+keeps counting the text the client read."""
 
 
 class TokenDecoder(Protocol):
@@ -97,7 +101,9 @@ class ChoiceState:
         count = len(ids)
         logprobs = output.logprobs
         if logprobs is None:
-            pending.extend([None] * count)
+            if count:
+                pending.append(len(output.text))
+                pending.extend([None] * (count - 1))
         else:
             tokens = output.tokens
             top = output.top_logprobs

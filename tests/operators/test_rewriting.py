@@ -169,11 +169,13 @@ async def test_no_redacted_token_reaches_the_client(
     assert not {tokenizer.decode([i]) for i in secret_ids} & set(top)
     assert reply.usage is not None
     assert reply.usage.completion_tokens == len(tokenizer.encode(PROMPT))
-    # what the logprobs do show is text the client read, in order
-    assert reply.choices[0].logprobs is not None
-    position = 0
-    for token in reply.choices[0].logprobs.tokens or []:
-        position = expected.index(token, position) + len(token)
+    # what the logprobs do show is text the client read, at its offset in that text
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    assert logprobs.tokens
+    assert logprobs.text_offset is not None
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=True):
+        assert expected[offset : offset + len(token)] == token
 
 
 PIECES = ["a", " R", "ump", "elstilts", "kin", " Rumpelstiltskin", "s", "!"]
