@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator
 
 import anyio
 
 from operators.backend import Backend
 from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.tokenizer import Tokenizer
-from pipeline import Context, link, open_stream
+from pipeline import Context, Stream, link, open_stream
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog while the committee reviews "
@@ -30,7 +29,7 @@ class Replay:
     def __init__(self, outputs: list[EngineOutput]) -> None:
         self._outputs = outputs
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         for output in self._outputs:
             yield output
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -22,7 +21,7 @@ from operators.graph import default_graph
 from operators.llm import EngineOutput, PreprocessedRequest
 from operators.openai.protocol import parse_chat_request
 from operators.tokenizer import Tokenizer
-from pipeline import Context, open_stream
+from pipeline import Context, Stream, open_stream
 
 
 class Eager:
@@ -35,7 +34,7 @@ class Eager:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._ids = tokenizer.encode("the quick brown fox jumps over the dog ")
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         ids = self._ids
         last = (ctx.data.stop.max_tokens or 1) - 1
         for i in range(last + 1):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 
-from pipeline import Context, Engine, link, open_stream
+from pipeline import Context, Engine, Stream, link, open_stream
 
 DEPTHS = (0, 1, 4, 8)
 
@@ -25,7 +24,7 @@ DEPTHS = (0, 1, 4, 8)
 class CountEngine:
     """Yields ``ctx.data`` integers with no await in between: the cheapest possible engine."""
 
-    async def generate(self, ctx: Context[int], /) -> AsyncIterator[int]:
+    async def generate(self, ctx: Context[int], /) -> Stream[int]:
         for i in range(ctx.data):
             yield i
 
@@ -33,7 +32,7 @@ class CountEngine:
 class PassThrough:
     """The cheapest possible operator."""
 
-    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> AsyncIterator[Any]:
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
         async for item in downstream.generate(ctx):
             yield item
 

@@ -1,6 +1,6 @@
 """Benchmark `StopJail.push`: microseconds per push as the stream and the stop set grow.
 
-Why this script exists: bug class B12 (``research/anchors.md`` §2) is stop matching whose
+Why this script exists: bug class B12 (``docs/bug-classes.md``) is stop matching whose
 per-token cost grows with the output or with the stop length. The tests only check
 correctness, so this is where the cost claim is measured: µs/push must stay flat from 1k
 to 16k pushes (a quadratic matcher would grow 16x), including for the long repetitive stop

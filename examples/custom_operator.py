@@ -10,18 +10,16 @@ Run it: ``python examples/custom_operator.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 
-from pipeline import Context, Engine, link
+from pipeline import Context, Engine, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
 
 class Upper:
     """Upper-cases every output on its way back."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 

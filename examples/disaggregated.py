@@ -17,7 +17,6 @@ Run it: ``python examples/disaggregated.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import anyio
@@ -35,7 +34,7 @@ from operators.llm import (
 from operators.migration import Migration
 from operators.prefill_router import PrefillRouter
 from operators.tokenizer import Tokenizer
-from pipeline import Context, Engine, Router, WorkerSet, link
+from pipeline import Context, Engine, Router, Stream, WorkerSet, link
 from pipeline.testing import collect
 
 Workers = WorkerSet[PreprocessedRequest, EngineOutput]
@@ -49,10 +48,10 @@ class Served:
         self._log = log
         self._name = getattr(engine, "worker_id", "?")
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         role = getattr(self._engine, "role", "worker")
         self._log.append(f"{role} {self._name}")
-        async with aclosing(self._engine.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(self._engine.generate(ctx)) as stream:
             async for output in stream:
                 yield output
 

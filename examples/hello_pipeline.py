@@ -5,14 +5,12 @@ Run it: ``python examples/hello_pipeline.py``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import anyio
 
-from pipeline import Context, Engine, FunctionEngine, link, open_stream
+from pipeline import Context, Engine, FunctionEngine, Stream, link, open_stream
 
 
-async def words(ctx: Context[str]) -> AsyncIterator[str]:
+async def words(ctx: Context[str]) -> Stream[str]:
     """The engine: streams the request's words back, one at a time."""
     for word in ctx.data.split():
         yield word
@@ -21,7 +19,7 @@ async def words(ctx: Context[str]) -> AsyncIterator[str]:
 class Shout:
     """The operator: upper-cases every output on its way back to the caller."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for word in downstream.generate(ctx):
             yield word.upper() + "!"
 

@@ -19,21 +19,24 @@ Withheld text is released in generation order on every terminal path: a local st
 engine finish, a stream that ends without a finish reason (one synthetic "stop"), and an
 error (flushed first, then the error propagates; no synthetic finish after an error). The
 one exception is a lost worker while a retry is armed (:data:`RESUMABLE`): then the text
-stays withheld for the next attempt, which may still complete a hidden stop string.
+stays withheld for the next attempt, which may still complete a hidden stop string. That is
+the resumer's side of the contract in :mod:`operators.resumption`: the Backend declares
+itself for each request before it opens downstream, and a Migration linked below it
+refuses the request with :class:`~operators.resumption.ResumptionOrderError`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Protocol
 
-from pipeline import Context, Engine, StateKey, WorkerLost
+from pipeline import Context, Engine, StateKey, Stream, WorkerLost
 
 from .detokenizer import PROMPT_CONTEXT_IDS
 from .llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
+from .resumption import RESUMABLE, declare_resumer
 from .stop_jail import Released, StopJail, Stopped
 
 if TYPE_CHECKING:
@@ -42,10 +45,6 @@ if TYPE_CHECKING:
 __all__ = ("RESUMABLE", "Backend", "BackendState", "ChoiceDecoder", "DetokenizerFactory")
 
 logger = logging.getLogger(__name__)
-
-#: Set to True by an operator upstream (Migration) while a lost worker will be retried:
-#: the Backend then keeps withheld text for the next attempt instead of flushing it.
-RESUMABLE = StateKey[bool]("backend.resumable")
 
 
 class _Detokenizer(Protocol):
@@ -80,7 +79,6 @@ class ChoiceDecoder:
         "_stop_ids",
         "_text_len",
         "_user_ids",
-        "_visible_ids",
         "delivered",
         "finished",
         "generated",
@@ -97,8 +95,7 @@ class ChoiceDecoder:
         self._user_ids = frozenset(stop.stop_token_ids)
         self._eos = frozenset(() if stop.ignore_eos else stop.eos_token_ids)
         self._hidden_ids = self._user_ids | self._eos
-        self._visible_ids = frozenset(stop.visible_stop_token_ids) - self._hidden_ids
-        self._stop_ids = self._hidden_ids | self._visible_ids
+        self._stop_ids = self._hidden_ids
         self._jail_active = self._jail.active
         #: tokens generated so far (every id the engine produced for this choice, once)
         self.generated = 0
@@ -204,12 +201,6 @@ class ChoiceDecoder:
                     if not self._jail.include_stop_in_output:
                         swallow_from = self._released
                     break
-                if token_id in self._visible_ids:
-                    flushed = self._jail.flush()
-                    text_parts.append(flushed)
-                    self._released += len(flushed)
-                    finish, stop_reason = "stop", token_id
-                    break
             if self._max_tokens is not None and self.generated >= self._max_tokens:
                 finish = "length"
                 break
@@ -289,11 +280,6 @@ class Backend:
     def __init__(self, tokenizer: DetokenizerFactory) -> None:
         self._tokenizer = tokenizer
 
-    @staticmethod
-    def state(ctx: Context[object]) -> BackendState | None:
-        """The request's decoder state, if the Backend has seen this request."""
-        return ctx.state.get(_STATE, None)
-
     def _choice(
         self, state: BackendState, request: PreprocessedRequest, index: int
     ) -> ChoiceDecoder:
@@ -311,14 +297,15 @@ class Backend:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[BackendOutput]:
+    ) -> Stream[BackendOutput]:
         """Decode the downstream stream for ``ctx`` (resuming earlier attempts' state)."""
         request = ctx.data
         state = ctx.state.setdefault(_STATE, BackendState())
+        declare_resumer(ctx, self)
         n = request.n
         leg = ctx.child(request)
         try:
-            async with aclosing(downstream.generate(leg)) as stream:  # type: ignore[type-var]
+            async with aclosing(downstream.generate(leg)) as stream:
                 async for output in stream:
                     choice = state.choices.get(output.index)
                     if choice is None:

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Literal, TypeAlias
 
-from pipeline import Context, Engine, RoundRobin, Router, WorkerSet, open_stream
+from pipeline import Context, Engine, RoundRobin, Router, Stream, WorkerSet, open_stream
 
 from .llm import EngineOutput, PreprocessedRequest
 
@@ -56,9 +55,6 @@ class EncoderRouter:
     def state(self) -> RouterState:
         """``"pending"`` (never had encode workers), ``"active"``, or ``"unavailable"``."""
         return "pending" if self.workers is None else self.workers.lifecycle
-
-    async def aclose(self) -> None:
-        """Nothing to release (the router owns no task); here for symmetry with workers."""
 
     def _should_encode(self, ctx: Context[PreprocessedRequest]) -> bool:
         request = ctx.data
@@ -108,7 +104,7 @@ class EncoderRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         """Encode ``ctx``'s images on an encode worker if possible, then serve downstream.
 
         A request with nothing to encode gets downstream's own stream: the router adds no
@@ -122,13 +118,13 @@ class EncoderRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         result = await self._encode(ctx)
         if ctx.is_killed:
             return
         if result is not None:
             ctx = ctx.replace(dataclasses.replace(ctx.data, encoder_result=result))
-        async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(downstream.generate(ctx)) as stream:
             async for output in stream:
                 yield output
 

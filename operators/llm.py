@@ -1,7 +1,7 @@
 """The LLM hot-path vocabulary: what flows between the LLM operators and engines.
 
 These are plain ``slots`` dataclasses, built once per request or once per engine step;
-pydantic stays at the HTTP edge (``operators/openai/protocol.py``). The flow::
+pydantic stays at the HTTP edge (``operators/openai/protocol/``). The flow::
 
     OpenAI request --[OpenAIPreprocessor]--> PreprocessedRequest --> ... --> engine
     OpenAI chunks  <--[OpenAIPreprocessor]-- BackendOutput <--[Backend]-- EngineOutput
@@ -45,8 +45,6 @@ class StopConditions:
     stop: tuple[str, ...] = ()
     #: the user's stop token ids: hidden, and reported as ``stop_reason``
     stop_token_ids: tuple[int, ...] = ()
-    #: stop token ids whose text stays in the output
-    visible_stop_token_ids: tuple[int, ...] = ()
     #: end-of-sequence ids, from the tokenizer: hidden stops unless ``ignore_eos``
     eos_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -62,8 +60,6 @@ class SamplingOptions:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    #: a guided-decoding spec (JSON schema, regex, grammar); its engine state cannot migrate
-    guided_decoding: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -104,8 +100,6 @@ class PreprocessedRequest:
     encoder_result: dict[str, Any] | None = None
     #: the prefill worker's transfer handle for the decode worker (an object)
     prefill_result: dict[str, Any] | None = None
-    #: free-form request annotations (routing hints, bypass flags)
-    annotations: dict[str, str] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:

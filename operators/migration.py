@@ -7,9 +7,12 @@ prompt extended by every token id generated so far, ``max_tokens``/``min_tokens`
 by that count, ``replayed_tokens`` telling the engine how much of the prompt is replayed
 output. The Backend's decoder state is in the request's Context state, so the new attempt
 resumes it: withheld text, detokenizer and counters carry over (see ``operators.backend``).
+Migration is the retrier of the contract in :mod:`operators.resumption`: it arms
+:data:`~operators.resumption.RESUMABLE` for each attempt, and must be linked upstream of
+the Backend (it raises :class:`~operators.resumption.ResumptionOrderError` below one).
 
-It never migrates n>1 or guided-decoding requests (their engine state cannot be rebuilt
-from the prompt), a request the client cancelled, or one that would exceed the maximum
+It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
+request the client cancelled, or one that would exceed the maximum
 sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
 """
 
@@ -17,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Literal
 
-from pipeline import ConnectFailed, Context, Engine, WorkerLost
+from pipeline import ConnectFailed, Context, Engine, Stream, WorkerLost
 
-from .backend import RESUMABLE
 from .llm import BackendOutput, PreprocessedRequest, StopConditions
+from .resumption import RESUMABLE, check_retrier
 
 __all__ = ("Migration", "MigrationEvent")
 
@@ -56,14 +59,19 @@ class Migration:
         self._on_event = on_event
 
     def _migratable(self, request: PreprocessedRequest) -> bool:
-        return request.n == 1 and request.sampling.guided_decoding is None
+        return request.n == 1
 
     async def generate(
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> AsyncIterator[BackendOutput]:
-        """Stream ``ctx`` from downstream, retrying on ``WorkerLost``."""
+    ) -> Stream[BackendOutput]:
+        """Stream ``ctx`` from downstream, retrying on ``WorkerLost``.
+
+        Raises:
+            ResumptionOrderError: this Migration is linked below the Backend.
+        """
+        check_retrier(ctx, self)
         original = ctx.data
         retries_left = self.limit if self._migratable(original) else 0
         generated: list[int] = []
@@ -75,7 +83,7 @@ class Migration:
             started = False
             try:
                 leg = ctx.child(attempt)
-                async with aclosing(downstream.generate(leg)) as stream:  # type: ignore[type-var]
+                async with aclosing(downstream.generate(leg)) as stream:
                     async for output in stream:
                         started = True
                         generated.extend(output.token_ids)

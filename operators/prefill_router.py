@@ -30,10 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from pipeline import Context, Engine, EngineError, RoundRobin, Router, WorkerSet, open_stream
+from pipeline import (
+    Context,
+    Engine,
+    EngineError,
+    RoundRobin,
+    Router,
+    Stream,
+    WorkerSet,
+    open_stream,
+)
 
 from .encoder_router import RouterState
 from .llm import EngineOutput, PreprocessedRequest, TopLogprobs
@@ -71,9 +79,6 @@ class PrefillRouter:
     def state(self) -> RouterState:
         """``"pending"`` (never had prefill workers), ``"active"``, or ``"unavailable"``."""
         return "pending" if self.workers is None else self.workers.lifecycle
-
-    async def aclose(self) -> None:
-        """Nothing to release (the router owns no task); here for symmetry with workers."""
 
     def _disaggregate(self, request: PreprocessedRequest) -> bool:
         max_tokens = request.stop.max_tokens
@@ -135,7 +140,7 @@ class PrefillRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         """Serve ``ctx`` disaggregated when prefill workers exist, else aggregated.
 
         An aggregated request gets downstream's own stream: the router adds no hop per
@@ -153,7 +158,7 @@ class PrefillRouter:
         self,
         ctx: Context[PreprocessedRequest],
         downstream: Engine[PreprocessedRequest, EngineOutput],
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> Stream[EngineOutput]:
         request = ctx.data
         first = await self._prefill(ctx)
         if first is None:
@@ -178,7 +183,7 @@ class PrefillRouter:
         # Decode is routed even if the request was stopped meanwhile, so the decode
         # side can release the transfer; a stopped stream ends at once.
         ctx = ctx.replace(dataclasses.replace(request, prefill_result=handle))
-        async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(downstream.generate(ctx)) as stream:
             yield first
             async for output in stream:
                 yield output

@@ -3,7 +3,7 @@
 Why this module exists: streamed decoding releases text before the model has finished
 writing it, so a stop string split across tokens (``" zeta" + " eta" + " theta"``) leaks
 every fragment but the last unless the partial match is withheld. The bug classes this
-module closes (``research/anchors.md`` §2):
+module closes (``docs/bug-classes.md``):
 
 * B1 -- a split hidden stop string leaks: we withhold every viable prefix.
 * B3 -- withheld text is reordered: released text is always a prefix of the stream.

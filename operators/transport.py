@@ -29,13 +29,13 @@ frontend, in front of the routers, because a Context's state store does not trav
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import anyio
 
-from pipeline import Context, Engine, StateKey, Worker, WorkerSet
+from pipeline import Context, Engine, StateKey, Stream, Worker, WorkerSet
 from pipeline.transports.codec import DataclassCodec
 from pipeline.transports.nats import NatsDiscovery, NatsTimeouts
 
@@ -99,16 +99,14 @@ class RequestLog:
         #: requests accepted so far
         self.requests = 0
 
-    async def generate(
-        self, ctx: Context[Any], downstream: Engine[Any, Any], /
-    ) -> AsyncIterator[Any]:
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any], /) -> Stream[Any]:
         """Pass ``ctx`` and its outputs through, counting and logging."""
         self.in_flight += 1
         self.requests += 1
         outputs = 0
         ended = "cancelled"
         try:
-            async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+            async with aclosing(downstream.generate(ctx)) as stream:
                 async for output in stream:
                     outputs += 1
                     yield output

@@ -3,7 +3,9 @@
 The parts:
 
 - :class:`Context` — one request: payload, id, typed :class:`State`, stop/kill, deadline.
-- :class:`Engine` and :class:`Operator` — the two Protocols; :func:`link` composes them.
+- :class:`Engine` and :class:`Operator` — the two Protocols; :func:`link` composes them
+  (:func:`chain` groups same-typed operators);
+  :class:`Stream` — what their ``generate`` returns (async iteration + ``aclose``).
 - :func:`open_stream` — the driver that owns cancellation; :class:`FunctionEngine`.
 - :func:`next_or_wait` — await a stream's next item, flushing first if it would wait.
 - :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet.
@@ -30,9 +32,11 @@ from .errors import RequestError as RequestError
 from .errors import ResponseTimeout as ResponseTimeout
 from .errors import StreamDisconnected as StreamDisconnected
 from .errors import WorkerLost as WorkerLost
+from .link import chain as chain
 from .link import link as link
 from .operator import Engine as Engine
 from .operator import Operator as Operator
+from .operator import Stream as Stream
 from .ready import next_or_wait as next_or_wait
 from .routers import Direct as Direct
 from .routers import LeastLoaded as LeastLoaded
@@ -68,11 +72,13 @@ __all__ = (
     "State",
     "StateKey",
     "StateKeyError",
+    "Stream",
     "StreamDisconnected",
     "Worker",
     "WorkerLost",
     "WorkerSet",
     "WorkerSetStatistics",
+    "chain",
     "link",
     "next_or_wait",
     "open_stream",

@@ -9,7 +9,7 @@ Each scenario builds fresh operators from the factory, drives them against a
 from __future__ import annotations
 
 import reprlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, final
 
@@ -19,7 +19,7 @@ from ._scripted import ScriptedEngine
 from .context import Context
 from .errors import RequestError, StreamDisconnected
 from .link import link
-from .operator import Engine, Operator
+from .operator import Engine, Operator, Stream
 from .streams import FunctionEngine, open_stream
 
 __all__ = (
@@ -267,10 +267,10 @@ class _Retrying:
         self._engines = engines
         self.swallowed = False
 
-    def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+    def generate(self, ctx: Context[Any], /) -> Stream[Any]:
         return FunctionEngine(self._attempts).generate(ctx)
 
-    async def _attempts(self, ctx: Context[Any]) -> AsyncIterator[Any]:
+    async def _attempts(self, ctx: Context[Any]) -> Stream[Any]:
         for attempt, engine in enumerate(self._engines):
             if self._s.before_attempt is not None:
                 self._s.before_attempt(ctx)
@@ -285,16 +285,10 @@ class _Retrying:
                     raise
                 continue
             finally:
-                await _aclose(stream)
+                await stream.aclose()
             if not last:
                 self.swallowed = True
             return
-
-
-async def _aclose(stream: object) -> None:
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
 
 
 #: the checks every operator gets, in order

@@ -7,13 +7,14 @@ lets the conformance suite's watchdog end a check even through a shielded cancel
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Literal, TypeVar, final
 
 import anyio
 from anyio.lowlevel import checkpoint
 
 from .context import Context
+from .operator import Stream
 
 __all__ = ("ScriptedEngine",)
 
@@ -60,12 +61,12 @@ class ScriptedEngine(Generic[Out]):
             self._hanging = anyio.Event()
         return self._hanging
 
-    def generate(self, ctx: Context[Any], /) -> AsyncIterator[Out]:
+    def generate(self, ctx: Context[Any], /) -> Stream[Out]:
         """Record ``ctx`` and play the script."""
         self.requests.append(ctx)
         return self._play(ctx)
 
-    async def _play(self, ctx: Context[Any]) -> AsyncIterator[Out]:
+    async def _play(self, ctx: Context[Any]) -> Stream[Out]:
         outputs = self._outputs(ctx) if callable(self._outputs) else self._outputs
         self.open_streams += 1
         finished = False

@@ -6,32 +6,50 @@ only thing a link adds is bookkeeping of the downstream streams an operator open
 when the caller closes the stream early every generator down to the engine is closed too,
 in order, in the caller's task, even if the operator's author never wrote ``aclosing``.
 An operator that returns downstream's own stream (a passthrough) gets it back unwrapped.
+
+Composition is typed: every adjacent pair must fit (operator K's downstream types are
+stage K+1's own), checked by overloads up to ten operators and by nesting beyond that;
+``docs/design.md`` ("Typed composition") says why overloads and not a builder.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, final, overload
 
 from .errors import LinkError
 
 if TYPE_CHECKING:
     from .context import Context
-    from .operator import Engine, Operator
+    from .operator import Engine, Operator, Stream
 
-__all__ = ("link",)
+__all__ = ("chain", "link")
 
-A = TypeVar("A")
-B = TypeVar("B")
-C = TypeVar("C")
-D = TypeVar("D")
-E = TypeVar("E")
-F = TypeVar("F")
-G = TypeVar("G")
-H = TypeVar("H")
-I_ = TypeVar("I_")
-J = TypeVar("J")
+T = TypeVar("T")
+# Req{k}/Item{k}: the request and item types on the edge below operator k (0: the graph's
+# own), so mypy's "cannot infer Item2" points at the edge between operators 2 and 3.
+Req0 = TypeVar("Req0")
+Item0 = TypeVar("Item0")
+Req1 = TypeVar("Req1")
+Item1 = TypeVar("Item1")
+Req2 = TypeVar("Req2")
+Item2 = TypeVar("Item2")
+Req3 = TypeVar("Req3")
+Item3 = TypeVar("Item3")
+Req4 = TypeVar("Req4")
+Item4 = TypeVar("Item4")
+Req5 = TypeVar("Req5")
+Item5 = TypeVar("Item5")
+Req6 = TypeVar("Req6")
+Item6 = TypeVar("Item6")
+Req7 = TypeVar("Req7")
+Item7 = TypeVar("Item7")
+Req8 = TypeVar("Req8")
+Item8 = TypeVar("Item8")
+Req9 = TypeVar("Req9")
+Item9 = TypeVar("Item9")
+Req10 = TypeVar("Req10")
+Item10 = TypeVar("Item10")
 
 
 def _name(obj: object) -> str:
@@ -93,9 +111,11 @@ def _check_stage(stage: object, *, position: str, arity: int) -> None:
     )
 
 
-def _as_stream(result: object, stage: object) -> AsyncIterator[Any]:
+def _as_stream(result: Stream[T], stage: object) -> Stream[T]:
+    """``result`` itself, once it is seen to be a stream (a typed graph cannot be wrong
+    here; an untyped one can, and should say how)."""
     if hasattr(result, "__anext__"):
-        return cast("AsyncIterator[Any]", result)
+        return result
     if inspect.iscoroutine(result):
         result.close()
         raise LinkError(
@@ -114,9 +134,9 @@ class _Downstream:
 
     def __init__(self, engine: Engine[Any, Any]) -> None:
         self._engine = engine
-        self.opened: list[AsyncIterator[Any]] = []
+        self.opened: list[Stream[Any]] = []
 
-    def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+    def generate(self, ctx: Context[Any], /) -> Stream[Any]:
         stream = _as_stream(self._engine.generate(ctx), self._engine)
         self.opened.append(stream)
         return stream
@@ -127,7 +147,7 @@ class _LinkedStream:
 
     __slots__ = ("_downstream", "_stream")
 
-    def __init__(self, stream: AsyncIterator[Any], downstream: _Downstream) -> None:
+    def __init__(self, stream: Stream[Any], downstream: _Downstream) -> None:
         self._stream = stream
         self._downstream = downstream
 
@@ -162,7 +182,7 @@ class _Linked:
         self._operator = operator
         self._downstream = downstream
 
-    def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+    def generate(self, ctx: Context[Any], /) -> Stream[Any]:
         downstream = _Downstream(self._downstream)
         stream = _as_stream(self._operator.generate(ctx, downstream), self._operator)
         opened = downstream.opened
@@ -177,34 +197,121 @@ class _Linked:
 
 
 @overload
-def link(engine: Engine[A, B], /) -> Engine[A, B]: ...
-@overload
-def link(op1: Operator[A, B, C, D], engine: Engine[C, D], /) -> Engine[A, B]: ...
+def link(engine: Engine[Req0, Item0], /) -> Engine[Req0, Item0]: ...
 @overload
 def link(
-    op1: Operator[A, B, C, D], op2: Operator[C, D, E, F], engine: Engine[E, F], /
-) -> Engine[A, B]: ...
-@overload
-def link(
-    op1: Operator[A, B, C, D],
-    op2: Operator[C, D, E, F],
-    op3: Operator[E, F, G, H],
-    engine: Engine[G, H],
+    op1: Operator[Req0, Item0, Req1, Item1],
+    engine: Engine[Req1, Item1],
     /,
-) -> Engine[A, B]: ...
+) -> Engine[Req0, Item0]: ...
 @overload
 def link(
-    op1: Operator[A, B, C, D],
-    op2: Operator[C, D, E, F],
-    op3: Operator[E, F, G, H],
-    op4: Operator[G, H, I_, J],
-    engine: Engine[I_, J],
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    engine: Engine[Req2, Item2],
     /,
-) -> Engine[A, B]: ...
+) -> Engine[Req0, Item0]: ...
 @overload
-def link(*stages: Any) -> Engine[Any, Any]: ...
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    engine: Engine[Req3, Item3],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    engine: Engine[Req4, Item4],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    engine: Engine[Req5, Item5],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    op6: Operator[Req5, Item5, Req6, Item6],
+    engine: Engine[Req6, Item6],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    op6: Operator[Req5, Item5, Req6, Item6],
+    op7: Operator[Req6, Item6, Req7, Item7],
+    engine: Engine[Req7, Item7],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    op6: Operator[Req5, Item5, Req6, Item6],
+    op7: Operator[Req6, Item6, Req7, Item7],
+    op8: Operator[Req7, Item7, Req8, Item8],
+    engine: Engine[Req8, Item8],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    op6: Operator[Req5, Item5, Req6, Item6],
+    op7: Operator[Req6, Item6, Req7, Item7],
+    op8: Operator[Req7, Item7, Req8, Item8],
+    op9: Operator[Req8, Item8, Req9, Item9],
+    engine: Engine[Req9, Item9],
+    /,
+) -> Engine[Req0, Item0]: ...
+@overload
+def link(
+    op1: Operator[Req0, Item0, Req1, Item1],
+    op2: Operator[Req1, Item1, Req2, Item2],
+    op3: Operator[Req2, Item2, Req3, Item3],
+    op4: Operator[Req3, Item3, Req4, Item4],
+    op5: Operator[Req4, Item4, Req5, Item5],
+    op6: Operator[Req5, Item5, Req6, Item6],
+    op7: Operator[Req6, Item6, Req7, Item7],
+    op8: Operator[Req7, Item7, Req8, Item8],
+    op9: Operator[Req8, Item8, Req9, Item9],
+    op10: Operator[Req9, Item9, Req10, Item10],
+    engine: Engine[Req10, Item10],
+    /,
+) -> Engine[Req0, Item0]: ...
 def link(*stages: Any) -> Engine[Any, Any]:
     """Fold ``operators`` onto the engine given last; the result is an Engine.
+
+    Typed for up to ten operators: each one's downstream types must be the next stage's
+    own, so a mis-ordered graph is a mypy error ("cannot infer value of type parameter
+    ItemK": the items on the edge below operator K do not fit). There is deliberately no
+    untyped fallback. Longer graphs nest, and stay typed, because the result is an Engine:
+    ``link(a, b, link(c, d, engine))``; same-typed operators from a list compose with
+    :func:`chain`.
 
     Raises:
         LinkError: when no engine is given, or a stage is not an operator or engine.
@@ -216,6 +323,52 @@ def link(*stages: Any) -> Engine[Any, Any]:
     for index, operator in enumerate(operators):
         _check_stage(operator, position=f"operator #{index + 1}", arity=2)
     linked: Engine[Any, Any] = engine
-    for operator in reversed(operators):
+    for operator in reversed(_flatten(operators)):
         linked = _Linked(operator, linked)
     return linked
+
+
+def chain(*operators: Operator[Req0, Item0, Req0, Item0]) -> Operator[Req0, Item0, Req0, Item0]:
+    """Operators that take and yield the same types, composed into one operator.
+
+    This is how a graph built from a list stays typed (``link(*ops, engine)`` is not):
+    ``link(preprocessor, Migration(), chain(*extra), Backend(tok), engine)``. ``link``
+    splices a chain's operators in place, so a chain costs nothing per item; ``chain()``
+    is a passthrough.
+
+    Raises:
+        LinkError: when an argument is not an operator.
+    """
+    for index, operator in enumerate(operators):
+        _check_stage(operator, position=f"chain() operator #{index + 1}", arity=2)
+    return _Chain(_flatten(list(operators)))
+
+
+def _flatten(operators: list[Any]) -> tuple[Any, ...]:
+    flat: list[Any] = []
+    for operator in operators:
+        if isinstance(operator, _Chain):
+            flat.extend(operator.operators)
+        else:
+            flat.append(operator)
+    return tuple(flat)
+
+
+@final
+class _Chain:
+    """What :func:`chain` returns: an operator that links its operators per request."""
+
+    __slots__ = ("operators",)
+
+    def __init__(self, operators: tuple[Operator[Any, Any, Any, Any], ...]) -> None:
+        self.operators = operators
+
+    def generate(self, ctx: Context[Any], downstream: Engine[Any, Any], /) -> Stream[Any]:
+        """Serve ``ctx`` through the chained operators onto ``downstream``."""
+        linked = downstream
+        for operator in reversed(self.operators):
+            linked = _Linked(operator, linked)
+        return linked.generate(ctx)
+
+    def __repr__(self) -> str:
+        return f"chain({', '.join(map(repr, self.operators))})"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, final
 
@@ -23,7 +23,7 @@ from .errors import CapacityExhausted
 
 if TYPE_CHECKING:
     from .context import Context
-    from .operator import Engine
+    from .operator import Engine, Stream
 
 __all__ = (
     "Direct",
@@ -354,7 +354,7 @@ class Router(Generic[In, Out]):
             return f"worker {policy.target(ctx)!r}"
         return "worker"
 
-    async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+    async def generate(self, ctx: Context[In], /) -> Stream[Out]:
         """Pick a worker for ``ctx`` and stream its outputs."""
         members = self.workers.members
         if not members or isinstance(self.policy, Direct):
@@ -366,7 +366,7 @@ class Router(Generic[In, Out]):
         worker = self.policy.choose(members, ctx)
         worker.in_flight += 1
         try:
-            async with aclosing(worker.engine.generate(ctx)) as stream:  # type: ignore[type-var]
+            async with aclosing(worker.engine.generate(ctx)) as stream:
                 async for item in stream:
                     yield item
         finally:

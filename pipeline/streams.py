@@ -10,7 +10,7 @@ a scope across a ``yield``.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Generic, TypeVar, final
 
@@ -20,7 +20,7 @@ from .link import _as_stream
 
 if TYPE_CHECKING:
     from .context import Context
-    from .operator import Engine
+    from .operator import Engine, Stream
 
 __all__ = ("FunctionEngine", "open_stream")
 
@@ -29,9 +29,7 @@ Out = TypeVar("Out")
 
 
 @asynccontextmanager
-async def open_stream(
-    engine: Engine[In, Out], ctx: Context[In]
-) -> AsyncGenerator[AsyncIterator[Out]]:
+async def open_stream(engine: Engine[In, Out], ctx: Context[In]) -> AsyncGenerator[Stream[Out]]:
     """Open ``engine``'s stream for ``ctx`` under the context's cancellation.
 
     Use it as ``async with open_stream(engine, ctx) as stream: async for item in stream``.
@@ -65,10 +63,10 @@ class FunctionEngine(Generic[In, Out]):
 
     __slots__ = ("_fn",)
 
-    def __init__(self, fn: Callable[[Context[In]], AsyncIterator[Out]]) -> None:
+    def __init__(self, fn: Callable[[Context[In]], Stream[Out]]) -> None:
         self._fn = fn
 
-    def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+    def generate(self, ctx: Context[In], /) -> Stream[Out]:
         """Call the wrapped function."""
         return self._fn(ctx)
 

@@ -33,6 +33,20 @@ class Run:
 RUNS: dict[str, Run] = {
     "hello_pipeline.py": Run(expect=("HELLO!\nPIPELINE!\nWORLD!\n",)),
     "custom_operator.py": Run(expect=("Upper passes check_operator",)),
+    "custom_engine.py": Run(
+        expect=(
+            "CannedEngine passes check_engine\n",
+            "['Hello from my own engine', 'Hello from my own engine']\n",
+        )
+    ),
+    "serve_from_python.py": Run(expect=(": 'Hello!'\n", "stopped\n")),
+    "test_with_pytest.py": Run(expect=("3 passed",)),
+    "disaggregated.py": Run(
+        expect=(
+            "served by: encode e1, prefill p1, decode d1\n",
+            "gives the same answer: True\n",
+        )
+    ),
 }
 
 
@@ -54,11 +68,12 @@ def _missing_imports(path: Path) -> list[str]:
 
 
 def test_there_are_examples() -> None:
-    assert {"hello_pipeline.py", "custom_operator.py"} <= {path.name for path in EXAMPLES}
-
-
-def test_every_configured_example_exists() -> None:
     assert set(RUNS) <= {path.name for path in EXAMPLES}
+
+
+def test_every_example_has_its_expected_output() -> None:
+    assert set(RUNS) == {path.name for path in EXAMPLES}
+    assert all(run.expect or run.skip for run in RUNS.values())
 
 
 @pytest.mark.slow

@@ -124,3 +124,27 @@ def _concrete_public_classes() -> list[tuple[str, type]]:
 @pytest.mark.parametrize(("name", "cls"), _concrete_public_classes())
 def test_concrete_framework_classes_are_final(name: str, cls: type) -> None:
     assert getattr(cls, "__final__", False), f"{name} should be decorated with @final"
+
+
+def test_operators_names_its_serving_entry_points_without_loading_http() -> None:
+    """``from operators import build_app, serve`` works; a bare ``import operators`` stays
+    light (a fresh interpreter, since this one has loaded everything already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, operators\n"
+        "assert 'uvicorn' not in sys.modules, 'import operators loaded uvicorn'\n"
+        "from operators import build_app, default_graph, serve\n"
+        "import operators.graph, operators.serving\n"
+        "assert build_app is operators.serving.build_app and serve is operators.serving.serve\n"
+        "assert default_graph is operators.graph.default_graph\n"
+        "try:\n"
+        "    operators.nothing\n"
+        "except AttributeError as exc:\n"
+        "    assert 'nothing' in str(exc)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@
   re-exported here, so that importing this package never loads llama.cpp or numpy.
 
 A user's own engine plugs in the same way: any object with
-``generate(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]``.
+``generate(ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import logging
 import types
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Final, final
 
 import anyio
@@ -33,7 +33,7 @@ from pipeline import StreamDisconnected
 
 if TYPE_CHECKING:
     from operators.tokenizer import Tokenizer
-    from pipeline import Context
+    from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_CYCLE_TOKENS", "EchoEngine", "echo_logprob")
 
@@ -151,7 +151,7 @@ class EchoEngine:
             top.append((other, logprob - rank))
         return top
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         """Stream the echo for ``ctx``: one output per token per choice."""
         request = ctx.data
         ids, count, finish_reason = self._plan(request)

@@ -25,36 +25,35 @@ Tokens are a pure function of the prompt and the position, so a sequence split a
 workers (prefill here, decode there, a migration retry elsewhere) equals the one an
 aggregated worker emits.
 
-The step clock (:class:`_StepClock`) has no task of its own: every sequence sleeps until the
-end of the step it waits for, and whichever sequence wakes first launches the next step.
-A step lasts ``decode_ms_per_step`` plus ``prefill_ms_per_token`` for every prompt token
-admitted into it, so a new request's prefill stalls the sequences already decoding on the
-same worker: the interference that disaggregation removes.
+The step clock (:class:`~operators.engines._step_clock.StepClock`) has no task of its own:
+every sequence sleeps until the end of the step it waits for, and whichever sequence wakes
+first launches the next step. A step lasts ``decode_ms_per_step`` plus
+``prefill_ms_per_token`` for every prompt token admitted into it, so a new request's
+prefill stalls the sequences already decoding on the same worker: the interference that
+disaggregation removes. Transfer handles are :mod:`operators.engines._transfer_handle`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import itertools
 import logging
-import math
 import random
-import secrets
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
 
 import anyio
-from anyio.lowlevel import checkpoint
 
 from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
 from pipeline import EngineError, StreamDisconnected
 
+from ._step_clock import StepClock
+from ._transfer_handle import PROCESS_SECRET, digest, handle_problem, issue_handle
 from .echo import echo_logprob
 
 if TYPE_CHECKING:
     from operators.tokenizer import Tokenizer
-    from pipeline import Context
+    from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_MAX_TOKENS", "IMAGE_TOKENS", "MockerEngine", "MockerStatistics", "Role")
 
@@ -69,9 +68,6 @@ DEFAULT_MAX_TOKENS: Final = 16
 IMAGE_TOKENS: Final = 64
 
 _RANDOM_IDS: Final = (256, 4096)  # "random" tokens are drawn from this id range
-_HANDLE_KIND: Final = "mocker.kv/1"
-_PROCESS_SECRET: Final = secrets.token_bytes(32)
-_HANDLE_FIELDS: Final = ("kind", "worker_id", "request_id", "prompt_tokens", "prompt_digest")
 
 
 class MockerStatistics(NamedTuple):
@@ -80,77 +76,6 @@ class MockerStatistics(NamedTuple):
     steps: int  #: engine steps run so far
     active: int  #: sequences holding a batch slot
     waiting: int  #: requests waiting for a batch slot
-
-
-@final
-class _StepClock:
-    """One simulated accelerator's iteration clock. Sans-IO: callers pass the time.
-
-    Step ``k`` starts when step ``k-1`` ends (or when work arrives at an idle clock) and
-    lasts ``decode_s + prefill_s * <prompt tokens admitted into it>``. A step is launched
-    only while some registered sequence still needs it, so an idle clock stays idle.
-    """
-
-    __slots__ = ("_decode_s", "_horizon", "_last", "_pending", "_prefill_s", "end", "step")
-
-    def __init__(self, decode_s: float, prefill_s: float) -> None:
-        self._decode_s = decode_s
-        self._prefill_s = prefill_s
-        #: steps launched so far; step ``step`` ends (or ended) at ``end``
-        self.step = 0
-        self.end = -math.inf
-        self._pending = 0  # prompt tokens admitted into the next step
-        self._last: dict[int, int] = {}  # last step a sequence needs -> how many sequences
-        self._horizon = 0  # the latest step any sequence needs
-
-    def advance(self, now: float) -> None:
-        """Launch every step whose start time has come and that someone needs."""
-        while self.end <= now and self._horizon > self.step:
-            self.step += 1
-            self.end += self._decode_s + self._pending * self._prefill_s
-            self._pending = 0
-
-    def join(self, now: float, prefill_tokens: int, steps: int) -> tuple[int, int]:
-        """Register a sequence needing ``steps`` steps, the first carrying its prefill.
-
-        Returns its first and last step.
-        """
-        self.advance(now)
-        if self.end <= now:  # idle: the next step starts now
-            self.end = now
-        first = self.step + 1
-        last = first + steps - 1
-        self._pending += prefill_tokens
-        self._last[last] = self._last.get(last, 0) + 1
-        self._horizon = max(self._horizon, last)
-        return first, last
-
-    def leave(self, now: float, first: int, last: int, prefill_tokens: int) -> None:
-        """Unregister a sequence (finished, stopped, failed or cancelled)."""
-        if self.step < first:  # left before its prefill was run
-            self._pending -= prefill_tokens
-        remaining = self._last[last] - 1
-        if remaining:
-            self._last[last] = remaining
-        else:
-            del self._last[last]
-            if last == self._horizon:
-                self._horizon = max(self._last, default=0)
-                if self._horizon < self.step and self.end > now:
-                    self.end = now  # nobody waits for the running step: abort it
-
-    async def wait_step(self, step: int) -> None:
-        """Sleep until step ``step`` has ended (at once if it already has)."""
-        slept = False
-        while True:
-            now = anyio.current_time()
-            self.advance(now)
-            if self.step > step or (self.step == step and self.end <= now):
-                break
-            await anyio.sleep(self.end - now)
-            slept = True
-        if not slept:
-            await checkpoint()  # every step is a checkpoint, even a zero-length one
 
 
 class _Plan(NamedTuple):
@@ -233,8 +158,8 @@ class MockerEngine:
         self._seed = seed
         self._fail_after = fail_after_tokens
         self._special = frozenset(special_ids)
-        self._secret = _PROCESS_SECRET if transfer_secret is None else transfer_secret
-        self._clock = _StepClock(self._decode_s, self._prefill_s)
+        self._secret = PROCESS_SECRET if transfer_secret is None else transfer_secret
+        self._clock = StepClock(self._decode_s, self._prefill_s)
         self._slots = anyio.Semaphore(max_batch)
         self._waiting = 0
 
@@ -268,7 +193,7 @@ class MockerEngine:
         return self._random(prompt, start)
 
     def _random(self, prompt: list[int], start: int) -> Iterator[int]:
-        rng = random.Random(f"{self._seed}:{_digest(prompt)}")
+        rng = random.Random(f"{self._seed}:{digest(prompt)}")
         low, high = _RANDOM_IDS
         special = self._special
         position = 0
@@ -282,47 +207,14 @@ class MockerEngine:
 
     # ------------------------------------------------------------------ transfer handles
 
-    def _sign(self, handle: dict[str, Any]) -> str:
-        message = "\x1f".join(str(handle[key]) for key in (*_HANDLE_FIELDS, "first_token"))
-        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
-
     def _issue_handle(self, ctx: Context[PreprocessedRequest], first_token: int) -> dict[str, Any]:
-        token_ids = ctx.data.token_ids
-        handle: dict[str, Any] = {
-            "kind": _HANDLE_KIND,
-            "worker_id": self.worker_id,
-            "request_id": ctx.id,
-            "prompt_tokens": len(token_ids),
-            "prompt_digest": _digest(token_ids),
-            "first_token": first_token,
-        }
-        handle["signature"] = self._sign(handle)
-        return handle
+        return issue_handle(self._secret, self.worker_id, ctx, first_token)
 
     def _check_handle(self, ctx: Context[PreprocessedRequest]) -> None:
         """Raise EngineError unless ``prefill_result`` is a handle issued for this request."""
         request = ctx.data
-        handle = request.prefill_result
-        problem = None
-        if not isinstance(handle, dict) or any(
-            key not in handle for key in (*_HANDLE_FIELDS, "first_token", "signature")
-        ):
-            problem = "not a mocker transfer handle"
-        elif not hmac.compare_digest(str(handle["signature"]), self._sign(handle)):
-            problem = "bad signature (forged, or issued with another transfer_secret)"
-        elif handle["kind"] != _HANDLE_KIND:
-            problem = f"unknown kind {handle['kind']!r}"
-        elif handle["request_id"] != ctx.id:
-            problem = f"issued for request {handle['request_id']!r}"
-        elif handle["prompt_tokens"] != len(request.token_ids):
-            problem = (
-                f"issued for {handle['prompt_tokens']} prompt tokens, "
-                f"the request has {len(request.token_ids)}"
-            )
-        elif handle["prompt_digest"] != _digest(request.token_ids):
-            problem = "issued for another prompt"
-        elif handle["first_token"] != self.token_at(request, request.replayed_tokens):
-            problem = "its first token does not continue this request's sequence"
+        first_token = self.token_at(request, request.replayed_tokens)
+        problem = handle_problem(self._secret, ctx, first_token)
         if problem is not None:
             raise EngineError(
                 f"mocker {self.worker_id!r}: invalid or missing transfer handle in "
@@ -372,7 +264,7 @@ class MockerEngine:
             return _Plan(replayed + 1, max(budget - 1, 0), 0)
         return _Plan(replayed, budget, len(request.token_ids) + self._image_tokens(ctx))
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         """Serve ``ctx`` in this worker's role, on the worker's step clock.
 
         Raises:
@@ -462,10 +354,6 @@ class MockerEngine:
         if self._fail_after is not None:
             options.append(f"fail_after_tokens={self._fail_after}")
         return f"MockerEngine({', '.join(options)})"
-
-
-def _digest(token_ids: list[int]) -> str:
-    return hashlib.sha256(" ".join(map(str, token_ids)).encode()).hexdigest()[:16]
 
 
 def _embeddings(request: PreprocessedRequest) -> list[dict[str, Any]]:

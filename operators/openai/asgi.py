@@ -2,28 +2,20 @@
 
 What every endpoint of :class:`~operators.openai.server.OpenAIApp` shares, kept apart from
 the app's dispatch and from the SSE writer (:mod:`.sse_writer`): the ASGI callable types,
-the body reader (bounded, notices a client that left), the one-shot JSON response, the
-mapping of exceptions to OpenAI's error shape, and the request's identity (``x-request-id``
-and the headers that reach ``ctx.metadata``).
+the body reader (bounded, notices a client that left), the one-shot JSON response and the
+request's identity (``x-request-id`` and the headers that reach ``ctx.metadata``). What an
+error looks like is :mod:`.errors` (re-exported here: ``error_body``, ``describe_failure``).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final, TypeAlias
 
-import orjson
+from pipeline import Context, InvalidRequest
 
-from pipeline import (
-    CapacityExhausted,
-    Context,
-    EngineError,
-    InvalidRequest,
-    RequestError,
-    WorkerLost,
-)
+from .errors import INTERNAL_MESSAGE, describe_failure, error_body
 
 __all__ = (
     "INTERNAL_MESSAGE",
@@ -42,8 +34,6 @@ __all__ = (
     "send_json",
 )
 
-logger = logging.getLogger("operators.openai.server")
-
 Scope: TypeAlias = MutableMapping[str, Any]
 Message: TypeAlias = MutableMapping[str, Any]
 Receive: TypeAlias = Callable[[], Awaitable[Message]]
@@ -54,34 +44,10 @@ JSON_HEADER: Final = (b"content-type", b"application/json")
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: request headers kept out of ``ctx.metadata`` (secrets)
 _PRIVATE_HEADERS: Final = frozenset({"authorization", "cookie", "proxy-authorization"})
-INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
 
 
 class BodyTooLarge(Exception):
     """The request body is over the limit (a 413)."""
-
-
-def error_body(
-    message: str, type_: str, *, param: str | None = None, code: str | None = None
-) -> bytes:
-    """An OpenAI-shaped error body."""
-    return orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
-
-
-def describe_failure(exc: Exception, request_id: str) -> tuple[int, bytes]:
-    """The HTTP status and OpenAI error body for an exception a request raised."""
-    if isinstance(exc, InvalidRequest):
-        return 400, error_body(exc.message, "invalid_request_error", param=exc.param)
-    if isinstance(exc, CapacityExhausted | WorkerLost):
-        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
-        return 503, error_body(exc.message, "service_unavailable_error")
-    if isinstance(exc, EngineError | RequestError):
-        logger.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-        return 500, error_body(exc.message, "server_error")
-    logger.error("request %s failed unexpectedly", request_id, exc_info=exc)
-    return 500, error_body(f"{INTERNAL_MESSAGE} (request id {request_id})", "server_error")
 
 
 async def read_body(receive: Receive, limit: int) -> bytes | None:

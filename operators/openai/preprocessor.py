@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import anyio
 import anyio.to_thread
 
 from operators.llm import BackendOutput, PreprocessedRequest
-from pipeline import Context, Engine, InvalidRequest, State
+from pipeline import Context, Engine, InvalidRequest, State, Stream
 
 from .chat_template import ChatTemplate
 from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
@@ -266,7 +266,7 @@ class OpenAIPreprocessor:
         self,
         ctx: Context[OpenAIRequest],
         downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> AsyncIterator[OpenAIEvent]:
+    ) -> Stream[OpenAIEvent]:
         """Serve one OpenAI request with ``downstream``, yielding its response events.
 
         A completions batch (several prompts) runs its prompts one after another, each as
@@ -306,8 +306,7 @@ class OpenAIPreprocessor:
                 if len(legs) == 1
                 else ctx.child(leg.request, state=State())
             )
-            stream = cast("AsyncGenerator[BackendOutput, None]", downstream.generate(leg_ctx))
-            async with aclosing(stream):
+            async with aclosing(downstream.generate(leg_ctx)) as stream:
                 async for output in stream:
                     for event in chunks.feed(output):
                         yield event

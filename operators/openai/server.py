@@ -9,21 +9,9 @@ aggregated, as one JSON response::
     POST /v1/completions        CompletionRequest     --[graph]--> events -> text_completion
     GET  /v1/models, /v1/models/{model}, /health, /metrics
 
-This is the one place where exceptions become HTTP errors, all OpenAI-shaped
-(``{"error": {"message", "type", "param", "code"}}``)::
-
-    InvalidRequest (bad JSON, bad UTF-8, bad field)  400 invalid_request_error, param
-    a missing or wrong API key (/v1/*, when set)     401 invalid_request_error, invalid_api_key
-    a model other than the served one                404 invalid_request_error, model_not_found
-    CapacityExhausted, WorkerLost, shutting down,    503 service_unavailable_error
-      max_inflight reached (with Retry-After)
-    past the request's deadline                      504 timeout_error, request_timeout
-    EngineError, RequestError                        500 server_error, the error's message
-    anything else                                    500 server_error, a generic message (logged)
-
-An error after a stream has started is sent as one ``data: {"error": {...}}`` event, and
-the stream then closes *without* ``data: [DONE]`` (as OpenAI does), so a client can tell a
-failed stream from a finished one.
+Every failure is answered in OpenAI's error shape; :mod:`.errors` has the mapping from
+exceptions and refusals to status codes (and the bodies), and what a failed stream looks
+like.
 
 Why it is raw ASGI and not a framework route: the per-token path is "render the event to
 bytes once (:mod:`.sse`), buffer it, write". Writes are coalesced, events are not
@@ -60,13 +48,22 @@ from .asgi import (
     Receive,
     Scope,
     Send,
-    describe_failure,
-    error_body,
     id_header,
     kill_on_disconnect,
     read_body,
     request_identity,
     send_json,
+)
+from .errors import (
+    at_capacity_body,
+    body_too_large_body,
+    describe_failure,
+    draining_body,
+    invalid_request_body,
+    method_not_allowed_body,
+    shut_down_body,
+    unknown_model_body,
+    unknown_path_body,
 )
 from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .guard import Guard, timeout_error_body, unauthorized_body
@@ -176,10 +173,7 @@ class OpenAIApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI entry point."""
-        kind = scope["type"]
-        if kind != "http":
-            if kind == "lifespan":
-                await self._lifespan(receive, send)
+        if scope["type"] != "http":  # no lifespan: the runner serves with lifespan="off"
             return
         path: str = scope["path"]
         method: str = scope["method"]
@@ -218,24 +212,13 @@ class OpenAIApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         else:
-            body = error_body(f"Unknown path {path!r}.", "invalid_request_error")
-            await send_json(send, 404, body)
+            await send_json(send, 404, unknown_path_body(path))
             status = 404
             path = "other"  # a label per unknown path would let clients grow the registry
         self.metrics.count_request(path, status)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                self.drain()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-
     async def _method_not_allowed(self, send: Send, path: str, allowed: str) -> int:
-        body = error_body(f"{path} only accepts {allowed}.", "invalid_request_error")
+        body = method_not_allowed_body(path, allowed)
         await send_json(send, 405, body, ((b"allow", allowed.encode()),))
         return 405
 
@@ -248,16 +231,8 @@ class OpenAIApp:
         if name == self._model_name:
             await send_json(send, 200, orjson.dumps(self._model_card))
             return 200
-        await send_json(send, 404, self._unknown_model(name))
+        await send_json(send, 404, unknown_model_body(name, self._model_name))
         return 404
-
-    def _unknown_model(self, name: str) -> bytes:
-        return error_body(
-            f"The model {name!r} does not exist; this server serves {self._model_name!r}.",
-            "invalid_request_error",
-            param="model",
-            code="model_not_found",
-        )
 
     # ---------------------------------------------------------------------- generation
 
@@ -279,8 +254,7 @@ class OpenAIApp:
         try:
             body = await read_body(receive, self._max_body_bytes)
         except BodyTooLarge:
-            message = f"The request body exceeds {self._max_body_bytes} bytes."
-            await send_json(send, 413, error_body(message, "invalid_request_error"))
+            await send_json(send, 413, body_too_large_body(self._max_body_bytes))
             return 413
         if body is None:
             return CLIENT_GONE
@@ -291,25 +265,18 @@ class OpenAIApp:
             else:
                 request = parse_completion_request(body)
         except InvalidRequest as exc:
-            await send_json(
-                send, 400, error_body(exc.message, "invalid_request_error", param=exc.param)
-            )
+            await send_json(send, 400, invalid_request_body(exc))
             return 400
         if request.model is not None and request.model != self._model_name:
-            await send_json(send, 404, self._unknown_model(request.model))
+            await send_json(send, 404, unknown_model_body(request.model, self._model_name))
             return 404
         if self._draining:
-            body = error_body("The server is shutting down.", "service_unavailable_error")
-            await send_json(send, 503, body)
+            await send_json(send, 503, draining_body())
             self.metrics.rejected.labels("draining").inc()
             return 503
         limit = self._guard.max_inflight
         if limit is not None and len(self._contexts) >= limit:
-            body = error_body(
-                f"The server is at its limit of {limit} requests in flight; retry shortly.",
-                "service_unavailable_error",
-            )
-            await send_json(send, 503, body, ((b"retry-after", b"1"),))
+            await send_json(send, 503, at_capacity_body(limit), ((b"retry-after", b"1"),))
             self.metrics.rejected.labels("max_inflight").inc()
             return 503
         try:
@@ -320,9 +287,7 @@ class OpenAIApp:
                     param="x-request-id",
                 )
         except InvalidRequest as exc:
-            await send_json(
-                send, 400, error_body(exc.message, "invalid_request_error", param=exc.param)
-            )
+            await send_json(send, 400, invalid_request_body(exc))
             return 400
         time_limit = self._guard.timeout_for(scope, stream=request.stream)
         ctx = Context.new(
@@ -367,8 +332,7 @@ class OpenAIApp:
         """Why a killed request was killed, if the server did it: (status, error body);
         None when the client went away."""
         if ctx in self._aborted:
-            message = "The server shut down before the request finished."
-            return 503, error_body(message, "service_unavailable_error")
+            return 503, shut_down_body()
         deadline = ctx.deadline
         if time_limit is not None and deadline is not None and anyio.current_time() >= deadline:
             self.metrics.timed_out.inc()

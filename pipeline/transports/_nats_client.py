@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar, final
 
 import anyio
@@ -15,6 +14,7 @@ from nats.aio.msg import Msg
 from pipeline.errors import ConnectFailed, EngineError, ResponseTimeout, StreamDisconnected
 
 from . import _wire
+from ._nats_inbox import IDLE, STOPPED, ClientStream, Signal
 from ._wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, control_codec, quietly
 from .codec import Codec, MsgpackCodec
 
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
     from pipeline.context import Context
+    from pipeline.operator import Stream
 
-__all__ = ("NatsEngine", "RemoteEngine", "RemoteEngineStatistics")
+__all__ = ("RemoteEngine", "RemoteEngineStatistics")
 
 logger = logging.getLogger(__name__)
 
@@ -32,110 +33,6 @@ Out = TypeVar("Out")
 
 NoResponders: TypeAlias = Callable[[Literal["request", "control"]], None]
 """Told which of a worker's subjects NATS found nobody listening on (see RemoteEngine)."""
-
-
-class _Signal:
-    """Something other than a frame woke a client stream: the idle timer, a stop, a loss."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str = "") -> None:
-        self.reason = reason
-
-
-_IDLE = _Signal("idle")
-_STOPPED = _Signal("stopped")
-
-
-class _ClientStream:
-    """One in-flight request on the client: its inbox buffer and its idle bookkeeping.
-
-    The inbox subscription's callback appends to a deque and wakes the stream's task
-    through a bare future when it waits: no memory stream, event or checkpoint per
-    message, which costs several µs each (the task is woken by the future; anyio's
-    cancellation reaches it there like at any other await).
-    """
-
-    __slots__ = (
-        "_closed",
-        "_items",
-        "_waiter",
-        "ctx",
-        "frames",
-        "idle_pending",
-        "quiet",
-        "seen",
-        "stop_pending",
-    )
-
-    def __init__(self, ctx: Context[Any]) -> None:
-        self.ctx = ctx
-        self._items: deque[Msg | _Signal] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-        self._closed = False
-        self.frames = 0  # messages received, for the idle timer
-        self.seen = 0  # ``frames`` at the previous tick
-        self.quiet = 0.0  # seconds without a message, in ticks
-        self.idle_pending = False
-        self.stop_pending = False
-
-    async def on_msg(self, msg: Msg) -> None:
-        """The inbox subscription's callback (runs in nats-py's task): hand the message over.
-
-        An out-of-band heartbeat only counts as a sign of life: it is never queued.
-        """
-        self.frames += 1
-        headers = msg.headers
-        if headers is not None and _wire.HEARTBEAT in headers:
-            return
-        self.signal(msg)
-
-    def signal(self, item: Msg | _Signal) -> None:
-        if self._closed:
-            return  # the stream already ended
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    @property
-    def pending(self) -> bool:
-        """Whether messages are waiting to be read."""
-        return bool(self._items)
-
-    @property
-    def buffered(self) -> int:
-        """Messages waiting to be read."""
-        return len(self._items)
-
-    async def next(self) -> Msg | _Signal:
-        items = self._items
-        while not items:
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
-        return items.popleft()
-
-    def tick(self, interval: float, idle: float) -> None:
-        """Called every ``interval`` seconds by the engine's timer."""
-        if self.frames != self.seen:
-            self.seen = self.frames
-            self.quiet = 0.0
-        else:
-            self.quiet += interval
-            if self.quiet >= idle and not self.idle_pending:
-                self.idle_pending = True
-                self.quiet = 0.0
-                self.signal(_IDLE)
-        if self.ctx.is_stopped and not self.stop_pending:
-            self.stop_pending = True
-            self.signal(_STOPPED)
-
-    def close(self) -> None:
-        self._closed = True
-        self._items.clear()
 
 
 class RemoteEngineStatistics(NamedTuple):
@@ -220,7 +117,7 @@ class RemoteEngine(Generic[In, Out]):
         self._codec: Codec = codec if codec is not None else MsgpackCodec()
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
         self._tick = min(0.05, self._timeouts.idle / 4)
-        self._streams: set[_ClientStream] = set()
+        self._streams: set[ClientStream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -242,11 +139,11 @@ class RemoteEngine(Generic[In, Out]):
         Discovery calls it when the worker's registration expired: the worker is gone even
         if its streams have not gone quiet yet.
         """
-        lost = _Signal(reason)
+        lost = Signal(reason)
         for stream in self._streams:
             stream.signal(lost)
 
-    async def generate(self, ctx: Context[In], /) -> AsyncIterator[Out]:
+    async def generate(self, ctx: Context[In], /) -> Stream[Out]:
         """Send ``ctx`` to a worker and stream its outputs back."""
         if ctx.is_stopped:
             return
@@ -269,7 +166,7 @@ class RemoteEngine(Generic[In, Out]):
                 f"cannot encode the request for {self.subject}: {exc}", request_id=ctx.id
             ) from exc
         inbox = nc.new_inbox()
-        stream = _ClientStream(ctx)
+        stream = ClientStream(ctx)
         try:
             subscription = await nc.subscribe(inbox, cb=stream.on_msg)
         except nats.errors.Error as exc:
@@ -296,12 +193,12 @@ class RemoteEngine(Generic[In, Out]):
             sent_at = anyio.current_time()
             while True:
                 msg = await stream.next()
-                if isinstance(msg, _Signal):
-                    if msg is _STOPPED:
+                if isinstance(msg, Signal):
+                    if msg is STOPPED:
                         if control is not None and not stop_sent:
                             stop_sent = True
                             await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
-                    elif msg is _IDLE:
+                    elif msg is IDLE:
                         if expected == 0 and anyio.current_time() - sent_at >= self._timeouts.start:
                             raise ResponseTimeout(
                                 f"no worker on {self.subject} took the request within "
@@ -339,13 +236,22 @@ class RemoteEngine(Generic[In, Out]):
                         request_id=ctx.id,
                     )
                 expected += 1
-                if kind == _wire.DATA:
-                    yield body
-                    read += 1
-                elif kind == _wire.BATCH:
-                    for item in body:
-                        yield item
-                    read += len(body)
+                if kind == _wire.DATA or kind == _wire.BATCH:
+                    if ctx.is_stopped:
+                        # Asked to stop: what the worker sent before it heard is not wanted
+                        # (as a local engine would yield nothing more); tell it now, not at
+                        # the next timer tick, and read on to its END.
+                        if control is not None and not stop_sent:
+                            stop_sent = True
+                            await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
+                    elif kind == _wire.DATA:
+                        yield body
+                    else:
+                        for item in body:
+                            yield item
+                            if ctx.is_stopped:
+                                break
+                    read += 1 if kind == _wire.DATA else len(body)
                 elif kind == _wire.START:
                     worker = str(body)
                     if control is None:
@@ -428,13 +334,13 @@ class RemoteEngine(Generic[In, Out]):
         op = _wire.KILL if kill else _wire.STOP
         await quietly(self._nc.publish, control, control_codec.encode([op, ctx.id, inbox]))
 
-    def _watch(self, stream: _ClientStream) -> None:
+    def _watch(self, stream: ClientStream) -> None:
         self._streams.add(stream)
         if self._timer is None:
             self._loop = asyncio.get_running_loop()
             self._timer = self._loop.call_later(self._tick, self._on_tick)
 
-    def _unwatch(self, stream: _ClientStream) -> None:
+    def _unwatch(self, stream: ClientStream) -> None:
         self._streams.discard(stream)
         if not self._streams and self._timer is not None:
             self._timer.cancel()
@@ -453,7 +359,3 @@ class RemoteEngine(Generic[In, Out]):
 
     def __repr__(self) -> str:
         return f"RemoteEngine({self.subject!r})"
-
-
-#: the client engine under the name the transport gives it
-NatsEngine = RemoteEngine

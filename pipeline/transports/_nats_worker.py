@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import math
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -15,6 +13,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import _wire
+from ._nats_registration import Registration
 from ._nats_serving import Served, StreamServer
 from ._wire import (
     DEFAULT_BUCKET,
@@ -34,7 +33,6 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
-    from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
     from pipeline.operator import Engine
@@ -118,8 +116,19 @@ class NatsWorker(Generic[In, Out]):
             engine, codec if codec is not None else MsgpackCodec(), self.worker_id
         )
         self._bucket = bucket
-        self._key = f"{_wire.escape_token(model)}.{self.role}.{self.worker_id}"
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
+        self._registration = Registration(
+            bucket,
+            f"{_wire.escape_token(model)}.{self.role}.{self.worker_id}",
+            {
+                "id": self.worker_id,
+                "subject": self.subject,
+                "control": self.control_subject,
+                "model": self.model,
+                "role": self.role,
+            },
+            ttl=self._timeouts.ttl,
+        )
         self._register = register
         self._nc: Client | None = None
         self._tg: anyio.abc.TaskGroup | None = None
@@ -214,8 +223,8 @@ class NatsWorker(Generic[In, Out]):
                     await settle(nc)  # subscribed for real before anyone hears of us
                     refresh = anyio.CancelScope()
                     if kv is not None:
-                        await self._announce(js)
-                        tg.start_soon(self._refresh, js, refresh)
+                        await self._registration.announce(js)
+                        tg.start_soon(self._registration.refresh, js, refresh)
                     tg.start_soon(self._heartbeats)
                     logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)
                     graceful = False
@@ -258,11 +267,7 @@ class NatsWorker(Generic[In, Out]):
         """
         if kv is not None and not self._deregistered:
             self._deregistered = True
-            with anyio.move_on_after(1.0):
-                try:
-                    await kv.delete(self._key)
-                except Exception as exc:  # nats or JetStream API errors: the TTL will expire
-                    logger.warning("worker %s could not deregister: %r", self.worker_id, exc)
+            await self._registration.withdraw(kv)
             if graceful:
                 # Routers that picked us just before they saw the deletion still reach us.
                 await anyio.sleep(_DEREGISTER_GRACE)
@@ -282,34 +287,6 @@ class NatsWorker(Generic[In, Out]):
                 served.kill()
             with anyio.move_on_after(1.0):
                 await self._drained.wait()
-
-    async def _announce(self, js: JetStreamContext) -> None:
-        value = json.dumps(
-            {
-                "id": self.worker_id,
-                "subject": self.subject,
-                "control": self.control_subject,
-                "model": self.model,
-                "role": self.role,
-            }
-        ).encode()
-        # KeyValue.put() takes no TTL: publish the revision ourselves, with a message TTL.
-        await js.publish(
-            f"$KV.{self._bucket}.{self._key}",
-            value,
-            headers={"Nats-TTL": f"{math.ceil(self._timeouts.ttl)}s"},
-        )
-
-    async def _refresh(self, js: JetStreamContext, scope: anyio.CancelScope) -> None:
-        with scope:
-            while True:
-                await anyio.sleep(self._timeouts.ttl / 3)
-                try:
-                    await self._announce(js)
-                except Exception as exc:  # nats or JetStream API errors: retry next round
-                    logger.warning(
-                        "worker %s could not refresh its registration: %r", self.worker_id, exc
-                    )
 
     async def _heartbeats(self) -> None:
         interval = self._timeouts.heartbeat

@@ -62,7 +62,6 @@ nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.
 
 from __future__ import annotations
 
-from ._nats_client import NatsEngine as NatsEngine
 from ._nats_client import RemoteEngine as RemoteEngine
 from ._nats_client import RemoteEngineStatistics as RemoteEngineStatistics
 from ._nats_discovery import NatsDiscovery as NatsDiscovery
@@ -84,7 +83,6 @@ __all__ = (
     "DEFAULT_WINDOW",
     "ROLES",
     "NatsDiscovery",
-    "NatsEngine",
     "NatsTimeouts",
     "NatsWorker",
     "NatsWorkerStatistics",

@@ -28,7 +28,6 @@ def request(
     include: bool = False,
     n: int = 1,
     stop_token_ids: tuple[int, ...] = (),
-    visible_stop_token_ids: tuple[int, ...] = (),
     ignore_eos: bool = False,
 ) -> PreprocessedRequest:
     return PreprocessedRequest(
@@ -40,7 +39,6 @@ def request(
             min_tokens=min_tokens,
             include_stop_str_in_output=include,
             stop_token_ids=stop_token_ids,
-            visible_stop_token_ids=visible_stop_token_ids,
             eos_token_ids=(EOS,),
             ignore_eos=ignore_eos,
         ),
@@ -201,26 +199,6 @@ async def test_hidden_stop_token_flushes_jail(
     assert outputs[-1].stop_reason == reason
     assert outputs[-1].delivered_tokens == 2
     assert sum(len(o.token_ids) for o in outputs) == 3
-
-
-async def test_visible_stop_token_keeps_its_text_and_the_jail() -> None:
-    tok = ByteTokenizer()
-    ids = tok.tokenize([b"x o", b"!"])
-    outputs = await run(
-        tok, request(stop=("ozzy",), visible_stop_token_ids=(ids[1],)), outputs_for([*ids, *ids])
-    )
-    assert joined(outputs) == "x o!"
-    assert outputs[-1].stop_reason == ids[1]
-
-
-async def test_visible_stop_token_that_completes_a_hidden_string_is_a_string_stop() -> None:
-    tok = ByteTokenizer()
-    ids = tok.tokenize([b"x o", b"zzy"])
-    outputs = await run(
-        tok, request(stop=("ozzy",), visible_stop_token_ids=(ids[1],)), outputs_for(ids)
-    )
-    assert joined(outputs) == "x "
-    assert outputs[-1].stop_reason == "ozzy"
 
 
 async def test_ignore_eos_and_min_tokens() -> None:

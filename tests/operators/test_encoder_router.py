@@ -157,7 +157,6 @@ async def test_lifecycle_follows_membership() -> None:
     assert states == ["pending", "active", "unavailable", "active"]
     _, downstream = await serve(router, request())
     assert encoded_by(downstream) == ["e2"]
-    await router.aclose()
 
 
 # --------------------------------------------------------------------------- fallback

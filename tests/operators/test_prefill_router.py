@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -28,6 +27,7 @@ from pipeline import (
     Context,
     EngineError,
     Router,
+    Stream,
     StreamDisconnected,
     WorkerSet,
     link,
@@ -368,9 +368,9 @@ class Recording:
         self.engine = engine
         self.requests: list[PreprocessedRequest] = []
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         self.requests.append(ctx.data)
-        async with aclosing(self.engine.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(self.engine.generate(ctx)) as stream:
             async for output in stream:
                 yield output
 
@@ -382,11 +382,11 @@ class FlakyOnce:
         self.engine = engine
         self.failed = False
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         if not self.failed:
             self.failed = True
             raise StreamDisconnected("prefill worker lost (injected)")
-        async with aclosing(self.engine.generate(ctx)) as stream:  # type: ignore[type-var]
+        async with aclosing(self.engine.generate(ctx)) as stream:
             async for output in stream:
                 yield output
 

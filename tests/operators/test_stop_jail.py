@@ -1,7 +1,7 @@
 """Tests for the sans-IO stop jail: split stops never leak, nothing is lost or reordered.
 
-Why this module exists: `operators.stop_jail` is where the B1/B3/B12/B13/B16 bug classes of
-``research/anchors.md`` §2 are closed, so each is pinned here by a table case, and the
+Why this module exists: `operators.stop_jail` is where the B1/B3/B12/B13/B16 bug classes
+(``docs/bug-classes.md``) are closed, so each is pinned here by a table case, and the
 general claims (split invariance, exact withholding) by property tests against the naive
 `find_stop` reference. No event loop is involved.
 """

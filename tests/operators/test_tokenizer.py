@@ -297,8 +297,9 @@ def test_from_gguf_small_vocabulary(tmp_path: Path) -> None:
 def test_from_gguf_unknown_pre_type_warns(tmp_path: Path) -> None:
     path = tmp_path / "qwen.gguf"
     _write_gguf(path, model="gpt2", pre="qwen2", add_bos=False)
-    with pytest.warns(UserWarning, match="'qwen2' is not reproduced exactly"):
+    with pytest.warns(UserWarning, match="'qwen2' is not reproduced exactly") as record:
         tokenizer = Tokenizer.from_gguf(path)
+    assert record[0].filename == __file__  # the warning points at the caller of from_gguf
     assert tokenizer.encode("abc") == [11]
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from typing import Any
 
 import anyio
 import pytest
 
-from pipeline import Context, Engine, EngineError, FunctionEngine, link
+from pipeline import Context, Engine, EngineError, FunctionEngine, Stream, link
 from pipeline import Operator as OperatorProtocol
 from pipeline.testing import (
     CheckTimeout,
@@ -27,7 +27,7 @@ from pipeline.testing import (
 
 
 class Upper:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 
@@ -35,7 +35,7 @@ class Upper:
 class ViaChild:
     """Sends a child leg downstream, as Migration does."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx.child(ctx.data + "!")):
             yield item
 
@@ -43,12 +43,12 @@ class ViaChild:
 class Tidy:
     """Closes downstream itself and runs a task group that finishes before the first yield."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         results: list[int] = []
         async with anyio.create_task_group() as tg:
             for n in range(3):
                 tg.start_soon(_append, results, n)
-        async with aclosing(downstream.generate(ctx.replace(ctx.data))) as stream:  # type: ignore[type-var]
+        async with aclosing(downstream.generate(ctx.replace(ctx.data))) as stream:
             async for item in stream:
                 yield f"{item}{len(results)}"
 
@@ -61,7 +61,7 @@ async def _append(results: list[int], n: int) -> None:
 class Buffering:
     """Yields nothing until downstream ends: the early-stop check must still terminate."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         items = [item async for item in downstream.generate(ctx)]
         for item in items:
             yield item
@@ -88,13 +88,13 @@ async def test_the_custom_operator_example_holds() -> None:
 
 
 class NewContext:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(Context.new(ctx.data)):
             yield item
 
 
 class SwallowsErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -103,7 +103,7 @@ class SwallowsErrors:
 
 
 class WrapsErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -112,7 +112,7 @@ class WrapsErrors:
 
 
 class CopiesErrors:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -123,7 +123,7 @@ class CopiesErrors:
 class KeepsGoingAfterKill:
     """Catches the cancellation from kill() and yields one more item."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -134,7 +134,7 @@ class KeepsGoingAfterKill:
 class EndsQuietlyAfterKill:
     """Catches the cancellation from kill() and ends the stream as if it were complete."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -148,7 +148,7 @@ class HandsStreamToTask:
     def __init__(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         send, receive = anyio.create_memory_object_stream[str](math.inf)
 
         async def pump() -> None:
@@ -171,14 +171,14 @@ class LeavesTask:
     def __init__(self, tg: anyio.abc.TaskGroup) -> None:
         self._tg = tg
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         self._tg.start_soon(anyio.sleep_forever)
         async for item in downstream.generate(ctx):
             yield item
 
 
 class NeverCallsDownstream:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         yield "made up"
 
 
@@ -221,7 +221,7 @@ async def test_check_operator_rejects_an_operator_that_leaves_work_in_other_task
 async def test_an_operator_passing_check_operator_works_on_a_function_engine() -> None:
     # check_operator drives the operator through link() and a ScriptedEngine; the same
     # operator in front of a FunctionEngine behaves the same way.
-    async def source(ctx: Context[str]) -> AsyncIterator[str]:
+    async def source(ctx: Context[str]) -> Stream[str]:
         yield ctx.data
 
     await check_operator(Upper, "hi", ["hi"])
@@ -234,7 +234,7 @@ async def test_an_operator_passing_check_operator_works_on_a_function_engine() -
 class CatchesBaseException:
     """Catches everything, GeneratorExit and cancellation included, and yields a fallback."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -245,7 +245,7 @@ class CatchesBaseException:
 class RetriesForeverOnClose:
     """Treats every exception, GeneratorExit included, as a reason to call downstream again."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         while True:
             try:
                 async for item in downstream.generate(ctx):
@@ -258,7 +258,7 @@ class RetriesForeverOnClose:
 class PrefetchesInTaskGroup:
     """Pumps downstream into a buffer from a task, and yields inside the task group."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         send, receive = anyio.create_memory_object_stream[str](4)
 
         async def pump() -> None:
@@ -276,7 +276,7 @@ class PrefetchesInTaskGroup:
 class DrainsInShield:
     """Reads all of downstream inside a shielded scope: cancellation cannot reach it."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         with anyio.CancelScope(shield=True):
             items = [item async for item in downstream.generate(ctx)]
         for item in items:
@@ -328,9 +328,7 @@ async def test_the_time_limit_covers_every_check_and_is_a_timeout_error() -> Non
     class SlowStart:
         """Waits, shielded, for longer than the limit before it calls downstream."""
 
-        async def generate(
-            self, ctx: Context[str], downstream: Engine[str, str]
-        ) -> AsyncIterator[str]:
+        async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.2)
             async for item in downstream.generate(ctx):

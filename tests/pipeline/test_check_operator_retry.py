@@ -3,12 +3,11 @@ must resume lives in ctx.state, not in generate()'s locals or on the operator.""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
-from pipeline import Context, Engine, StateKey, WorkerLost
+from pipeline import Context, Engine, StateKey, Stream, WorkerLost
 from pipeline.testing import ConformanceError, check_operator
 
 OUTPUTS = ["a", "b", "c"]
@@ -18,7 +17,7 @@ _ARMED = StateKey[bool]("test: a retry is armed")
 
 
 class Upper:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 
@@ -26,7 +25,7 @@ class Upper:
 class NumbersInContext:
     """Numbers its outputs, keeping the count in the request's state: a retry resumes it."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         count = ctx.state.setdefault(_COUNT, [0])
         async for item in downstream.generate(ctx):
             count[0] += 1
@@ -36,7 +35,7 @@ class NumbersInContext:
 class NumbersInLocals:
     """The same, with the count in a local: a retry starts counting again."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         count = 0
         async for item in downstream.generate(ctx):
             count += 1
@@ -49,7 +48,7 @@ class NumbersOnTheOperator:
     def __init__(self) -> None:
         self._count = 0
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             self._count += 1
             yield f"{self._count}:{item}"
@@ -58,7 +57,7 @@ class NumbersOnTheOperator:
 class BuffersInLocals:
     """Holds every output back until downstream ends: a lost worker loses them."""
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         items = [item async for item in downstream.generate(ctx)]
         for item in items:
             yield item
@@ -70,7 +69,7 @@ class FlushesUnlessArmed:
 
     _HELD = StateKey[list[str]]("test: held back")
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         held = ctx.state.setdefault(self._HELD, [])
         try:
             async for item in downstream.generate(ctx):
@@ -87,7 +86,7 @@ class FlushesUnlessArmed:
 
 
 class SwallowsLostWorker:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         try:
             async for item in downstream.generate(ctx):
                 yield item

@@ -1,4 +1,5 @@
-"""link(): composition order, nesting, early close down to the engine, wiring mistakes."""
+"""link() and chain(): composition order, nesting, early close down to the engine, wiring
+mistakes. (That mypy rejects a mis-ordered graph is tests/operators/test_typed_graph.py.)"""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from anyio.lowlevel import checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline import Context, Engine, EngineError, FunctionEngine, LinkError, link, open_stream
+from pipeline import (
+    Context,
+    Engine,
+    EngineError,
+    FunctionEngine,
+    LinkError,
+    Stream,
+    chain,
+    link,
+    open_stream,
+)
 from pipeline.testing import ScriptedEngine, collect, make_context
 
 
@@ -23,7 +34,7 @@ class Tag:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx.replace(f"{ctx.data}>{self.name}")):
             yield f"{item}<{self.name}"
 
@@ -35,7 +46,7 @@ class Recorded:
         self.name = name
         self.log = log
 
-    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> AsyncIterator[Any]:
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
         try:
             async for item in downstream.generate(ctx):
                 yield item
@@ -51,7 +62,7 @@ class RecordedEngine:
         self.log = log
         self.saw_close = False
 
-    async def generate(self, ctx: Context[Any], /) -> AsyncIterator[int]:
+    async def generate(self, ctx: Context[Any], /) -> Stream[int]:
         try:
             for i in range(self.n):
                 await checkpoint()
@@ -63,8 +74,8 @@ class RecordedEngine:
             self.log.append(("engine", anyio.get_current_task().id))
 
 
-def echo_engine(ctx: Context[str]) -> AsyncIterator[str]:
-    async def gen() -> AsyncIterator[str]:
+def echo_engine(ctx: Context[str]) -> Stream[str]:
+    async def gen() -> Stream[str]:
         yield ctx.data
 
     return gen()
@@ -98,7 +109,7 @@ async def test_an_operator_may_change_the_payload_type_and_keep_the_request() ->
     class Tokenize:
         async def generate(
             self, ctx: Context[str], downstream: Engine[list[int], int]
-        ) -> AsyncIterator[str]:
+        ) -> Stream[str]:
             async for token in downstream.generate(ctx.replace([ord(c) for c in ctx.data])):
                 yield chr(token)
 
@@ -122,9 +133,7 @@ async def test_every_stage_runs_in_the_consumers_task_and_sees_its_contextvars()
     seen: list[tuple[int, str]] = []
 
     class Probe:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             seen.append((anyio.get_current_task().id, var.get()))
             async for item in downstream.generate(ctx):
                 yield item
@@ -212,9 +221,7 @@ async def test_streams_an_operator_abandoned_are_closed_with_its_own_stream() ->
     class PeekTwice:
         """Opens downstream twice, takes one item from each and never closes either."""
 
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             for _ in range(2):
                 async for item in downstream.generate(ctx):
                     yield item
@@ -232,10 +239,8 @@ async def test_an_operator_that_closes_downstream_itself_is_not_closed_twice() -
     engine = RecordedEngine(10, log)
 
     class Tidy:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
-            async with aclosing(downstream.generate(ctx)) as stream:  # type: ignore[type-var]
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
+            async with aclosing(downstream.generate(ctx)) as stream:
                 async for item in stream:
                     yield item
 
@@ -247,7 +252,7 @@ async def test_an_operator_that_closes_downstream_itself_is_not_closed_twice() -
 class Sometimes:
     """Tags requests that start with "tag"; hands every other one downstream's own stream."""
 
-    def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         if ctx.data.startswith("tag"):
             return Tag("t").generate(ctx, downstream)
         return downstream.generate(ctx)
@@ -256,10 +261,10 @@ class Sometimes:
 async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -> None:
     log: list[tuple[str, int]] = []
     engine = RecordedEngine(10, log)
-    seen: list[AsyncIterator[Any]] = []
+    seen: list[Stream[Any]] = []
 
     class Spy:
-        def generate(self, ctx: Context[Any], /) -> AsyncIterator[Any]:
+        def generate(self, ctx: Context[Any], /) -> Stream[Any]:
             stream = engine.generate(ctx)
             seen.append(stream)
             return stream
@@ -268,7 +273,7 @@ async def test_a_passthrough_operator_gets_downstreams_stream_back_unwrapped() -
     stream = graph.generate(make_context("plain"))
     assert seen == [stream]  # no wrapper, so no hop per item
     assert await stream.__anext__() == 0
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     assert engine.saw_close
     assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("tag")) == ["a<t"]
     assert await collect(link(Sometimes(), ScriptedEngine(["a"])), make_context("x")) == ["a"]
@@ -292,11 +297,55 @@ async def test_a_stream_closed_before_its_first_item_never_starts_the_engine() -
     assert engine.open_streams == 0
 
 
+# -- chain ------------------------------------------------------------------------------------
+
+
+async def test_a_chain_is_its_operators_spliced_in_place() -> None:
+    engine = FunctionEngine(echo_engine)
+    flat = await collect(link(Tag("a"), Tag("b"), Tag("c"), Tag("d"), engine), make_context("r"))
+    spliced = link(Tag("a"), chain(Tag("b"), chain(Tag("c"))), Tag("d"), engine)
+    assert await collect(spliced, make_context("r")) == flat == ["r>a>b>c>d<d<c<b<a"]
+    assert repr(chain(Tag("b"), chain(), chain(Tag("c")))).count("Tag") == 2  # flattened
+
+
+async def test_an_empty_chain_is_a_passthrough_with_no_hop() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(3, log)
+    seen: list[Stream[Any]] = []
+
+    class Spy:
+        def generate(self, ctx: Context[Any], /) -> Stream[Any]:
+            seen.append(engine.generate(ctx))
+            return seen[-1]
+
+    assert link(chain(), Spy()).generate(make_context(None)) is seen[0]
+    await seen[0].aclose()
+    assert await collect(link(chain(), ScriptedEngine(["a"])), make_context(None)) == ["a"]
+
+
+async def test_a_chain_used_directly_as_an_operator_closes_all_it_opened() -> None:
+    log: list[tuple[str, int]] = []
+    engine = RecordedEngine(10, log)
+    grouped = chain(Recorded("a", log), Recorded("b", log))
+    stream = grouped.generate(make_context(None), engine)
+    assert [await stream.__anext__(), await stream.__anext__()] == [0, 1]
+    await stream.aclose()
+    assert [name for name, _ in log] == ["a", "b", "engine"]
+    assert engine.saw_close
+
+
+def test_chain_refuses_what_is_not_an_operator() -> None:
+    with pytest.raises(LinkError, match="looks like an engine"):
+        chain(ScriptedEngine(["x"]))  # type: ignore[arg-type]
+    with pytest.raises(LinkError, match=r"did you mean Tag\(\)"):
+        chain(Tag)  # type: ignore[arg-type]
+
+
 # -- wiring mistakes --------------------------------------------------------------------------
 
 
 class Upper:
-    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
         async for item in downstream.generate(ctx):
             yield item.upper()
 
@@ -332,7 +381,7 @@ class EngineReturningList:
 class TooManyParameters:
     async def generate(
         self, ctx: Context[str], downstream: Engine[str, str], extra: int
-    ) -> AsyncIterator[str]:
+    ) -> Stream[str]:
         yield "never"
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -21,6 +20,7 @@ from pipeline import (
     Random,
     RoundRobin,
     Router,
+    Stream,
     WorkerSet,
     link,
     open_stream,
@@ -128,9 +128,7 @@ async def test_direct_to_an_unknown_worker_names_it() -> None:
 
 async def test_a_router_links_like_any_engine_and_passes_errors_through() -> None:
     class Shout:
-        async def generate(
-            self, ctx: Context[str], downstream: Engine[str, str]
-        ) -> AsyncIterator[str]:
+        async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
             async for item in downstream.generate(ctx):
                 yield item.upper()
 

@@ -9,12 +9,12 @@ import anyio
 import pytest
 from anyio.lowlevel import checkpoint
 
-from pipeline import Context, Engine, EngineError, FunctionEngine, link, open_stream
+from pipeline import Context, Engine, EngineError, FunctionEngine, Stream, link, open_stream
 from pipeline.testing import ScriptedEngine, collect, make_context
 
 
 class PassThrough:
-    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> AsyncIterator[Any]:
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
         async for item in downstream.generate(ctx):
             yield item
 
@@ -27,7 +27,7 @@ class BlockingEngine:
         self.blocked = anyio.Event()
         self.cancelled = False
 
-    async def generate(self, ctx: Context[Any], /) -> AsyncIterator[str]:
+    async def generate(self, ctx: Context[Any], /) -> Stream[str]:
         yield self.first
         self.blocked.set()
         try:
@@ -85,9 +85,7 @@ async def test_kill_cancels_a_stream_blocked_inside_an_operator() -> None:
     blocked = anyio.Event()
 
     class Stall:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             async for item in downstream.generate(ctx):
                 yield item
                 blocked.set()
@@ -129,9 +127,7 @@ async def test_kill_cancels_even_when_the_engine_waits_on_a_childs_stop() -> Non
     # kill() also stops the children; the stream must still end by cancellation, not by
     # the engine waking up to a graceful stop and finishing normally.
     class ViaChild:
-        async def generate(
-            self, ctx: Context[Any], downstream: Engine[Any, Any]
-        ) -> AsyncIterator[Any]:
+        async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any]) -> Stream[Any]:
             async for item in downstream.generate(ctx.child(ctx.data)):
                 yield item
 

@@ -102,7 +102,7 @@ async def test_scripted_engine_stops_before_the_next_output_when_asked() -> None
 
 async def test_scripted_engine_records_an_early_close() -> None:
     engine = ScriptedEngine(["a", "b"])
-    async with aclosing(engine.generate(make_context(None))) as stream:  # type: ignore[type-var]
+    async with aclosing(engine.generate(make_context(None))) as stream:
         async for _ in stream:
             break
     assert engine.closed_early

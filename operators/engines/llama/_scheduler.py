@@ -39,7 +39,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence as Tokens
 from typing import Final, final
 
 from operators.engines.ngram import NgramSpeculation
@@ -47,6 +46,7 @@ from operators.llm import EngineOutput
 from pipeline import EngineError
 
 from ._job import Job
+from ._placement import choose_slot
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
 from ._steps import Counters, LlamaStep
@@ -55,20 +55,8 @@ __all__ = ("Scheduler",)
 
 logger = logging.getLogger("operators.engines.llama")
 
-#: a cached prefix at least this much longer in an occupied slot is copied, not prefilled
-#: (a copy moves the whole KV stream: a few ms, against ~3 ms per prompt token)
-_MIN_COPY: Final = 16
 #: steps kept for :meth:`Scheduler.recent_steps`
 _HISTORY: Final = 1024
-
-
-def _common(cached: list[int], prompt: Tokens[int], limit: int) -> int:
-    """The length of the common prefix of ``cached`` and ``prompt``, at most ``limit``."""
-    n = min(len(cached), limit)
-    i = 0
-    while i < n and cached[i] == prompt[i]:
-        i += 1
-    return i
 
 
 @final
@@ -242,25 +230,11 @@ class Scheduler:
                 job.running.append(seq)
 
     def _place(self, seq: Sequence, free: list[int]) -> None:
-        """Put ``seq`` in the free slot caching the longest prefix of its prompt (the lowest
-        on a tie: llama.cpp batches consecutive sequence ids together), or copy a longer
-        prefix from an occupied slot."""
+        """Put ``seq`` in the slot :func:`~._placement.choose_slot` picks, copying a donor's
+        prefix there first if it picked one."""
         runtime = self._runtime
-        prompt = seq.prompt
-        limit = len(prompt) - 1  # the last prompt token is always evaluated: its logits
-        slot, reused = free[0], -1
-        for candidate in free:
-            common = _common(runtime.cached[candidate], prompt, limit)
-            if common > reused:
-                slot, reused = candidate, common
-        donor, donated = -1, reused + _MIN_COPY - 1
-        for candidate, other in enumerate(self._slots):
-            if other is not None:
-                common = _common(runtime.cached[candidate], prompt, limit)
-                if common > donated:
-                    donor, donated = candidate, common
+        slot, reused, donor = choose_slot(runtime.cached, self._slots, free, seq.prompt)
         if donor >= 0:
-            slot, reused = free[0], donated
             runtime.copy(donor, slot)
         runtime.keep(slot, reused)
         seq.slot = slot

@@ -76,7 +76,7 @@ class Sequence:
         self._min_tokens = stop.min_tokens
         self._sampler = Sampler(request, choice_generator(request.sampling.seed, index))
         eos = () if stop.ignore_eos else eog.union(stop.eos_token_ids)
-        stop_ids = frozenset(eos).union(stop.stop_token_ids, stop.visible_stop_token_ids)
+        stop_ids = frozenset(eos).union(stop.stop_token_ids)
         self._stop_ids = stop_ids
         # Until min_tokens is reached no stop id may be generated at all (as in vLLM).
         self._suppress = np.array(sorted(i for i in stop_ids if 0 <= i < n_vocab), dtype=np.intp)

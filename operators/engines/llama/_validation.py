@@ -32,12 +32,6 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             param="prompt",
             request_id=request_id,
         )
-    if request.sampling.guided_decoding is not None:
-        raise InvalidRequest(
-            "the llama engine does not support guided decoding",
-            param="guided_decoding",
-            request_id=request_id,
-        )
     if request.multimodal:
         raise InvalidRequest(
             "the llama engine takes text only", param="messages", request_id=request_id

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NamedTuple, final
 
@@ -36,7 +35,7 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from pipeline import Context
+    from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
 
@@ -290,7 +289,7 @@ class LlamaEngine:
 
     # ------------------------------------------------------------------------ generation
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         """Stream ``ctx``'s completion: one output per step and choice, a burst when
         speculating. The choices of ``n > 1`` run side by side (``index`` tells them apart).
 

@@ -45,9 +45,9 @@ def test_the_llm_types_round_trip_nested_with_their_tuples() -> None:
     request = PreprocessedRequest(
         token_ids=[1, 2, 3],
         stop=StopConditions(max_tokens=8, stop=("\n", "END"), eos_token_ids=(2,)),
-        sampling=SamplingOptions(temperature=0.5, guided_decoding={"regex": "[a-z]+"}),
+        sampling=SamplingOptions(temperature=0.5),
         multimodal=(MultimodalItem(kind="image", data=b"\x89PNG", mime_type="image/png"),),
-        annotations={"route": "fast"},
+        prefill_result={"kind": "kv", "blocks": [1, 2]},
     )
     frame = [3, 1, request]
     back = codec.decode(codec.encode(frame))

@@ -48,7 +48,6 @@ from pipeline.testing import ScriptedEngine, collect, make_context
 from pipeline.transports.codec import MsgpackCodec
 from pipeline.transports.nats import (
     NatsDiscovery,
-    NatsEngine,
     NatsTimeouts,
     NatsWorker,
     RemoteEngine,
@@ -159,7 +158,7 @@ async def test_no_worker_means_connect_failed(nc: Client) -> None:
     with pytest.raises(ConnectFailed):
         await collect(RemoteEngine(nc, model="nobody"), make_context("request"))
     with pytest.raises(ConnectFailed):
-        await collect(NatsEngine(nc, worker_id="nobody"), make_context("request"))
+        await collect(RemoteEngine(nc, worker_id="nobody"), make_context("request"))
 
 
 async def test_an_unregistered_payload_type_is_an_engine_error(
@@ -253,20 +252,33 @@ async def test_stop_generating_reaches_the_worker(nc: Client, worker_nc: Client)
     engine: ScriptedEngine[str] = ScriptedEngine(["a"], then="hang")
     async with serving(engine, worker_nc):
         ctx = make_context("request")
-        async with anyio.create_task_group() as tg:
-
-            async def stop_when_hanging() -> None:
+        with anyio.fail_after(1.0):
+            async with open_stream(RemoteEngine(nc, model="m"), ctx) as stream:
+                outputs = [await stream.__anext__()]
                 await engine.hanging.wait()
                 ctx.stop_generating()
-
-            tg.start_soon(stop_when_hanging)
-            with anyio.fail_after(1.0):
-                outputs = await collect(RemoteEngine(nc, model="m"), ctx)
-    assert outputs == ["a"]  # a clean end, no error
+                outputs += [item async for item in stream]  # a clean end, no error
+    assert outputs == ["a"]
     seen = engine.requests[0]
     assert seen.is_stopped
     assert not seen.is_killed
     assert engine.completed == 1
+
+
+async def test_outputs_in_flight_when_stopped_are_dropped(nc: Client, worker_nc: Client) -> None:
+    """A stopped stream yields nothing more, even what the worker sent before it heard."""
+    engine: ScriptedEngine[int] = ScriptedEngine(range(200), then="hang")
+    async with serving(engine, worker_nc):
+        ctx = make_context("request")
+        with anyio.fail_after(2.0):
+            async with open_stream(RemoteEngine(nc, model="m"), ctx) as stream:
+                first = await stream.__anext__()
+                await engine.hanging.wait()  # all 200 sent, within the credit window
+                ctx.stop_generating()
+                rest = [item async for item in stream]
+    assert (first, rest) == (0, [])
+    assert engine.requests[0].is_stopped
+    assert not engine.requests[0].is_killed
 
 
 async def endless(ctx: Context[Any]) -> AsyncIterator[int]:

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 
 from operators.llm import EngineOutput
 from operators.transport import llm_codec
-from pipeline import Context, EngineError, FunctionEngine, open_stream
+from pipeline import Context, EngineError, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
 from pipeline.transports import _nats_serving, _wire
 from pipeline.transports.codec import Codec, MsgpackCodec
@@ -82,7 +82,7 @@ async def a_real_wait() -> None:
 def burst(outputs: list[Any], then: Exception | None = None) -> FunctionEngine[Any, Any]:
     """An engine whose outputs are all ready at once (a checkpoint between them, no wait)."""
 
-    async def generate(ctx: Context[Any]) -> AsyncIterator[Any]:
+    async def generate(ctx: Context[Any]) -> Stream[Any]:
         for output in outputs:
             await checkpoint()
             yield output
@@ -169,7 +169,7 @@ async def test_an_unencodable_output_fails_the_stream_after_the_ones_before_it(
 def endless(closed: anyio.Event) -> FunctionEngine[Any, int]:
     """An engine that is always ready, until it is stopped or killed; ``closed`` at the end."""
 
-    async def generate(ctx: Context[Any]) -> AsyncIterator[int]:
+    async def generate(ctx: Context[Any]) -> Stream[int]:
         try:
             for token in range(10**9):
                 await checkpoint()
@@ -188,6 +188,9 @@ async def test_a_kill_during_a_batch_reaches_the_engine_and_drops_the_batch(
     closed = anyio.Event()
     with bounds(max_batch=10**9):
         async with pair(endless(closed), nc, worker_nc) as (worker, remote):
+            # A window the engine cannot fill before the kill arrives (at the window the
+            # worker would flush what it holds and pause, which is right, but not this test).
+            remote = RemoteEngine(nc, worker_id=worker.worker_id, timeouts=QUIET, window=10**8)
             ctx = make_context(None)
             async with open_stream(remote, ctx) as stream:
                 assert await stream.__anext__() == 0
@@ -195,10 +198,15 @@ async def test_a_kill_during_a_batch_reaches_the_engine_and_drops_the_batch(
             await closed.wait()
             stats = worker.statistics()
     assert stats.clients_gone == 1
+    assert stats.pauses == 0
     assert stats.messages == 2  # START and the first output: the held batch was dropped
 
 
-async def test_a_stop_during_a_batch_delivers_what_was_held(nc: Client, worker_nc: Client) -> None:
+async def test_a_stop_during_a_batch_ends_cleanly_with_nothing_more(
+    nc: Client, worker_nc: Client
+) -> None:
+    """The worker flushes what it held and ends; the client, asked to stop, yields none of it
+    (as a local engine yields nothing after its stop) and the stream ends without a kill."""
     closed = anyio.Event()
     with bounds(max_batch=10**9):
         async with pair(endless(closed), nc, worker_nc) as (worker, remote):
@@ -210,9 +218,9 @@ async def test_a_stop_during_a_batch_delivers_what_was_held(nc: Client, worker_n
                     if item == 0:
                         ctx.stop_generating()
             stats = worker.statistics()
-    assert items == list(range(len(items)))  # every output the engine made, in order
-    assert stats.outputs == len(items)
-    assert stats.clients_gone == 0
+    assert items == [0]
+    assert stats.outputs >= 1
+    assert stats.clients_gone == 0  # a clean END, not a client that went away
 
 
 async def test_a_wire_1_client_gets_one_message_per_output(nc: Client, worker_nc: Client) -> None:

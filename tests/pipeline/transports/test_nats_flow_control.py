@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats_server import NatsServer, connect, settle
 
-from pipeline import Context, FunctionEngine, open_stream
+from pipeline import Context, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
 from pipeline.transports import _wire
 from pipeline.transports.codec import MsgpackCodec
@@ -47,7 +47,7 @@ class Firehose:
         self.count = count
         self.produced = 0
 
-    async def generate(self, ctx: Context[Any]) -> AsyncIterator[int]:
+    async def generate(self, ctx: Context[Any]) -> Stream[int]:
         while self.count is None or self.produced < self.count:
             await checkpoint()
             if ctx.is_stopped:

@@ -9,7 +9,6 @@ registered.
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
 
 import anyio
 
@@ -18,7 +17,7 @@ from operators.llm import (
     PreprocessedRequest,
 )
 from operators.transport import llm_codec
-from pipeline import Context
+from pipeline import Context, Stream
 from pipeline.transports.nats import NatsTimeouts, serve
 
 __all__ = ("CODEC", "MODEL", "SCRIPT", "Countdown")
@@ -41,7 +40,7 @@ class Countdown:
         self.delay = delay
         self.requests: list[PreprocessedRequest] = []
 
-    async def generate(self, ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    async def generate(self, ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]:
         request = ctx.data
         self.requests.append(request)
         done = request.replayed_tokens
