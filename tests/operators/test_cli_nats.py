@@ -27,6 +27,8 @@ import httpx
 import openai
 import pytest
 
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "openai"), str(HERE.parent / "pipeline" / "transports")]
 
