@@ -4,13 +4,17 @@ pytest-asyncio runs an async fixture's setup, the test body and the fixture's te
 three separate tasks, so the usual ``async def`` fixture that yields inside
 ``anyio.fail_after(...)`` does not limit the test at all (and its teardown fails with
 "Attempted to exit cancel scope in a different task"). Instead, a plain autouse fixture
-wraps the test function itself before pytest-asyncio runs it, so the limit is entered and
+wraps the test function itself before the plugin runs it, so the limit is entered and
 left in the test's own task. For Hypothesis tests the limit applies to each example.
+
+The same wrapper limits the tests anyio's plugin runs (``tests/pipeline`` runs its tests
+on asyncio and trio, see its conftest).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -35,10 +39,17 @@ def _time_limited(test: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitabl
 def _async_time_limit(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """Put every async test under ``anyio.fail_after(TEST_TIME_LIMIT)``."""
     item = request.node
-    if not is_async_test(item):
+    if not (is_async_test(item) or _runs_under_anyio(item)):
         return
     hypothesis = getattr(item.obj, "hypothesis", None)
     if hypothesis is not None:
         monkeypatch.setattr(hypothesis, "inner_test", _time_limited(hypothesis.inner_test))
     else:
         monkeypatch.setattr(item, "obj", _time_limited(item.obj))
+
+
+def _runs_under_anyio(item: pytest.Item) -> bool:
+    if not isinstance(item, pytest.Function) or "anyio_backend" not in item.fixturenames:
+        return False
+    hypothesis = getattr(item.obj, "hypothesis", None)
+    return inspect.iscoroutinefunction(item.obj if hypothesis is None else hypothesis.inner_test)

@@ -27,6 +27,8 @@ import httpx
 import openai
 import pytest
 
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE / "openai"), str(HERE.parent / "pipeline" / "transports")]
 
@@ -300,17 +302,22 @@ async def test_a_worker_killed_mid_stream_under_load_is_invisible(
     async with client(local_echo) as api:
         want = [await chat_stream(api, **body) for body in requests]
     got: list[dict[str, Any] | None] = [None] * len(requests)
+    started = [anyio.Event() for _ in requests]
+    done_before_kill = 0
     async with client(deployment.server, timeout=8) as api:
 
         async def run(i: int) -> None:
-            got[i] = await chat_stream(api, **requests[i])
+            got[i] = await chat_stream(api, started=started[i], **requests[i])
 
         with anyio.fail_after(8):  # a hung stream fails the test here
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
                     tg.start_soon(run, i)
-                await anyio.sleep(0.5)  # every stream is in its stop span, none is done
+                for event in started:  # every stream has its first chunk: all are in flight
+                    await event.wait()
+                done_before_kill = sum(result is not None for result in got)
                 deployment.workers["w2"].process.kill()
+    assert done_before_kill < len(requests) // 2  # the kill really hit streams mid-flight
     assert got == want
     retried = 'llm_pipeline_migrations_total{kind="stream",outcome="retried"}'
     assert await metric(deployment.server, retried) >= 1

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
 from nats.aio.client import Client
 
 from operators.engines import EchoEngine

@@ -6,8 +6,11 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import pytest
+
+pytest.importorskip("msgpack", reason="the codec tests need the nats extra (msgpack)")
+
+import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import nats
 import pytest
+
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
+import nats
 from anyio.abc import Process
 from nats.aio.client import Client
 from nats_server import NatsServer, connect, settle

@@ -19,6 +19,9 @@ import pytest
 from anyio.lowlevel import checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
 from nats.aio.client import Client
 
 from operators.llm import EngineOutput

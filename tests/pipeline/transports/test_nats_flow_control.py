@@ -16,6 +16,9 @@ from typing import Any
 import anyio
 import pytest
 from anyio.lowlevel import checkpoint
+
+pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
+
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats_server import NatsServer, connect, settle

@@ -1,0 +1,37 @@
+"""Without the nats extra the NATS tests skip instead of failing at import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: run pytest on the NATS test modules with nats and msgpack unimportable
+_WITHOUT_NATS = """
+import sys
+sys.modules["nats"] = None  # import nats -> ModuleNotFoundError, as when not installed
+sys.modules["msgpack"] = None
+import pytest
+sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "-rs", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.slow
+def test_the_nats_tests_skip_without_the_extra() -> None:
+    paths = ["tests/pipeline/transports", "tests/operators/test_cli_nats.py"]
+    run = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_NATS, *paths],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    # every module skips at import, so pytest collected no test (and nothing failed)
+    assert run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, run.stdout + run.stderr
+    assert "6 skipped" in run.stdout
+    assert "need the nats extra" in run.stdout
