@@ -498,11 +498,17 @@ async def test_requests_that_cannot_fit_are_invalid(
     ]
 
 
-@pytest.mark.llama
-async def test_closed_engine_frees_the_model() -> None:
+@pytest.fixture
+def fresh_engine() -> LlamaEngine:
+    """An engine of its own, loaded outside the test's time limit (a load is seconds)."""
     if (reason := _skip_reason()) is not None:
         pytest.skip(reason)
-    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(n_ctx=256))
+    return LlamaEngine(n_ctx=256)
+
+
+@pytest.mark.llama
+async def test_closed_engine_frees_the_model(fresh_engine: LlamaEngine) -> None:
+    engine = fresh_engine
     async with engine:
         assert engine.eos_token_ids
     assert "closed" in repr(engine)

@@ -243,10 +243,15 @@ class CatchesBaseException:
 
 
 class RetriesForeverOnClose:
-    """Treats every exception, GeneratorExit included, as a reason to call downstream again."""
+    """Treats every exception, GeneratorExit included, as a reason to call downstream again.
+
+    "Forever" within reason: a thousand times, far more than the check ever sees. A truly
+    endless loop would spin at interpreter exit, when the suspended stream is finalized
+    without an event loop and every retry fails at once.
+    """
 
     async def generate(self, ctx: Context[str], downstream: Engine[str, str]) -> Stream[str]:
-        while True:
+        for _ in range(1000):
             try:
                 async for item in downstream.generate(ctx):
                     yield item
