@@ -21,6 +21,7 @@ from operators.migration import Migration
 from operators.openai.events import ChoiceDelta, ChoiceStart, ResponseHead, Usage
 from operators.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from operators.prefill_router import PrefillRouter
+from operators.rewriting import rewritten
 from operators.serving import build_app
 from operators.testing import openai_client
 from operators.tokenizer import Tokenizer
@@ -174,8 +175,7 @@ async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> 
             downstream: Engine[PreprocessedRequest, BackendOutput],
         ) -> Stream[BackendOutput]:
             async for output in downstream.generate(ctx):
-                output.text = output.text.upper()
-                yield output
+                yield rewritten(output, output.text.upper())
 
     engine = EchoEngine.from_tokenizer(TOKENIZER, fail_after_tokens=1)
     app = build_app(engine, TOKENIZER, model_name="echo", before={"backend": [Shout()]})
