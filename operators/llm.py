@@ -11,23 +11,32 @@ Keep this module to type definitions; behaviour lives in the operator that owns 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal, Protocol
 
 __all__ = (
+    "CONSTRAINED_DECODING",
     "BackendOutput",
+    "Constraint",
     "EngineOutput",
     "FinishReason",
+    "HasFeatures",
     "MultimodalItem",
     "OutputOptions",
     "PreprocessedRequest",
     "SamplingOptions",
     "StopConditions",
+    "Tool",
+    "ToolCallDelta",
     "TopLogprobs",
+    "engine_features",
 )
 
-FinishReason = Literal["stop", "length"]
-"""Why a choice ended. Errors are raised, never reported as a finish reason."""
+FinishReason = Literal["stop", "length", "tool_calls"]
+"""Why a choice ended. Errors are raised, never reported as a finish reason. Engines end
+choices with ``"stop"`` or ``"length"``; a tool-call parser turns ``"stop"`` into
+``"tool_calls"`` when the choice called a tool."""
 
 TopLogprobs = list[tuple[int, float]]
 """The most likely alternatives at one position: ``(token_id, logprob)``, best first."""
@@ -80,6 +89,57 @@ class MultimodalItem:
     mime_type: str
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Tool:
+    """A function the model may call (OpenAI's ``tools[i].function``)."""
+
+    name: str
+    description: str | None = None
+    #: the arguments' JSON schema (None: any object)
+    parameters: Mapping[str, Any] | None = None
+
+
+@dataclass(slots=True, frozen=True, kw_only=True)
+class Constraint:
+    """What a choice's output must be, for an engine that decodes under constraints.
+
+    The output is ``prefix + JSON + suffix``: a JSON value matching ``json_schema`` (any
+    JSON object when None) between literal texts. With ``repeat`` it is one or more such
+    pieces joined by ``separator`` (several tool calls). Engine-agnostic on purpose: an
+    engine compiles it to whatever it masks logits with (a grammar, a token mask).
+    """
+
+    #: the request field that asked for it, for an engine that cannot honour it (a 400)
+    param: str
+    json_schema: Mapping[str, Any] | None = None
+    prefix: str = ""
+    suffix: str = ""
+    repeat: bool = False
+    separator: str = ""
+
+
+CONSTRAINED_DECODING: Final = "constrained_decoding"
+"""The feature an engine declares when it honours ``PreprocessedRequest.constraint``."""
+
+
+class HasFeatures(Protocol):
+    """An engine that declares what it supports beyond the base contract."""
+
+    @property
+    def features(self) -> frozenset[str]: ...
+
+
+def engine_features(engine: object) -> frozenset[str]:
+    """What ``engine`` declares it supports (``engine.features``); nothing if undeclared.
+
+    An engine that does not declare a feature is assumed not to have it: a user's engine
+    that knows nothing of constraints would otherwise ignore them and answer as if it had
+    honoured them.
+    """
+    features = getattr(engine, "features", None)
+    return frozenset(features) if features is not None else frozenset()
+
+
 @dataclass(slots=True, kw_only=True)
 class PreprocessedRequest:
     """A tokenized request, the shape every operator after the preprocessor speaks."""
@@ -100,6 +160,12 @@ class PreprocessedRequest:
     encoder_result: dict[str, Any] | None = None
     #: the prefill worker's transfer handle for the decode worker (an object)
     prefill_result: dict[str, Any] | None = None
+    #: the tools whose calls a tool-call parser turns into ``tool_calls`` (empty: none,
+    #: also when the client said ``tool_choice: "none"``)
+    tools: tuple[Tool, ...] = ()
+    #: what every choice's output must match (``response_format``, a required tool call);
+    #: an engine that cannot honour it raises ``InvalidRequest(param=constraint.param)``
+    constraint: Constraint | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -158,3 +224,21 @@ class BackendOutput:
     #: how many of this choice's tokens so far are delivered (their text, or part of it,
     #: has reached the client); tokens never delivered were swallowed by a hidden stop
     delivered_tokens: int = 0
+    #: reasoning text the client may see now (a reasoning parser moved it out of ``text``)
+    reasoning: str = ""
+    #: tool-call pieces the client may see now (a tool-call parser moved them out of ``text``)
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """A piece of one tool call of one choice, as OpenAI streams it.
+
+    A call's first piece names it (``id``, ``name``, ``arguments`` ""); later pieces carry
+    fragments of its arguments' JSON text. ``index`` numbers the calls of a choice.
+    """
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
