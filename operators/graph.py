@@ -2,19 +2,26 @@
 
 ::
 
-    OpenAI request -> [preprocessor] -> [migration] -> [backend] -> [encoder_router]
-                   -> [prefill_router] -> engine (one engine, or a Router over decode workers)
+    OpenAI request -> [preprocessor] -> [parser] -> [migration] -> [backend]
+                   -> [encoder_router] -> [prefill_router] -> engine
+                      (one engine, or a Router over decode workers)
 
 Backward, every operator sees the engine's outputs on their way out:
 
 * the preprocessor renders and tokenizes the request and turns text into OpenAI chunks;
+* the parser moves reasoning and tool calls out of the text (:mod:`operators.parsers`;
+  above Migration, so it sees each token once whatever worker produced it);
 * Migration retries on another worker when one is lost mid-stream;
 * the Backend detokenizes and enforces stop conditions (its state lives in the Context, so
   Migration's retries resume it);
 * the EncoderRouter runs image requests on an encode worker first, when there are any;
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
-The graph is a value before it is an engine: :func:`default_stages` gives the five named
+An engine that does not declare constrained decoding (``engine.features``) gets a
+:class:`~operators.constraint_guard.ConstraintGuard` in front of it: a request with
+``response_format`` or a required tool call is then a 400, not an answer that ignored it.
+
+The graph is a value before it is an engine: :func:`default_stages` gives the six named
 stages (:class:`Stages`), which a user splices (``insert_before``/``insert_after`` a named
 stage, or ``dataclasses.replace`` one) and then links to an engine. :func:`default_graph`
 is that in one call, with ``before={stage: [operators]}``; ``build_app`` and the CLI build
@@ -22,14 +29,14 @@ their graphs through it, so an extended graph is served exactly like the default
 
 What an inserted operator sees depends on where it sits (its type says which):
 
-=============================================  ==================  ===================
-where                                          forward (request)   backward (outputs)
-=============================================  ==================  ===================
+==============================================  ==================  ===================
+where                                           forward (request)   backward (outputs)
+==============================================  ==================  ===================
 before ``preprocessor``                        OpenAIRequest       OpenAIEvent
-before ``migration`` / ``backend``             PreprocessedRequest BackendOutput
+before ``parser`` / ``migration`` / ``backend`` PreprocessedRequest BackendOutput
 before ``encoder_router`` / ``prefill_router``
-/ ``engine``                                   PreprocessedRequest EngineOutput
-=============================================  ==================  ===================
+/ ``engine``                                    PreprocessedRequest EngineOutput
+==============================================  ==================  ===================
 
 An operator between Migration and the Backend is inside the retry loop: a lost worker
 restarts it with a child context, so whatever it keeps per request belongs in
@@ -46,11 +53,21 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, 
 from pipeline import Engine, Operator, chain, link
 
 from .backend import Backend
+from .constraint_guard import ConstraintGuard
 from .encoder_router import EncoderRouter
-from .llm import BackendOutput, EngineOutput, PreprocessedRequest
+from .llm import (
+    CONSTRAINED_DECODING,
+    BackendOutput,
+    EngineOutput,
+    PreprocessedRequest,
+    engine_features,
+)
 from .migration import Migration, MigrationEvent
 from .openai.events import OpenAIEvent
 from .openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
+from .parsers import OutputParsers, ReasoningFormat, ToolCallFormat
+from .parsers import reasoning_parser as registered_reasoning
+from .parsers import tool_parser as registered_tools
 from .prefill_router import PrefillRouter
 
 if TYPE_CHECKING:
@@ -73,7 +90,9 @@ __all__ = (
     "default_stages",
 )
 
-Stage = Literal["preprocessor", "migration", "backend", "encoder_router", "prefill_router"]
+Stage = Literal[
+    "preprocessor", "parser", "migration", "backend", "encoder_router", "prefill_router"
+]
 """The names of the default graph's stages, front to back."""
 Point = Stage | Literal["engine"]
 """Where operators can be inserted *before*: a stage, or the engine."""
@@ -105,6 +124,9 @@ class GraphOptions(TypedDict, total=False):
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None
     disagg_min_prompt_tokens: int
     images: ImagePolicy | None
+    tool_call_parser: str | ToolCallFormat | None
+    reasoning_parser: str | ReasoningFormat | None
+    engine_features: frozenset[str] | None
 
 
 def _check_point(name: str, valid: Sequence[str], where: str) -> None:
@@ -117,7 +139,7 @@ def _check_point(name: str, valid: Sequence[str], where: str) -> None:
 
 @dataclass(frozen=True)
 class Stages:
-    """The default graph without its engine: five named stages and what was inserted.
+    """The default graph without its engine: six named stages and what was inserted.
 
     A value: every method returns a new ``Stages`` and leaves this one as it was, so one
     ``Stages`` can be extended two ways or linked to several engines. Replace a stage
@@ -125,18 +147,22 @@ class Stages:
     """
 
     preprocessor: Operator[OpenAIRequest, OpenAIEvent, PreprocessedRequest, BackendOutput]
+    parser: TextOperator
     migration: TextOperator
     backend: Operator[PreprocessedRequest, BackendOutput, PreprocessedRequest, EngineOutput]
     encoder_router: TokenOperator
     prefill_router: TokenOperator
     #: operators inserted before each point, front to back
     before: Mapping[Point, tuple[_AnyOperator, ...]] = field(default_factory=dict)
+    #: what the engine supports (None: what ``link``'s engine declares, ``engine.features``);
+    #: without constrained decoding a ConstraintGuard refuses constrained requests
+    engine_features: frozenset[str] | None = None
 
     @overload
     def insert_before(self, name: Literal["preprocessor"], *ops: OpenAIOperator) -> Stages: ...
     @overload
     def insert_before(
-        self, name: Literal["migration", "backend"], *ops: TextOperator
+        self, name: Literal["parser", "migration", "backend"], *ops: TextOperator
     ) -> Stages: ...
     @overload
     def insert_before(
@@ -156,7 +182,7 @@ class Stages:
 
     @overload
     def insert_after(
-        self, name: Literal["preprocessor", "migration"], *ops: TextOperator
+        self, name: Literal["preprocessor", "parser", "migration"], *ops: TextOperator
     ) -> Stages: ...
     @overload
     def insert_after(
@@ -205,17 +231,28 @@ class Stages:
         to the right anyway, so the nesting builds the same chain as one flat call.
         """
         at = self.before.get
+        features = self.engine_features
+        if features is None:
+            features = engine_features(engine)
+        guard = (
+            chain()
+            if CONSTRAINED_DECODING in features
+            else chain(ConstraintGuard(type(engine).__name__))
+        )
         routers = link(
             chain(*at("encoder_router", ())),
             self.encoder_router,
             chain(*at("prefill_router", ())),
             self.prefill_router,
             chain(*at("engine", ())),
+            guard,
             engine,
         )
         return link(
             chain(*at("preprocessor", ())),
             self.preprocessor,
+            chain(*at("parser", ())),
+            self.parser,
             chain(*at("migration", ())),
             self.migration,
             chain(*at("backend", ())),
@@ -237,6 +274,9 @@ def default_stages(
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
     disagg_min_prompt_tokens: int = 0,
     images: ImagePolicy | None = None,
+    tool_call_parser: str | ToolCallFormat | None = "hermes",
+    reasoning_parser: str | ReasoningFormat | None = None,
+    engine_features: frozenset[str] | None = None,
 ) -> Stages:
     """The default graph's stages, all sharing ``tokenizer``, ready to splice and link.
 
@@ -246,8 +286,24 @@ def default_stages(
     ``migration_limit`` is the retries per request (0 disables); ``on_migration`` hears of
     each lost worker; ``encode_workers``/``prefill_workers`` turn on the encoder hop and
     disaggregated prefill (for prompts of at least ``disagg_min_prompt_tokens``);
-    ``images`` says which image inputs are accepted.
+    ``images`` says which image inputs are accepted; ``tool_call_parser`` and
+    ``reasoning_parser`` are formats or their registered names (:mod:`operators.parsers`;
+    None: no parsing, and requests with tools get a 400); ``engine_features`` overrides
+    what the engine declares (a Router over workers that check constraints themselves).
+
+    Raises:
+        ValueError: a parser name is not registered.
     """
+    tools = (
+        registered_tools(tool_call_parser)
+        if isinstance(tool_call_parser, str)
+        else tool_call_parser
+    )
+    reasoning = (
+        registered_reasoning(reasoning_parser)
+        if isinstance(reasoning_parser, str)
+        else reasoning_parser
+    )
     return Stages(
         preprocessor=OpenAIPreprocessor(
             tokenizer,
@@ -256,11 +312,14 @@ def default_stages(
             default_max_tokens=default_max_tokens,
             chat_template=chat_template,
             images=images,
+            tool_format=tools,
         ),
+        parser=OutputParsers(tools, reasoning),
         migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),
         backend=Backend(tokenizer),
         encoder_router=EncoderRouter(encode_workers),
         prefill_router=PrefillRouter(prefill_workers, min_prompt_tokens=disagg_min_prompt_tokens),
+        engine_features=engine_features,
     )
 
 

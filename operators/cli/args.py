@@ -5,6 +5,7 @@ express. Parsing happens here and nowhere else: everything after it takes a type
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES
 from .insertions import insertion
@@ -62,6 +63,38 @@ def build_parser() -> argparse.ArgumentParser:
             "insert the operator MODULE.NAME() just before STAGE of the default graph "
             "(preprocessor, migration, backend, encoder_router, prefill_router or engine); "
             "repeatable, in order"
+        ),
+    )
+    output = serve_parser.add_argument_group(
+        "chat template, tool calls and reasoning",
+        "Requests with `tools` render through the model's chat template, or, when that "
+        "template ignores tools, through a shipped ChatML template in the Hermes style "
+        "(tools in the system turn, calls as <tool_call>{json}</tool_call>).",
+    )
+    output.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's (and of the tool template)",
+    )
+    output.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        metavar="NAME",
+        help=(
+            "how the model spells tool calls: a registered format (hermes, llama3_json, "
+            "mistral, pythonic, ...), MODULE:NAME for your own, or 'none' (requests with "
+            "tools then get a 400)"
+        ),
+    )
+    output.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help=(
+            "move the model's reasoning into `reasoning_content`: a registered format "
+            "(think: <think>...</think>) or MODULE:NAME"
         ),
     )
     serve_parser.add_argument(

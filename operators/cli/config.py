@@ -120,6 +120,12 @@ class ServeConfig:
     log_level: LogLevel = "warning"
     #: operators to insert, as (point, ``MODULE:NAME``), loaded when the graph is built
     insert_before: tuple[tuple[Point, str], ...] = ()
+    #: a Jinja chat template file replacing the model's
+    chat_template: Path | None = None
+    #: the tool-call format: a registered name or ``MODULE:NAME`` (None: no tool calls)
+    tool_call_parser: str | None = "hermes"
+    #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
+    reasoning_parser: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -143,6 +149,7 @@ class ServeConfig:
                 allowed_image_hosts=hosts,
                 api_keys=tuple(keys),
                 insert_before=tuple(getattr(args, "insert_before", None) or ()),
+                tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
             )
         )
 

@@ -14,7 +14,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from operators.graph import default_graph
-from operators.llm import EngineOutput, PreprocessedRequest
+from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.openai.guard import Guard
 from operators.openai.images import ImagePolicy
 from operators.openai.metrics import ServerMetrics
@@ -25,6 +25,7 @@ from .config import ServeConfig
 from .engines import load_llama, watch_llama, worker_set
 from .insertions import load_insertions
 from .nats import close_nats, connect_nats
+from .output_options import output_options
 
 if TYPE_CHECKING:
     from operators.graph import GraphOptions
@@ -55,6 +56,7 @@ def _engine_and_options(
     """
     encode: _Workers | None
     prefill: _Workers | None
+    features: frozenset[str] | None = None  # what the engine declares
     if engine is not None:
         encode = prefill = None
     elif workers is None:
@@ -70,7 +72,11 @@ def _engine_and_options(
 
         engine = Router(workers.decode, RetryElsewhere(), wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
+        # Remote workers check constraints themselves: the llama engine honours them, the
+        # echo and mocker engines refuse them with a 400 that travels back by name.
+        features = frozenset({CONSTRAINED_DECODING})
     options: GraphOptions = {
+        **output_options(config),
         "max_model_len": config.max_model_len,
         "default_max_tokens": config.default_max_tokens,
         "migration_limit": config.migration_limit,
@@ -80,6 +86,7 @@ def _engine_and_options(
         "images": ImagePolicy(
             allowed_hosts=config.allowed_image_hosts, max_bytes=config.max_image_bytes
         ),
+        "engine_features": features,
     }
     return engine, options
 
@@ -100,7 +107,7 @@ def build_graph(
     are counted in ``metrics``; ``--insert-before`` operators are loaded and inserted.
 
     Raises:
-        ValueError: an operator to insert cannot be loaded.
+        ValueError: an operator to insert, a parser or the chat template cannot be loaded.
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
@@ -125,11 +132,16 @@ def _display_host(host: str) -> str:
 
 async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
     """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine; 2: an
-    operator to insert cannot be loaded)."""
+    operator to insert, a parser or the chat template cannot be loaded)."""
     try:
         before = load_insertions(config.insert_before)
     except ValueError as exc:
         print(f"llm-pipeline: cannot insert an operator: {exc}", file=sys.stderr)
+        return 2
+    try:
+        output_options(config)
+    except ValueError as exc:
+        print(f"llm-pipeline: {exc}", file=sys.stderr)
         return 2
     metrics = ServerMetrics()
     async with contextlib.AsyncExitStack() as stack:

@@ -15,6 +15,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, NoReturn
 
 import jinja2
@@ -27,7 +28,7 @@ from pipeline import InvalidRequest
 if TYPE_CHECKING:
     from jinja2.parser import Parser
 
-__all__ = ("ChatTemplate",)
+__all__ = ("ChatTemplate", "tool_chat_template")
 
 _CACHE_SIZE: Final = 32
 
@@ -83,6 +84,23 @@ def _compile(source: str) -> jinja2.Template:
     return _ENV.from_string(source)
 
 
+@functools.cache
+def tool_chat_template() -> str:
+    """The shipped tool-aware ChatML template (Hermes style: tools listed in the system
+    turn, calls as ``<tool_call>{json}</tool_call>``, results in ``<tool_response>``).
+
+    The preprocessor uses it for requests that involve tools when the model's own template
+    ignores them (SmolLM2's has no tool section): a model told nothing of its tools cannot
+    call them, and one whose earlier calls vanish from the history cannot follow up on
+    their results.
+    """
+    return _TOOL_TEMPLATE.read_text(encoding="utf-8")
+
+
+_PROBE_TOOL: Final = "llm_pipeline_probe_tool"
+_TOOL_TEMPLATE: Final = Path(__file__).parent.parent / "data" / "templates" / "chatml_tools.jinja"
+
+
 class ChatTemplate:
     """A compiled chat template and the special-token texts it may refer to.
 
@@ -91,7 +109,7 @@ class ChatTemplate:
             model file fails at startup, not on the first chat request).
     """
 
-    __slots__ = ("_template", "_variables", "source")
+    __slots__ = ("__dict__", "_template", "_variables", "source")
 
     def __init__(
         self,
@@ -138,6 +156,17 @@ class ChatTemplate:
             raise InvalidRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
+
+    @functools.cached_property
+    def handles_tools(self) -> bool:
+        """True when the template shows the model its ``tools`` (checked once by rendering
+        a probe tool: a template that never mentions it ignores tools)."""
+        probe = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {}}}
+        try:
+            text = self.render([{"role": "user", "content": "?"}], tools=[probe])
+        except InvalidRequest:
+            return False
+        return _PROBE_TOOL in text
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars)"

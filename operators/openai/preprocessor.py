@@ -36,12 +36,13 @@ import anyio.to_thread
 from operators.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, InvalidRequest, State, Stream
 
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, tool_chat_template
 from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
 from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .images import ImagePolicy, ImageRef, load_images
 from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from .structure import ConstraintBuilder, involves_tools, output_structure
 
 __all__ = (
     "OpenAIPreprocessor",
@@ -85,6 +86,8 @@ class OpenAIPreprocessor:
         chat_template: Jinja source overriding the tokenizer's template.
         images: which image content parts are accepted (data: URLs by default; remote
             hosts only when allowed).
+        tool_format: the tool-call format the server parses (None: requests with tools
+            get a 400); it also builds the constraint of ``tool_choice: "required"``.
 
     Raises:
         ValueError: the chat template does not compile.
@@ -99,8 +102,10 @@ class OpenAIPreprocessor:
         default_max_tokens: int | None = None,
         chat_template: str | None = None,
         images: ImagePolicy | None = None,
+        tool_format: ConstraintBuilder | None = None,
     ) -> None:
         self._tokenizer = tokenizer
+        self._tool_format = tool_format
         self._images = ImagePolicy() if images is None else images
         self._model_name = model_name
         self._max_model_len = max_model_len
@@ -117,6 +122,15 @@ class OpenAIPreprocessor:
                 eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
             )
         )
+        # Requests that involve tools render through the shipped tool template when the
+        # model's own template ignores tools (an explicit ``chat_template`` is respected).
+        self._tool_template = self._template
+        if chat_template is None and (self._template is None or not self._template.handles_tools):
+            self._tool_template = ChatTemplate(
+                tool_chat_template(),
+                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
+                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
+            )
         self._token_texts = TokenTexts(tokenizer)
         self._max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
         #: one large prompt prepared at a time, in a worker thread (created on first use)
@@ -135,12 +149,16 @@ class OpenAIPreprocessor:
         return self._render(request, [])
 
     def _render(self, request: ChatCompletionRequest, images: list[ImageRef]) -> str:
-        if self._template is None:
+        template = self._tool_template if involves_tools(request) else self._template
+        if template is None:
             raise InvalidRequest(
                 "this model has no chat template; use /v1/completions with a prompt",
                 param="messages",
             )
-        return self._template.render(_template_messages(request.messages, images))
+        tools = None
+        if request.effective_tool_choice != "none":
+            tools = [tool.as_template_dict() for tool in request.tools or ()]
+        return template.render(_template_messages(request.messages, images), tools=tools)
 
     def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
         """The tokenized request: one per prompt (several for a completions batch).
@@ -164,8 +182,11 @@ class OpenAIPreprocessor:
             images: list[ImageRef] = []
             text = self._render(request, images)
             ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+            tools, constraint = output_structure(request, self._tool_format)
             leg = self._leg(request, ids, "messages", "")
             leg.images = images
+            leg.request.tools = tools
+            leg.request.constraint = constraint
             return [leg]
         legs = []
         echo = request.echo

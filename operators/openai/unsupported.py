@@ -1,8 +1,9 @@
 """Request fields the server accepts from OpenAI's API but cannot honour: a 400, never a silent no.
 
-Why: a client that sends ``response_format: {"type": "json_object"}`` or ``tools`` and gets
-a 200 believes it got JSON or a tool call; an answer that ignored the request is worse than
-an error. Each field here is refused with ``param`` naming it, unless its value asks for
+Why: a client that sends ``logit_bias`` or ``audio`` and gets a 200 believes it was
+honoured; an answer that ignored the request is worse than an error. (``tools``,
+``tool_choice`` and ``response_format`` are honoured by the chat endpoint; the completions
+endpoint still refuses them.) Each field here is refused with ``param`` naming it, unless its value asks for
 nothing beyond what a plain request does (``tool_choice: "none"``, an empty ``tools``,
 ``response_format: {"type": "text"}``, ``modalities: ["text"]``, ``best_of`` equal to 1).
 
@@ -14,7 +15,7 @@ extensions) are ignored as before; this table is for OpenAI's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Final
 
 from pipeline import InvalidRequest
@@ -59,13 +60,14 @@ UNSUPPORTED_FIELDS: Final[Mapping[str, tuple[Callable[[Any], bool], str]]] = {
 }
 
 
-def refuse_unsupported(data: Mapping[str, Any]) -> None:
+def refuse_unsupported(data: Mapping[str, Any], *, supported: Collection[str] = ()) -> None:
     """Raise for the first field of a request body (a JSON object) that asks for a feature
-    the server does not implement.
+    the server does not implement; ``supported`` names the fields of the table that this
+    endpoint does honour (the chat endpoint: tools and ``response_format``).
 
     Raises:
         InvalidRequest: ``param`` names the field.
     """
     for name, (asks, message) in UNSUPPORTED_FIELDS.items():
-        if name in data and asks(data[name]):
+        if name in data and name not in supported and asks(data[name]):
             raise InvalidRequest(message, param=name)

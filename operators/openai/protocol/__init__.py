@@ -10,12 +10,13 @@ chunks as plain dicts, because a pydantic object per token is the cost this proj
 :func:`parse_chat_request` and :func:`parse_completion_request` are the one boundary where
 JSON and pydantic errors become :class:`pipeline.InvalidRequest`, with ``param`` naming the
 offending field as a dotted path (``"messages.0.content"``). OpenAI fields the server cannot
-honour (``tools``, ``response_format``, ``logit_bias``...) are refused with a 400 naming them
+honour (``logit_bias``, ``audio``...) are refused with a 400 naming them
 (:mod:`operators.openai.unsupported`); fields we do not know (``extra_body`` extensions of
 other servers) are ignored; ``null`` means "use the default" for every top-level field.
 
 The package: :mod:`.base` (strict types, the base model), :mod:`.messages` (chat messages),
-:mod:`.requests` (the two request bodies), :mod:`.parsing` (the boundary).
+:mod:`.requests` (the two request bodies), :mod:`.tools` (tools, ``tool_choice`` and
+``response_format``), :mod:`.parsing` (the boundary).
 """
 
 from .messages import ChatMessage, ContentPart, ImageURL
@@ -29,6 +30,18 @@ from .requests import (
     GenerationRequest,
     StreamOptions,
 )
+from .tools import (
+    FunctionDefinition,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    TextFormat,
+    ToolChoice,
+    ToolDefinition,
+)
 
 __all__ = (
     "MAX_LOGPROBS",
@@ -38,9 +51,19 @@ __all__ = (
     "ChatMessage",
     "CompletionRequest",
     "ContentPart",
+    "FunctionDefinition",
     "GenerationRequest",
     "ImageURL",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
+    "NamedFunction",
+    "NamedToolChoice",
+    "ResponseFormat",
     "StreamOptions",
+    "TextFormat",
+    "ToolChoice",
+    "ToolDefinition",
     "parse_chat_request",
     "parse_completion_request",
 )

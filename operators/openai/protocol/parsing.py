@@ -18,6 +18,14 @@ from pipeline import InvalidRequest
 
 from .messages import ChatMessage, ContentPart, ImageURL
 from .requests import ChatCompletionRequest, CompletionRequest, GenerationRequest, StreamOptions
+from .tools import (
+    FunctionDefinition,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+    NamedFunction,
+    NamedToolChoice,
+    ToolDefinition,
+)
 
 __all__ = ("parse_chat_request", "parse_completion_request")
 
@@ -30,7 +38,7 @@ def parse_chat_request(body: bytes | str | dict[str, Any]) -> ChatCompletionRequ
     Raises:
         InvalidRequest: malformed JSON or an invalid field (``param`` names it).
     """
-    return _parse(ChatCompletionRequest, body)
+    return _parse(ChatCompletionRequest, body, supported=_CHAT_ONLY)
 
 
 def parse_completion_request(body: bytes | str | dict[str, Any]) -> CompletionRequest:
@@ -42,7 +50,13 @@ def parse_completion_request(body: bytes | str | dict[str, Any]) -> CompletionRe
     return _parse(CompletionRequest, body)
 
 
-def _parse(model: type[_M], body: bytes | str | dict[str, Any]) -> _M:
+#: fields of OpenAI's that the chat endpoint honours and the completions endpoint does not
+_CHAT_ONLY: Final = frozenset({"tools", "tool_choice", "response_format"})
+
+
+def _parse(
+    model: type[_M], body: bytes | str | dict[str, Any], *, supported: frozenset[str] = frozenset()
+) -> _M:
     data: Any = body
     if not isinstance(body, dict):
         try:
@@ -53,7 +67,7 @@ def _parse(model: type[_M], body: bytes | str | dict[str, Any]) -> _M:
             raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    refuse_unsupported(data)
+    refuse_unsupported(data, supported=supported)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -79,8 +93,19 @@ def _field_names(*models: type[BaseModel]) -> frozenset[str]:
 # union tags pydantic puts into ``loc`` ("text", "parts", "ids", ...) and are dropped. No tag
 # is also a field name of a model it appears under.
 _FIELDS: Final = _field_names(
-    ChatCompletionRequest, CompletionRequest, ChatMessage, ContentPart, ImageURL, StreamOptions
-)
+    ChatCompletionRequest,
+    CompletionRequest,
+    ChatMessage,
+    ContentPart,
+    ImageURL,
+    StreamOptions,
+    ToolDefinition,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedFunction,
+    JsonSchemaFormat,
+    JsonSchemaSpec,
+) | {"schema"}
 
 
 def _param(error: ErrorDetails) -> str | None:

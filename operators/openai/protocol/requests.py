@@ -17,6 +17,14 @@ from operators.llm import OutputOptions, SamplingOptions, StopConditions
 
 from .base import Bool, Count, Float, Model, TokenId, invalid
 from .messages import ChatMessage
+from .tools import (
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolChoice,
+    ToolDefinition,
+)
 
 __all__ = (
     "MAX_LOGPROBS",
@@ -190,12 +198,65 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: Count | None = None
     logprobs: Bool = False
     top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
+    #: functions the model may call
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    #: False: at most one call per answer (default: several allowed)
+    parallel_tool_calls: Bool | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "'top_logprobs' requires 'logprobs' to be true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_fit_together(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or ()]
+        for position, name in enumerate(names):
+            if name in names[:position]:
+                raise invalid(f"tools.{position}", f"two tools are named '{name}'")
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        wanted = "'required'" if choice == "required" else "a named function"
+        if not names:
+            raise invalid("tool_choice", f"tool_choice {wanted} needs 'tools'")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise invalid(
+                "tool_choice",
+                f"tool_choice names the function '{choice.function.name}', which is not "
+                f"one of 'tools' ({', '.join(names)})",
+            )
+        if isinstance(self.response_format, JsonObjectFormat | JsonSchemaFormat):
+            raise invalid(
+                "response_format",
+                f"'response_format' and tool_choice {wanted} cannot both constrain the output",
+            )
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """``"none"``, ``"auto"``, ``"required"`` or ``"named"``: what the tools are for.
+
+        OpenAI's defaults: ``"auto"`` when tools are given, ``"none"`` otherwise.
+        """
+        if not self.tools:
+            return "none"
+        choice = self.tool_choice
+        if choice is None:
+            return "auto"
+        return "named" if isinstance(choice, NamedToolChoice) else choice
+
+    @property
+    def called_tools(self) -> list[ToolDefinition]:
+        """The tools a call may name: all of them, or the one ``tool_choice`` names."""
+        choice = self.tool_choice
+        tools = self.tools or []
+        if isinstance(choice, NamedToolChoice):
+            return [tool for tool in tools if tool.function.name == choice.function.name]
+        return tools
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
