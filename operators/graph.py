@@ -299,11 +299,9 @@ def default_stages(
         if isinstance(tool_call_parser, str)
         else tool_call_parser
     )
-    reasoning = (
-        registered_reasoning(reasoning_parser)
-        if isinstance(reasoning_parser, str)
-        else reasoning_parser
-    )
+    reasoning = reasoning_parser
+    if isinstance(reasoning, str):
+        reasoning = registered_reasoning(reasoning)
     return Stages(
         preprocessor=OpenAIPreprocessor(
             tokenizer,

@@ -3,9 +3,10 @@
 Why: a client that sends ``logit_bias`` or ``audio`` and gets a 200 believes it was
 honoured; an answer that ignored the request is worse than an error. (``tools``,
 ``tool_choice`` and ``response_format`` are honoured by the chat endpoint; the completions
-endpoint still refuses them.) Each field here is refused with ``param`` naming it, unless its value asks for
-nothing beyond what a plain request does (``tool_choice: "none"``, an empty ``tools``,
-``response_format: {"type": "text"}``, ``modalities: ["text"]``, ``best_of`` equal to 1).
+endpoint still refuses them.) Each field here is refused with ``param`` naming it, unless
+its value asks for nothing beyond what a plain request does (``tool_choice: "none"``, an
+empty ``tools``, ``response_format: {"type": "text"}``, ``modalities: ["text"]``,
+``best_of`` equal to 1).
 
 Fields that change nothing about the answer are accepted and ignored: ``user``,
 ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls`` (without tools),
