@@ -352,14 +352,28 @@ def test_models_can_be_built_in_python() -> None:
     assert CompletionRequest(prompt=[1, 2]).prompts == [[1, 2]]
 
 
+#: honoured by the chat endpoint (tests/operators/openai/test_tool_requests.py), refused by
+#: the completions endpoint
+CHAT_ONLY = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("tool_choice", "required"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), CHAT_ONLY)
+def test_completions_refuse_tools_and_response_format_by_name(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        parse_completion_request({"model": "m", "prompt": "hi", field: value})
+    assert caught.value.param == field
+    assert "not supported" in caught.value.message
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
         ("logit_bias", {"1": 5}),
