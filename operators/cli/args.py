@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="STAGE=MODULE:NAME",
         help=(
             "insert the operator MODULE.NAME() just before STAGE of the default graph "
-            "(preprocessor, migration, backend, encoder_router, prefill_router or engine); "
+            "(preprocessor, parser, migration, backend, encoder_router, prefill_router or "
+            "engine); "
             "repeatable, in order"
         ),
     )
