@@ -13,10 +13,16 @@ Rules every response keeps (``docs/bug-classes.md`` B4, B8, B11, B14):
   (together with that output's last text, if any); nothing for a choice after it;
 * logprobs only for *delivered* tokens (``BackendOutput.delivered_tokens``), each once, in
   order: tokens swallowed by a hidden stop never appear;
-* ``completion_tokens`` counts every generated token once, delivered or not.
+* ``completion_tokens`` counts every generated token once, delivered or not;
+* chat: an output's reasoning text and tool-call pieces (a parser moved them out of its
+  ``text``) become :class:`~.events.RichDelta` events, one payload each, in the order
+  reasoning, content, calls; the output's logprobs ride on the first of its events and its
+  finish_reason on the last. Each becomes one chunk: one ``tool_calls`` entry per chunk is
+  what clients accumulate most reliably.
 
 Events are small ``slots`` objects: no pydantic, no dict per token, no per-token work for
-logprobs unless they were asked for.
+logprobs unless they were asked for, nor for reasoning or tool calls beyond one test of
+each output's two fields.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any, ClassVar, Literal
 
 from operators.llm import BackendOutput, TopLogprobs
 
-from .events import ChoiceDelta, ChoiceStart, OpenAIEvent, ResponseHead, Usage
+from .events import ChoiceDelta, ChoiceStart, OpenAIEvent, ResponseHead, RichDelta, Usage
 from .logprobs import ChoiceState, Entry, TokenDecoder, TokenTexts
 
 __all__ = (
@@ -104,7 +110,8 @@ class ChatChunks(_Chunks):
 
     def feed(self, output: BackendOutput) -> list[OpenAIEvent]:
         """The events for one output: a ChoiceStart first for a new choice, then one delta
-        unless there is nothing to say (no text, no logprobs, no finish)."""
+        unless there is nothing to say (no text, no logprobs, no finish); an output with
+        reasoning or tool-call pieces gets one delta per payload (:func:`_rich`)."""
         self.completion_tokens += len(output.token_ids)
         index = self._base + output.index
         choice = self._choices.get(index)
@@ -121,6 +128,8 @@ class ChatChunks(_Chunks):
                 content = [self._entry(entry) for entry in entries if isinstance(entry, tuple)]
                 if content:
                     logprobs = {"content": content, "refusal": None}
+        if output.tool_calls or output.reasoning:
+            return _rich(events, choice, output, logprobs)
         text = output.text
         finish = output.finish_reason
         if text or logprobs is not None or finish is not None:
@@ -149,6 +158,40 @@ class ChatChunks(_Chunks):
             "bytes": self._bytes(token_id, token),
             "top_logprobs": alternatives,
         }
+
+
+def _rich(
+    events: list[OpenAIEvent],
+    choice: ChoiceState,
+    output: BackendOutput,
+    logprobs: dict[str, Any] | None,
+) -> list[OpenAIEvent]:
+    """``events`` plus the deltas of an output with reasoning or tool-call pieces: one
+    payload each.
+
+    Reasoning first, then content, then each call piece in order: a parser releases them
+    in that order within one step (thinking ends before the answer, text precedes the
+    marker that opens a call). The output's logprobs go on the first delta, its finish on
+    the last, so each is reported once, as for a plain output.
+    """
+    index = choice.index
+    reasoning, text, calls = output.reasoning, output.text, output.tool_calls
+    finish = output.finish_reason
+    if finish is not None:
+        choice.finished = True
+    if not calls and not text:  # a reasoning model's thinking: a delta per token
+        events.append(RichDelta(index, "", logprobs, finish, reasoning))
+        return events
+    deltas: list[ChoiceDelta] = []
+    if reasoning:
+        deltas.append(RichDelta(index, "", None, None, reasoning))
+    if text:
+        deltas.append(ChoiceDelta(index, text))
+    deltas.extend(RichDelta(index, "", None, None, "", call) for call in calls or ())
+    deltas[0].logprobs = logprobs
+    deltas[-1].finish_reason = finish
+    events.extend(deltas)
+    return events
 
 
 class CompletionChunks(_Chunks):

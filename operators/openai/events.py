@@ -8,6 +8,11 @@ request, in this order::
                                        a choice's last delta carries its finish_reason
     Usage                              once, last: the response's token counts
 
+A chat delta that carries reasoning text or a tool-call piece is a :class:`RichDelta`, a
+:class:`ChoiceDelta` subclass: content-only deltas, nearly every token of nearly every
+response, keep the plain class and its cheap rendering, and code that only knows
+``ChoiceDelta`` still sees every delta's content and finish_reason.
+
 They are plain ``slots`` dataclasses, not chunk dicts, so that the HTTP server renders each
 one to bytes exactly once (:mod:`operators.openai.sse`, with the per-request constant part
 rendered once per request, not per token) and nothing downstream inspects or mutates an
@@ -23,11 +28,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, TypeAlias
 
+from operators.llm import ToolCallDelta
+
 __all__ = (
     "ChoiceDelta",
     "ChoiceStart",
     "OpenAIEvent",
     "ResponseHead",
+    "RichDelta",
     "Usage",
     "aggregate_chat",
     "aggregate_completion",
@@ -69,6 +77,24 @@ class ChoiceDelta:
 
 
 @dataclass(slots=True)
+class RichDelta(ChoiceDelta):
+    """A chat delta with reasoning text or one piece of one tool call (besides ``text``).
+
+    A subclass rather than two more fields on :class:`ChoiceDelta` so that a content-only
+    delta costs exactly what it did (built with four slots, rendered by the text template
+    after one type check) in a response without tools or reasoning. Chat responses build
+    it with one kind of payload each (:class:`~.chunks.ChatChunks`), so each renders as one
+    chunk with one of ``reasoning_content`` or a single ``tool_calls`` entry, the shape
+    clients handle most reliably; the renderer and the aggregation accept any mix.
+    """
+
+    #: reasoning text (OpenAI-compatible servers' ``reasoning_content``)
+    reasoning: str = ""
+    #: one piece of one call: its first names it (``id``, ``name``), later ones add arguments
+    tool_call: ToolCallDelta | None = None
+
+
+@dataclass(slots=True)
 class Usage:
     """The response's token counts: the last event of every response."""
 
@@ -85,7 +111,7 @@ class Usage:
 
 
 OpenAIEvent: TypeAlias = ResponseHead | ChoiceStart | ChoiceDelta | Usage
-"""What the OpenAI preprocessor yields."""
+"""What the OpenAI preprocessor yields (a :class:`RichDelta` is a :class:`ChoiceDelta`)."""
 
 
 def _head(events: list[OpenAIEvent]) -> ResponseHead:
@@ -94,8 +120,57 @@ def _head(events: list[OpenAIEvent]) -> ResponseHead:
     return events[0]
 
 
+class _ChatChoice:
+    """One chat choice being folded: its content, reasoning, calls, logprobs and finish."""
+
+    __slots__ = ("calls", "content", "finish", "logprobs", "reasoning")
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        #: call index -> ([id, name], its argument fragments)
+        self.calls: dict[int, tuple[list[str | None], list[str]]] = {}
+        self.logprobs: list[Any] | None = None
+        self.finish: str | None = None
+
+    def add_call(self, call: ToolCallDelta) -> None:
+        found = self.calls.get(call.index)
+        if found is None:
+            found = self.calls[call.index] = ([None, None], [])
+        names, arguments = found
+        if call.id is not None:
+            names[0] = call.id
+        if call.name is not None:
+            names[1] = call.name
+        arguments.append(call.arguments)
+
+    def message(self) -> dict[str, Any]:
+        """OpenAI's ``message``: ``content`` is None for a reply that only calls tools."""
+        content = "".join(self.content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": None if self.calls and not content else content,
+        }
+        if self.reasoning:
+            message["reasoning_content"] = "".join(self.reasoning)
+        if self.calls:
+            message["tool_calls"] = [
+                {
+                    "id": names[0],
+                    "type": "function",
+                    "function": {"name": names[1], "arguments": "".join(arguments)},
+                }
+                for names, arguments in (self.calls[key] for key in sorted(self.calls))
+            ]
+        return message
+
+
 def aggregate_chat(events: Iterable[OpenAIEvent]) -> dict[str, Any]:
     """Fold one chat response's events into a ``chat.completion`` object.
+
+    A message has ``reasoning_content`` only when there was reasoning, ``tool_calls``
+    (assembled by call index, in index order) only when there were calls; its ``content``
+    is None when it called tools and said nothing, as OpenAI's is.
 
     Raises:
         ValueError: the events do not start with a :class:`ResponseHead`.
@@ -103,20 +178,27 @@ def aggregate_chat(events: Iterable[OpenAIEvent]) -> dict[str, Any]:
     events = list(events)
     head = _head(events)
     usage: dict[str, int] | None = None
-    contents: dict[int, list[str]] = {}
-    logprobs: dict[int, list[Any]] = {}
-    finishes: dict[int, str | None] = {}
+    choices: dict[int, _ChatChoice] = {}
     for event in events:
         if isinstance(event, ChoiceDelta):
-            contents.setdefault(event.index, []).append(event.text)
-            finishes.setdefault(event.index, None)
+            choice = choices.get(event.index)
+            if choice is None:
+                choice = choices[event.index] = _ChatChoice()
+            if event.text:
+                choice.content.append(event.text)
             if event.logprobs is not None:
-                logprobs.setdefault(event.index, []).extend(event.logprobs["content"])
+                if choice.logprobs is None:
+                    choice.logprobs = []
+                choice.logprobs.extend(event.logprobs["content"])
             if event.finish_reason is not None:
-                finishes[event.index] = event.finish_reason
+                choice.finish = event.finish_reason
+            if type(event) is RichDelta:
+                if event.reasoning:
+                    choice.reasoning.append(event.reasoning)
+                if event.tool_call is not None:
+                    choice.add_call(event.tool_call)
         elif isinstance(event, ChoiceStart):
-            contents.setdefault(event.index, [])
-            finishes.setdefault(event.index, None)
+            choices.setdefault(event.index, _ChatChoice())
         elif isinstance(event, Usage):
             usage = event.as_dict()
     return {
@@ -127,13 +209,15 @@ def aggregate_chat(events: Iterable[OpenAIEvent]) -> dict[str, Any]:
         "choices": [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": "".join(contents[index])},
+                "message": choice.message(),
                 "logprobs": (
-                    {"content": logprobs[index], "refusal": None} if index in logprobs else None
+                    None
+                    if choice.logprobs is None
+                    else {"content": choice.logprobs, "refusal": None}
                 ),
-                "finish_reason": finishes[index],
+                "finish_reason": choice.finish,
             }
-            for index in sorted(contents)
+            for index, choice in sorted(choices.items())
         ],
         "usage": usage,
     }
