@@ -23,13 +23,13 @@ import itertools
 import logging
 import types
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Final, final
+from typing import TYPE_CHECKING, ClassVar, Final, final
 
 import anyio
 from anyio.lowlevel import checkpoint
 
 from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
-from pipeline import StreamDisconnected
+from pipeline import InvalidRequest, StreamDisconnected
 
 if TYPE_CHECKING:
     from operators.tokenizer import Tokenizer
@@ -82,6 +82,10 @@ class EchoEngine:
     """
 
     __slots__ = ("_cycle", "_delay", "_fail_after", "_special", "_vocab_size")
+
+    #: nothing beyond the base contract: a constrained request is refused, never echoed as
+    #: if its constraint held (:func:`operators.llm.engine_features`)
+    features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -152,8 +156,20 @@ class EchoEngine:
         return top
 
     async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
-        """Stream the echo for ``ctx``: one output per token per choice."""
+        """Stream the echo for ``ctx``: one output per token per choice.
+
+        Raises:
+            InvalidRequest: the request has a constraint (``response_format``, a required
+                tool call): an echo cannot honour one.
+        """
         request = ctx.data
+        if request.constraint is not None:
+            raise InvalidRequest(
+                f"{request.constraint.param!r} needs constrained decoding, which the echo "
+                "engine does not support",
+                param=request.constraint.param,
+                request_id=ctx.id,
+            )
         ids, count, finish_reason = self._plan(request)
         choices = range(max(request.n, 1))
         top_k = request.output.logprobs

@@ -40,12 +40,12 @@ import itertools
 import logging
 import random
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Final, Literal, NamedTuple, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, final
 
 import anyio
 
 from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
-from pipeline import EngineError, StreamDisconnected
+from pipeline import EngineError, InvalidRequest, StreamDisconnected
 
 from ._step_clock import StepClock
 from ._transfer_handle import PROCESS_SECRET, digest, handle_problem, issue_handle
@@ -122,6 +122,10 @@ class MockerEngine:
         "role",
         "worker_id",
     )
+
+    #: nothing beyond the base contract: its tokens are a function of the prompt, so a
+    #: constrained request is refused (:func:`operators.llm.engine_features`)
+    features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
         self,
@@ -268,11 +272,20 @@ class MockerEngine:
         """Serve ``ctx`` in this worker's role, on the worker's step clock.
 
         Raises:
+            InvalidRequest: the request has a constraint and this worker would generate
+                tokens (every role but ``encode``, whose output has none).
             EngineError: a decode request with an invalid transfer handle, or an
                 ``encoder_result`` that does not match the request's images.
             StreamDisconnected: injected by ``fail_after_tokens``.
         """
         request = ctx.data
+        if request.constraint is not None and self.role != "encode":
+            raise InvalidRequest(
+                f"{request.constraint.param!r} needs constrained decoding, which the mocker "
+                "engine does not support",
+                param=request.constraint.param,
+                request_id=ctx.id,
+            )
         plan = self._plan(ctx)
         if plan.length == 0 and self.role != "encode":
             for index in range(max(request.n, 1)):

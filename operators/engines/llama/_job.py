@@ -25,6 +25,7 @@ from operators.llm import EngineOutput, PreprocessedRequest
 if TYPE_CHECKING:
     from pipeline import Context
 
+    from ._constraint import Matcher
     from ._sequence import Sequence
 
 __all__ = ("Job",)
@@ -49,6 +50,7 @@ class Job:
         "ctx",
         "ended",
         "finished",
+        "matchers",
         "n",
         "queued",
         "request",
@@ -56,12 +58,21 @@ class Job:
         "width",
     )
 
-    def __init__(self, ctx: Context[PreprocessedRequest], *, budget: int, width: int) -> None:
+    def __init__(
+        self,
+        ctx: Context[PreprocessedRequest],
+        *,
+        budget: int,
+        width: int,
+        matchers: list[Matcher] | None = None,
+    ) -> None:
         self.ctx = ctx
         self.request = ctx.data
         self.budget = budget
         self.n = max(self.request.n, 1)
         self.width = width
+        #: one per choice when the request is constrained (each choice advances its own)
+        self.matchers = matchers
         # written by the request's task only
         self.cancelled = False
         self.consumed = [0] * self.n

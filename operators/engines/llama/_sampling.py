@@ -1,4 +1,5 @@
-"""Per-sequence sampling in numpy: penalties, stop-id masking, greedy or temperature + top_p.
+"""Per-sequence sampling in numpy: penalties, stop-id masking, a constraint's mask, greedy or
+temperature + top_p.
 
 Why numpy and not llama.cpp's sampler chain: the same code scores a plain decode step and
 every row of a speculative verification, so greedy output is identical with and without
@@ -22,9 +23,14 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
+    from ._constraint import Matcher
+
     Row = NDArray[np.float32]
 
-__all__ = ("Sampler", "choice_generator", "logprobs_of", "nucleus")
+__all__ = ("NO_TOKEN", "Sampler", "choice_generator", "logprobs_of", "nucleus")
+
+#: what :meth:`Sampler.choose` returns when a constraint allows no token at all
+NO_TOKEN: Final = -1
 
 #: candidates examined first when cutting the top_p nucleus (grown until it holds top_p)
 _NUCLEUS_FIRST: Final = 64
@@ -69,8 +75,21 @@ class Sampler:
     def accept(self, token: int) -> None:
         self._counts[token] += 1
 
-    def choose(self, row: Row, suppressed: NDArray[np.intp] | None) -> int:
-        """The next token from ``row`` (not modified), never one of ``suppressed``."""
+    def choose(
+        self, row: Row, suppressed: NDArray[np.intp] | None, matcher: Matcher | None = None
+    ) -> int:
+        """The next token from ``row`` (not modified), never one of ``suppressed``, and one
+        ``matcher`` allows.
+
+        With a matcher the token is first chosen as if unconstrained and only checked
+        (~3 µs); the full mask is computed only when the grammar rejects it, and the token
+        is then chosen again among the allowed ones. For greedy decoding that is the
+        allowed argmax; for sampling it is exactly the conditional distribution (the
+        sampling distribution renormalized over the allowed tokens), since a draw that
+        lands in the allowed set is kept with its own probability; only when top_p's
+        nucleus holds no allowed token is the nucleus taken over the allowed tokens.
+        :data:`NO_TOKEN` when the matcher allows nothing (a schema no text satisfies).
+        """
         counts = self._counts
         penalize = bool(counts) and (self._presence != 0.0 or self._frequency != 0.0)
         if penalize or suppressed is not None:
@@ -82,11 +101,44 @@ class Sampler:
             if suppressed is not None:
                 row[suppressed] = -np.inf
         if self.greedy:
-            return int(np.argmax(row))
+            token = int(np.argmax(row))
+            if matcher is None or matcher.allows(token):
+                return token
+            allowed = matcher.allowed()
+            return self._greedy_allowed(row, allowed) if allowed.any() else NO_TOKEN
         weights = np.exp((row.astype(np.float64) - float(np.max(row))) / self._temperature)
         ids_kept: NDArray[np.intp] | None = None
         if self._top_p < 1.0:
             ids_kept, weights = nucleus(weights, self._top_p)
+        token = self._draw(weights, ids_kept)
+        if matcher is None or matcher.allows(token):
+            return token
+        allowed = matcher.allowed()
+        if not allowed.any():
+            return NO_TOKEN
+        weights = weights * (allowed if ids_kept is None else allowed[ids_kept])
+        if float(weights.sum()) > 0.0:
+            return self._draw(weights, ids_kept)
+        # The nucleus (or float64) holds no allowed token: sample the masked row instead.
+        masked = np.where(allowed, row, -np.inf)
+        if not np.isfinite(masked).any():  # only suppressed ids are allowed: the grammar wins
+            masked = np.where(allowed, 0.0, -np.inf)
+        weights = np.exp((masked.astype(np.float64) - float(np.max(masked))) / self._temperature)
+        ids_kept = None
+        if self._top_p < 1.0:
+            ids_kept, weights = nucleus(weights, self._top_p)
+        return self._draw(weights, ids_kept)
+
+    @staticmethod
+    def _greedy_allowed(row: Row, allowed: NDArray[np.bool_]) -> int:
+        masked = np.where(allowed, row, -np.inf)
+        token = int(np.argmax(masked))
+        if np.isfinite(masked[token]):
+            return token
+        # Every allowed token is suppressed (a stop id before min_tokens): the grammar wins.
+        return int(np.flatnonzero(allowed)[0])
+
+    def _draw(self, weights: NDArray[np.float64], ids_kept: NDArray[np.intp] | None) -> int:
         cumulative = np.cumsum(weights)
         assert self._rng is not None
         draw = self._rng.random() * float(cumulative[-1])

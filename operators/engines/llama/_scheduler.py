@@ -277,9 +277,7 @@ class Scheduler:
             assert seq.pending is not None
             drafts: list[int] = []
             if seq.drafter is not None and budget > 0:
-                drafts = seq.drafter.propose(
-                    min(budget, seq.room(runtime.n_ctx, len(cached[seq.slot])))
-                )
+                drafts = seq.propose(min(budget, seq.room(runtime.n_ctx, len(cached[seq.slot]))))
                 budget -= len(drafts)
             work.append((seq, Feed(seq.slot, [seq.pending, *drafts], 1 + len(drafts))))
         for seq, size in chunks:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, final
 from operators.engines.ngram import NgramSpeculation
 from operators.llm import EngineOutput, FinishReason, TopLogprobs
 
-from ._sampling import Sampler, choice_generator, logprobs_of
+from ._sampling import NO_TOKEN, Sampler, choice_generator, logprobs_of
 from ._speculation import Drafter
 
 try:
@@ -22,6 +22,7 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
     pass
 
 if TYPE_CHECKING:
+    from ._constraint import Matcher
     from ._job import Job
     from ._sampling import Row
 
@@ -40,6 +41,7 @@ class Sequence:
 
     __slots__ = (
         "_logprobs",
+        "_matcher",
         "_min_tokens",
         "_sampler",
         "_stop_ids",
@@ -75,6 +77,8 @@ class Sequence:
         self._logprobs = request.output.logprobs
         self._min_tokens = stop.min_tokens
         self._sampler = Sampler(request, choice_generator(request.sampling.seed, index))
+        #: the constraint's state for this choice: advanced by every emitted token only
+        self._matcher: Matcher | None = None if job.matchers is None else job.matchers[index]
         eos = () if stop.ignore_eos else eog.union(stop.eos_token_ids)
         stop_ids = frozenset(eos).union(stop.stop_token_ids)
         self._stop_ids = stop_ids
@@ -101,12 +105,27 @@ class Sequence:
         token of its own) and the context window (``cached`` cells are in use)."""
         return min(self.budget - self.generated - 1, n_ctx - cached - 1)
 
+    def propose(self, room: int) -> list[int]:
+        """Drafts to verify after the pending token (at most ``room``): the drafter's, cut
+        at the first one the constraint rejects (it could never be accepted)."""
+        if self.drafter is None:
+            return []
+        drafts = self.drafter.propose(room)
+        matcher = self._matcher
+        if matcher is not None and drafts:
+            del drafts[matcher.valid_prefix(drafts) :]
+        return drafts
+
     def emit(self, rows: Tokens[Row], drafts: Tokens[int]) -> tuple[EngineOutput, int]:
         """Choose a token from each row while the drafts match; how many drafts matched.
 
         ``rows[0]`` follows the pending token (or the prompt), ``rows[i]`` draft ``i - 1``.
+        Under a constraint each chosen token advances the choice's matcher, and the choice
+        ends (``"stop"``) once the grammar is complete and nothing but end-of-generation
+        could follow: the engine does not spend a step on an EOS that is forced anyway.
         """
         sampler = self._sampler
+        matcher = self._matcher
         k = self._logprobs
         token_ids: list[int] = []
         matched = False
@@ -115,7 +134,10 @@ class Sequence:
         finish: FinishReason | None = None
         for position, row in enumerate(rows):
             suppressed = self._suppress if self.generated < self._min_tokens else None
-            token = sampler.choose(row, suppressed)
+            token = sampler.choose(row, suppressed, matcher)
+            if token == NO_TOKEN:  # the constraint allows nothing: the output cannot go on
+                finish = "stop"
+                break
             sampler.accept(token)
             token_ids.append(token)
             self.generated += 1
@@ -127,13 +149,19 @@ class Sequence:
             if token in self._stop_ids:
                 finish = "stop"
                 break
+            if matcher is not None:
+                matcher.accept(token)
+                if matcher.ended:
+                    finish = "stop"
+                    break
             if self.generated >= self.budget:
                 finish = "length"
                 break
             if not matched:
                 break
-        self.pending = token_ids[-1]
+        if token_ids:
+            self.pending = token_ids[-1]
         if self.drafter is not None:
             self.drafter.extend(token_ids)
         output = EngineOutput(token_ids, logprobs, top_logprobs, finish, self.index)
-        return output, len(token_ids) - 1 + matched
+        return output, max(len(token_ids) - 1 + matched, 0)

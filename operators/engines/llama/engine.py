@@ -11,17 +11,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NamedTuple, final
+from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 
 import anyio
 from anyio.lowlevel import checkpoint
 
 from operators.engines.ngram import NgramSpeculation
-from operators.llm import EngineOutput, PreprocessedRequest
+from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError
 
+from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
+from ._constraint import Grammars
 from ._job import Job
-from ._runtime import Runtime
+from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._steps import LlamaStep
 from ._validation import token_budget
@@ -147,6 +149,10 @@ class LlamaEngine:
             then chunks of pending prompts, then drafts. At least ``parallel`` and 16.
         speculative: prompt-lookup speculative decoding for greedy requests.
 
+    Structured output: a request's ``constraint`` (``response_format``, a required tool
+    call) is honoured by masking each choice's logits with llguidance (docs/llama.md,
+    "Structured output"), hence :attr:`features`.
+
     Loading takes a fraction of a second for SmolLM2 and blocks; in a running event loop,
     create it with ``await anyio.to_thread.run_sync(LlamaEngine)``. Free it with
     :meth:`aclose` (or ``async with``).
@@ -154,6 +160,9 @@ class LlamaEngine:
     Raises:
         EngineError: llama.cpp could not load the model.
     """
+
+    #: what this engine honours beyond the base contract (:func:`operators.llm.engine_features`)
+    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
 
     def __init__(
         self,
@@ -169,6 +178,11 @@ class LlamaEngine:
             raise ImportError(
                 "LlamaEngine needs llama-cpp-python: pip install 'llm-pipeline[llama]'"
             ) from _IMPORT_ERROR
+        if _GRAMMAR_IMPORT_ERROR is not None:
+            raise ImportError(
+                "LlamaEngine needs llguidance for constrained decoding: "
+                "pip install 'llm-pipeline[llama]'"
+            ) from _GRAMMAR_IMPORT_ERROR
         if n_ctx < 16:
             raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
         if n_threads is not None and n_threads < 1:
@@ -196,6 +210,9 @@ class LlamaEngine:
         self._n_ctx = runtime.n_ctx
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
+        self._grammars = Grammars(
+            runtime.pieces, runtime.tokenize, eos=runtime.eog, n_vocab=runtime.n_vocab
+        )
         # Every decode runs in the scheduler's thread, the probe included (see there).
         self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
         try:
@@ -298,14 +315,26 @@ class LlamaEngine:
         the context window. ``ctx.stop_generating()`` ends the stream after the current step
         with no finish reason; a kill or a closed stream stops it within one step.
 
+        A constrained request's output satisfies its constraint; its choices end with
+        ``"stop"`` as soon as the constraint is complete and nothing else could follow.
+
         Raises:
-            InvalidRequest: the request cannot run on this model (the message says why).
+            InvalidRequest: the request cannot run on this model, or its constraint cannot
+                be compiled (the message says why).
             EngineError: llama.cpp failed, or the engine is closed.
         """
         request = ctx.data
         budget = token_budget(request, ctx.id, n_ctx=self._n_ctx, n_vocab=self._n_vocab)
         if self._closing:
             raise EngineError("the llama engine is closed", request_id=ctx.id)
+        matchers = None
+        if request.constraint is not None:
+            # Compiled before the request waits for a slot, in a worker thread: a large
+            # schema (or the first constrained request's tokenizer) must not stall the loop.
+            try:
+                matchers = await anyio.to_thread.run_sync(self._grammars.matchers, request, ctx.id)
+            except LlamaFailure as exc:  # closed under the compiler
+                raise EngineError("the llama engine is closed", request_id=ctx.id) from exc
         n = max(request.n, 1)
         if budget == 0:
             for index in range(n):
@@ -317,7 +346,7 @@ class LlamaEngine:
         try:
             if ctx.is_stopped:
                 return
-            job = Job(ctx, budget=budget, width=width)
+            job = Job(ctx, budget=budget, width=width, matchers=matchers)
             try:
                 scheduler.submit(job)
                 waited = True

@@ -1,0 +1,225 @@
+"""Constrained decoding: a :class:`~operators.llm.Constraint` becomes a token mask per choice.
+
+The mask comes from llguidance (a Rust library with an abi3 wheel and no dependencies):
+measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~25-45 µs and checking one
+token ~3 µs, against ~7-14 ms for llama.cpp's own grammar sampler and seconds of compilation
+for outlines-core on ``{"type": "object"}`` (docs/llama.md, "Structured output", has the
+numbers and ``benchmarks/bench_constrained.py`` measures them again).
+
+- **Compiled once per request, in a worker thread**, before the request waits for a slot: a
+  schema that cannot be compiled is an ``InvalidRequest`` naming the request field that
+  asked, and the event loop never runs the compiler. Each choice gets its own copy of the
+  compiled matcher; compiled grammars are cached, since clients send the same
+  ``response_format`` or tools request after request.
+- **Advanced only on commit.** A matcher consumes exactly the tokens a choice emits (and,
+  on a migration retry, the replayed output first), so a rejected speculative draft never
+  touched it and nothing is ever rolled back.
+- **The output's shape is** ``prefix JSON suffix`` (``repeat``: one or more joined by
+  ``separator``), as a Lark grammar around llguidance's ``%json``. Whitespace inside the
+  JSON is fixed to ``", "`` and ``": "``: free whitespace lets a small model emit newlines
+  until ``max_tokens``, and this is the spacing models have seen most.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, final
+
+from operators.llm import Constraint, PreprocessedRequest
+from pipeline import InvalidRequest
+
+try:
+    import llguidance
+    import numpy as np
+except ImportError as exc:  # LlamaEngine() says what to install
+    IMPORT_ERROR: ImportError | None = exc
+else:
+    IMPORT_ERROR = None
+
+if TYPE_CHECKING:
+    from numpy.typing import NDArray
+
+__all__ = ("IMPORT_ERROR", "Grammars", "Matcher", "lark_grammar")
+
+#: compiled grammars kept per engine (a grammar is a few kB to a few MB of automata)
+_CACHED: Final = 64
+
+#: llguidance's JSON options: no free whitespace (see the module docstring)
+_JSON_STYLE: Final[Mapping[str, Any]] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+
+
+def lark_grammar(constraint: Constraint) -> str:
+    """The Lark grammar of ``constraint``'s output, for llguidance.
+
+    The JSON is llguidance's ``%json`` of the schema (any object when None); literal texts
+    are Lark strings (JSON's escapes are Lark's).
+    """
+    schema: dict[str, Any] = (
+        {"type": "object"} if constraint.json_schema is None else dict(constraint.json_schema)
+    )
+    schema["x-guidance"] = {**_JSON_STYLE, **dict(schema.get("x-guidance") or {})}
+    piece = " ".join(
+        part for part in (_literal(constraint.prefix), "value", _literal(constraint.suffix)) if part
+    )
+    if constraint.repeat:
+        start = f"start: piece ({_literal(constraint.separator)} piece)*"
+    else:
+        start = "start: piece"
+    return f"{start}\npiece: {piece}\nvalue: %json {json.dumps(schema)}\n"
+
+
+def _literal(text: str) -> str:
+    return json.dumps(text) if text else ""
+
+
+@final
+class Matcher:
+    """One choice's position in its constraint's grammar: which tokens may come next.
+
+    Lives in the scheduler's thread once the request is admitted; every method is a call
+    into llguidance that releases no lock it would need.
+    """
+
+    __slots__ = ("_bits", "_inner", "_n_vocab")
+
+    def __init__(self, inner: llguidance.LLMatcher, n_vocab: int) -> None:
+        self._inner = inner
+        self._n_vocab = n_vocab
+        self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next (~3 µs: no mask is computed)."""
+        return self._inner.validate_tokens([token]) == 1
+
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, in order, may come next: drafts past that are rejected."""
+        return self._inner.validate_tokens(list(tokens)) if tokens else 0
+
+    def allowed(self) -> NDArray[np.bool_]:
+        """The tokens that may come next, one flag per id (the full mask: ~15-45 µs)."""
+        bits = self._bits
+        self._inner.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        flags = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self._n_vocab]
+        return flags.view(np.bool_)
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``, which must be allowed."""
+        if not self._inner.consume_token(token):
+            raise RuntimeError(f"the grammar rejected token {token}: {self._inner.get_error()}")
+
+    @property
+    def ended(self) -> bool:
+        """No token but end-of-generation may follow: the output is complete."""
+        return self._inner.is_stopped()
+
+
+@final
+class Grammars:
+    """One engine's constraint compiler: a Constraint into a :class:`Matcher` per choice.
+
+    ``pieces`` and ``tokenize`` describe the model's vocabulary (the runtime's); the
+    llguidance tokenizer built from them takes ~0.4 s, so it is built on the first
+    constrained request, not when the engine loads. Every method blocks: call them in a
+    worker thread.
+    """
+
+    def __init__(
+        self,
+        pieces: Callable[[], list[bytes]],
+        tokenize: Callable[[bytes], list[int]],
+        *,
+        eos: frozenset[int],
+        n_vocab: int,
+    ) -> None:
+        self._pieces = pieces
+        self._tokenize = tokenize
+        self._eos = sorted(eos)
+        self._n_vocab = n_vocab
+        self._lock = threading.Lock()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+
+    def matchers(self, request: PreprocessedRequest, request_id: str) -> list[Matcher]:
+        """One matcher per choice of ``request``, past its replayed output.
+
+        Raises:
+            InvalidRequest: the constraint cannot be compiled (a bad or unsupported
+                schema), or the replayed output does not satisfy it.
+        """
+        constraint = request.constraint
+        assert constraint is not None
+        template = self._compile(constraint, request_id)
+        replayed = request.replayed_tokens
+        if replayed:
+            template = template.deep_copy()
+            tail = request.token_ids[len(request.token_ids) - replayed :]
+            if not template.consume_tokens(tail):
+                raise InvalidRequest(
+                    f"the output replayed after a migration does not satisfy {constraint.param!r}",
+                    param=constraint.param,
+                    request_id=request_id,
+                )
+        return [Matcher(template.deep_copy(), self._n_vocab) for _ in range(max(request.n, 1))]
+
+    def _compile(self, constraint: Constraint, request_id: str) -> llguidance.LLMatcher:
+        grammar = lark_grammar(constraint)
+        with self._lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
+            tokenizer = self._tokenizer
+            if tokenizer is None:
+                tokenizer = self._tokenizer = self._build_tokenizer()
+        matcher = llguidance.LLMatcher(
+            tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0
+        )
+        if matcher.is_error():
+            raise InvalidRequest(
+                f"{constraint.param!r} cannot be used for constrained decoding: "
+                f"{_reason(matcher.get_error())}",
+                param=constraint.param,
+                request_id=request_id,
+            )
+        with self._lock:
+            self._compiled[grammar] = matcher
+            while len(self._compiled) > _CACHED:
+                self._compiled.popitem(last=False)
+        return matcher
+
+    def _build_tokenizer(self) -> llguidance.LLTokenizer:
+        vocabulary = _Vocabulary(self._pieces(), self._tokenize, self._eos)
+        wrapper = llguidance.TokenizerWrapper(vocabulary)
+        return llguidance.LLTokenizer(wrapper, n_vocab=self._n_vocab, eos_token=self._eos)
+
+
+@final
+class _Vocabulary:
+    """The model's vocabulary as ``llguidance.TokenizerWrapper`` reads it (duck-typed)."""
+
+    def __init__(
+        self, pieces: list[bytes], tokenize: Callable[[bytes], list[int]], eos: list[int]
+    ) -> None:
+        self.tokens = pieces
+        self.eos_token_id = eos[0] if eos else 0
+        self.bos_token_id = None
+        self.special_token_ids = [i for i, piece in enumerate(pieces) if piece[:1] == b"\xff"]
+        self._tokenize = tokenize
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._tokenize(text)
+
+
+def _reason(error: str) -> str:
+    """llguidance's error without the grammar listing it appends (our Lark, not the
+    client's schema) and without its location in that grammar."""
+    reason = error.split("\n   1 |", 1)[0].strip()
+    _, sep, rest = reason.partition(": failed to compile JSON schema: ")
+    return rest if sep else reason
