@@ -285,7 +285,7 @@ class Runtime:
                 if size < 0:
                     raise LlamaFailure(f"token {token} is longer than 256 bytes")
                 piece = buffer.raw[:size]
-                if token in self.eog or llama_cpp.llama_token_get_attr(vocab, token) & control:
+                if token in self.eog or llama_cpp.llama_vocab_get_attr(vocab, token) & control:
                     piece = b"\xff" + piece
                 pieces.append(piece)
         return pieces

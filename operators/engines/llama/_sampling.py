@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Final, final
+from typing import TYPE_CHECKING, Final, Protocol, final
 
 from operators.llm import PreprocessedRequest, TopLogprobs
 
@@ -23,17 +23,27 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-    from ._constraint import Matcher
-
     Row = NDArray[np.float32]
 
-__all__ = ("NO_TOKEN", "Sampler", "choice_generator", "logprobs_of", "nucleus")
+__all__ = ("NO_TOKEN", "Allowed", "Sampler", "choice_generator", "logprobs_of", "nucleus")
 
 #: what :meth:`Sampler.choose` returns when a constraint allows no token at all
 NO_TOKEN: Final = -1
 
 #: candidates examined first when cutting the top_p nucleus (grown until it holds top_p)
 _NUCLEUS_FIRST: Final = 64
+
+
+class Allowed(Protocol):
+    """Which tokens may come next (a constraint's matcher, :class:`._constraint.Matcher`)."""
+
+    def allows(self, token: int) -> bool:
+        """Whether ``token`` may come next: cheap, no mask."""
+        ...
+
+    def allowed(self) -> NDArray[np.bool_]:
+        """One flag per token id: the full mask."""
+        ...
 
 
 def choice_generator(seed: int | None, index: int) -> np.random.Generator:
@@ -76,7 +86,7 @@ class Sampler:
         self._counts[token] += 1
 
     def choose(
-        self, row: Row, suppressed: NDArray[np.intp] | None, matcher: Matcher | None = None
+        self, row: Row, suppressed: NDArray[np.intp] | None, matcher: Allowed | None = None
     ) -> int:
         """The next token from ``row`` (not modified), never one of ``suppressed``, and one
         ``matcher`` allows.
