@@ -14,6 +14,7 @@ from .events import ChoiceDelta as ChoiceDelta
 from .events import ChoiceStart as ChoiceStart
 from .events import OpenAIEvent as OpenAIEvent
 from .events import ResponseHead as ResponseHead
+from .events import RichDelta as RichDelta
 from .events import Usage as Usage
 from .events import aggregate_chat as aggregate_chat
 from .events import aggregate_completion as aggregate_completion
@@ -42,6 +43,7 @@ __all__ = (
     "OpenAIEvent",
     "OpenAIPreprocessor",
     "ResponseHead",
+    "RichDelta",
     "SseRenderer",
     "StreamOptions",
     "TokenizerLike",
