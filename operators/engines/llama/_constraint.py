@@ -1,10 +1,10 @@
 """Constrained decoding: a :class:`~operators.llm.Constraint` becomes a token mask per choice.
 
 The mask comes from llguidance (a Rust library with an abi3 wheel and no dependencies):
-measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~25-45 µs and checking one
-token ~3 µs, against ~7-14 ms for llama.cpp's own grammar sampler and seconds of compilation
-for outlines-core on ``{"type": "object"}`` (docs/llama.md, "Structured output", has the
-numbers and ``benchmarks/bench_constrained.py`` measures them again).
+measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~10-25 µs, against ~7-14 ms
+for llama.cpp's own grammar sampler and seconds of compilation for outlines-core on
+``{"type": "object"}`` (docs/llama.md, "Structured output", has the numbers;
+``benchmarks/bench_constrained.py`` measures them again).
 
 - **Compiled once per request, in a worker thread**, before the request waits for a slot: a
   schema that cannot be compiled is an ``InvalidRequest`` naming the request field that
@@ -18,20 +18,31 @@ numbers and ``benchmarks/bench_constrained.py`` measures them again).
   ``separator``), as a Lark grammar around llguidance's ``%json``. Whitespace inside the
   JSON is fixed to ``", "`` and ``": "``: free whitespace lets a small model emit newlines
   until ``max_tokens``, and this is the spacing models have seen most.
+- **A mask every step, the way llguidance is meant to be driven** (compute the mask, then
+  consume a token from it). Computing a mask is not a pure query: where the grammar forces
+  text (``{"name": "get_weather"`` of a named call) llguidance lets through only the
+  tokenizer's own spelling of it, so the model is not pushed to spell it oddly, and a
+  state reached by a token outside the last mask can be refused later (seen: ``]`` then
+  ``}`` refused, only EOS left, when masks were skipped). The mask costs ~10-25 µs for
+  SmolLM2's vocabulary; what stays lazy is applying it to the logits (:mod:`._sampling`).
+  A replayed output is consumed the same way, mask by mask, so a retry reaches exactly
+  the state the first attempt had.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, final
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from operators.llm import Constraint, PreprocessedRequest
 from pipeline import InvalidRequest
 
 try:
+    import llama_cpp
     import llguidance
     import numpy as np
 except ImportError as exc:  # LlamaEngine() says what to install
@@ -41,6 +52,8 @@ else:
 
 if TYPE_CHECKING:
     from numpy.typing import NDArray
+
+    from ._runtime import Runtime
 
 __all__ = ("IMPORT_ERROR", "Grammars", "Matcher", "lark_grammar")
 
@@ -87,61 +100,58 @@ class Matcher:
     into llguidance that releases no lock it would need.
     """
 
-    __slots__ = ("_bits", "_inner", "_n_vocab")
+    __slots__ = ("_bits", "_n_vocab", "inner")
 
     def __init__(self, inner: llguidance.LLMatcher, n_vocab: int) -> None:
-        self._inner = inner
+        #: llguidance's matcher
+        self.inner = inner
         self._n_vocab = n_vocab
         self._bits = np.zeros((n_vocab + 31) // 32, dtype=np.int32)
 
-    def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next (~3 µs: no mask is computed)."""
-        return self._inner.validate_tokens([token]) == 1
-
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens``, in order, may come next: drafts past that are rejected."""
-        return self._inner.validate_tokens(list(tokens)) if tokens else 0
+        """How many of ``tokens``, in order, the grammar could take next (no mask: a quick
+        filter for drafts; the mask of each position still decides what is emitted)."""
+        return self.inner.validate_tokens(list(tokens)) if tokens else 0
 
     def allowed(self) -> NDArray[np.bool_]:
-        """The tokens that may come next, one flag per id (the full mask: ~15-45 µs)."""
+        """The tokens that may come next, one flag per id (the mask: ~10-25 µs). Call it
+        once before each :meth:`accept`."""
         bits = self._bits
-        self._inner.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+        self.inner.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
         flags = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self._n_vocab]
         return flags.view(np.bool_)
 
     def accept(self, token: int) -> None:
-        """Advance past ``token``, which must be allowed."""
-        if not self._inner.consume_token(token):
-            raise RuntimeError(f"the grammar rejected token {token}: {self._inner.get_error()}")
+        """Advance past ``token``, which the last mask must allow."""
+        if not self.inner.consume_token(token):
+            raise RuntimeError(f"the grammar rejected token {token}: {self.inner.get_error()}")
+
+    def replay(self, token: int) -> bool:
+        """Advance past ``token`` as emitting it would (its mask first); False when the
+        grammar refuses it (the matcher is then unusable)."""
+        return bool(self.allowed()[token]) and self.inner.consume_token(token)
 
     @property
     def ended(self) -> bool:
         """No token but end-of-generation may follow: the output is complete."""
-        return self._inner.is_stopped()
+        return self.inner.is_stopped()
 
 
 @final
 class Grammars:
     """One engine's constraint compiler: a Constraint into a :class:`Matcher` per choice.
 
-    ``pieces`` and ``tokenize`` describe the model's vocabulary (the runtime's); the
-    llguidance tokenizer built from them takes ~0.4 s, so it is built on the first
-    constrained request, not when the engine loads. Every method blocks: call them in a
-    worker thread.
+    llguidance sees the model's vocabulary through ``runtime``: every token's bytes, and
+    llama.cpp's own tokenizer, which it calls without the GIL where the grammar forces text
+    (~40 µs; through a Python callback it waited for the GIL, 100-350 µs, in the scheduler
+    thread). Building that view takes ~0.4 s, so it happens on the first constrained
+    request, not when the engine loads. Every method blocks: call them in a worker thread.
     """
 
-    def __init__(
-        self,
-        pieces: Callable[[], list[bytes]],
-        tokenize: Callable[[bytes], list[int]],
-        *,
-        eos: frozenset[int],
-        n_vocab: int,
-    ) -> None:
-        self._pieces = pieces
-        self._tokenize = tokenize
-        self._eos = sorted(eos)
-        self._n_vocab = n_vocab
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._eos = sorted(runtime.eog)
+        self._n_vocab = runtime.n_vocab
         self._lock = threading.Lock()
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._compiled: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
@@ -152,20 +162,25 @@ class Grammars:
         Raises:
             InvalidRequest: the constraint cannot be compiled (a bad or unsupported
                 schema), or the replayed output does not satisfy it.
+            LlamaFailure: the engine was closed.
         """
         constraint = request.constraint
         assert constraint is not None
-        template = self._compile(constraint, request_id)
-        replayed = request.replayed_tokens
-        if replayed:
-            template = template.deep_copy()
-            tail = request.token_ids[len(request.token_ids) - replayed :]
-            if not template.consume_tokens(tail):
-                raise InvalidRequest(
-                    f"the output replayed after a migration does not satisfy {constraint.param!r}",
-                    param=constraint.param,
-                    request_id=request_id,
-                )
+        # The vocabulary must outlive the masks computed here (the replay's).
+        with self._runtime.reading():
+            template = self._compile(constraint, request_id)
+            replayed = request.replayed_tokens
+            if replayed:
+                matcher = Matcher(template.deep_copy(), self._n_vocab)
+                tail = request.token_ids[len(request.token_ids) - replayed :]
+                if not all(matcher.replay(token) for token in tail):
+                    raise InvalidRequest(
+                        f"the output replayed after a migration does not satisfy "
+                        f"{constraint.param!r}",
+                        param=constraint.param,
+                        request_id=request_id,
+                    )
+                template = matcher.inner
         return [Matcher(template.deep_copy(), self._n_vocab) for _ in range(max(request.n, 1))]
 
     def _compile(self, constraint: Constraint, request_id: str) -> llguidance.LLMatcher:
@@ -195,26 +210,22 @@ class Grammars:
         return matcher
 
     def _build_tokenizer(self) -> llguidance.LLTokenizer:
-        vocabulary = _Vocabulary(self._pieces(), self._tokenize, self._eos)
-        wrapper = llguidance.TokenizerWrapper(vocabulary)
-        return llguidance.LLTokenizer(wrapper, n_vocab=self._n_vocab, eos_token=self._eos)
-
-
-@final
-class _Vocabulary:
-    """The model's vocabulary as ``llguidance.TokenizerWrapper`` reads it (duck-typed)."""
-
-    def __init__(
-        self, pieces: list[bytes], tokenize: Callable[[bytes], list[int]], eos: list[int]
-    ) -> None:
-        self.tokens = pieces
-        self.eos_token_id = eos[0] if eos else 0
-        self.bos_token_id = None
-        self.special_token_ids = [i for i, piece in enumerate(pieces) if piece[:1] == b"\xff"]
-        self._tokenize = tokenize
-
-    def __call__(self, text: bytes) -> list[int]:
-        return self._tokenize(text)
+        runtime = self._runtime
+        with runtime.reading() as vocab:
+            # llguidance takes llama.cpp's tokenizer as a C function; its stub omits this.
+            from_llamacpp: Any = getattr(llguidance.LLTokenizer, "from_llamacpp")  # noqa: B009
+            return cast(
+                "llguidance.LLTokenizer",
+                from_llamacpp(
+                    tokens=runtime.pieces(),
+                    vocab_ptr=vocab,
+                    tokenize_fptr=ctypes.cast(
+                        llama_cpp.llama_cpp._lib.llama_tokenize, ctypes.c_void_p
+                    ).value,
+                    eos_token=self._eos,
+                    slices=None,
+                ),
+            )
 
 
 def _reason(error: str) -> str:

@@ -17,15 +17,16 @@ scheduler:
   and new sequences take the lowest free slot.
 
 Every method blocks and must be called from one thread at a time (the scheduler's), except
-:meth:`Runtime.pieces` and :meth:`Runtime.tokenize`, which only read the vocabulary.
+:meth:`Runtime.reading` and :meth:`Runtime.pieces`, which only read the vocabulary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple, final
 
@@ -104,8 +105,8 @@ class Runtime:
             raise EngineError(f"llama.cpp could not create a context for {path}")
         self._model = model
         self._ctx: object | None = ctx
-        # pieces() and tokenize() may run in another thread: close() waits for them
-        self._reading = threading.Lock()
+        # the vocabulary may be read from another thread (reading()): close() waits for it
+        self._reading = threading.RLock()
         vocab = llama_cpp.llama_model_get_vocab(model)
         memory = llama_cpp.llama_get_memory(ctx)
         if memory is None or vocab is None:
@@ -263,6 +264,19 @@ class Runtime:
         self.clear()
         return same
 
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[object]:
+        """The vocabulary (a ``llama_vocab *``), kept alive until the block ends: another
+        thread may read it meanwhile (tokenize, list pieces), and :meth:`close` waits.
+
+        Raises:
+            LlamaFailure: the model is closed.
+        """
+        with self._reading:
+            if self._ctx is None:
+                raise LlamaFailure("the model is closed")
+            yield self._vocab
+
     def pieces(self) -> list[bytes]:
         """Every token's bytes, by id; those of control and end-of-generation tokens
         (``<|im_end|>``) start with 0xFF.
@@ -270,16 +284,12 @@ class Runtime:
         What a token-mask library needs to know of the vocabulary: the bytes each token adds
         to the text, and which tokens are markers that no text may contain. User-defined
         tokens (a Hermes model's ``<tool_call>``) stay plain text, so a constraint's literal
-        ``<tool_call>`` can be that one token. Reads the vocabulary only: any thread may call
-        it.
+        ``<tool_call>`` can be that one token. Any thread may call it (see :meth:`reading`).
         """
         buffer = ctypes.create_string_buffer(256)
         control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
         pieces: list[bytes] = []
-        with self._reading:
-            if self._ctx is None:
-                raise LlamaFailure("the model is closed")
-            vocab = self._vocab
+        with self.reading() as vocab:
             for token in range(self.n_vocab):
                 size = llama_cpp.llama_token_to_piece(vocab, token, buffer, 256, 0, True)
                 if size < 0:
@@ -289,23 +299,6 @@ class Runtime:
                     piece = b"\xff" + piece
                 pieces.append(piece)
         return pieces
-
-    def tokenize(self, text: bytes) -> list[int]:
-        """``text``'s token ids as llama.cpp splits it (no BOS, specials as plain text).
-
-        Reads the vocabulary only, so any thread may call it, but not after :meth:`close`.
-        """
-        room = len(text) + 8
-        tokens = (llama_cpp.llama_token * room)()
-        with self._reading:
-            if self._ctx is None:
-                raise LlamaFailure("the model is closed")
-            count = llama_cpp.llama_tokenize(
-                self._vocab, text, len(text), tokens, room, False, False
-            )
-        if count < 0:
-            raise LlamaFailure(f"llama_tokenize needs room for {-count} tokens")
-        return list(tokens[:count])
 
     def close(self) -> None:
         """Free the context and the model. Idempotent."""

@@ -37,12 +37,8 @@ _NUCLEUS_FIRST: Final = 64
 class Allowed(Protocol):
     """Which tokens may come next (a constraint's matcher, :class:`._constraint.Matcher`)."""
 
-    def allows(self, token: int) -> bool:
-        """Whether ``token`` may come next: cheap, no mask."""
-        ...
-
     def allowed(self) -> NDArray[np.bool_]:
-        """One flag per token id: the full mask."""
+        """One flag per token id: the mask."""
         ...
 
 
@@ -91,14 +87,14 @@ class Sampler:
         """The next token from ``row`` (not modified), never one of ``suppressed``, and one
         ``matcher`` allows.
 
-        With a matcher the token is first chosen as if unconstrained and only checked
-        (~3 µs); the full mask is computed only when the grammar rejects it, and the token
-        is then chosen again among the allowed ones. For greedy decoding that is the
-        allowed argmax; for sampling it is exactly the conditional distribution (the
-        sampling distribution renormalized over the allowed tokens), since a draw that
-        lands in the allowed set is kept with its own probability; only when top_p's
-        nucleus holds no allowed token is the nucleus taken over the allowed tokens.
-        :data:`NO_TOKEN` when the matcher allows nothing (a schema no text satisfies).
+        With a matcher the token is first chosen as if unconstrained and looked up in the
+        mask; only when the mask refuses it is the mask applied to the logits (the costly
+        part: a pass over the vocabulary in numpy) and the token chosen again among the
+        allowed ones. For greedy decoding that is the allowed argmax; for sampling it is
+        exactly the conditional distribution (the sampling distribution renormalized over
+        the allowed tokens), since a draw that lands in the allowed set is kept with its
+        own probability; only when top_p's nucleus holds no allowed token is the nucleus
+        taken over the allowed tokens. :data:`NO_TOKEN` when the matcher allows nothing.
         """
         counts = self._counts
         penalize = bool(counts) and (self._presence != 0.0 or self._frequency != 0.0)
@@ -112,18 +108,22 @@ class Sampler:
                 row[suppressed] = -np.inf
         if self.greedy:
             token = int(np.argmax(row))
-            if matcher is None or matcher.allows(token):
+            if matcher is None:
                 return token
             allowed = matcher.allowed()
+            if allowed[token]:
+                return token
             return self._greedy_allowed(row, allowed) if allowed.any() else NO_TOKEN
         weights = np.exp((row.astype(np.float64) - float(np.max(row))) / self._temperature)
         ids_kept: NDArray[np.intp] | None = None
         if self._top_p < 1.0:
             ids_kept, weights = nucleus(weights, self._top_p)
         token = self._draw(weights, ids_kept)
-        if matcher is None or matcher.allows(token):
+        if matcher is None:
             return token
         allowed = matcher.allowed()
+        if allowed[token]:
+            return token
         if not allowed.any():
             return NO_TOKEN
         weights = weights * (allowed if ids_kept is None else allowed[ids_kept])

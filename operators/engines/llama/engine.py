@@ -210,9 +210,7 @@ class LlamaEngine:
         self._n_ctx = runtime.n_ctx
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
-        self._grammars = Grammars(
-            runtime.pieces, runtime.tokenize, eos=runtime.eog, n_vocab=runtime.n_vocab
-        )
+        self._grammars = Grammars(runtime)
         # Every decode runs in the scheduler's thread, the probe included (see there).
         self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
         try:
