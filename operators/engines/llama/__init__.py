@@ -16,6 +16,8 @@ The modules, from the request inwards:
 - ``_scheduler`` — the thread that plans and runs every step; ``_steps`` — its records
   (:class:`LlamaStep`) and counters.
 - ``_sequence`` — one choice: stop rules and emission; ``_sampling`` — numpy sampling.
+- ``_constraint`` — structured output: a request's constraint compiled (llguidance) into a
+  token mask per choice.
 - ``_speculation`` — prompt-lookup drafts per sequence (:mod:`operators.engines.ngram`).
 - ``_runtime`` — the llama.cpp context: batches, logits and a KV sequence per slot.
 
