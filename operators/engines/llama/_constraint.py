@@ -1,7 +1,7 @@
 """Constrained decoding: a :class:`~operators.llm.Constraint` becomes a token mask per choice.
 
 The mask comes from llguidance (a Rust library with an abi3 wheel and no dependencies):
-measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~10-25 µs, against ~7-14 ms
+measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~10-60 µs, against ~10 ms
 for llama.cpp's own grammar sampler and seconds of compilation for outlines-core on
 ``{"type": "object"}`` (docs/llama.md, "Structured output", has the numbers;
 ``benchmarks/bench_constrained.py`` measures them again).
@@ -23,7 +23,7 @@ for llama.cpp's own grammar sampler and seconds of compilation for outlines-core
   text (``{"name": "get_weather"`` of a named call) llguidance lets through only the
   tokenizer's own spelling of it, so the model is not pushed to spell it oddly, and a
   state reached by a token outside the last mask can be refused later (seen: ``]`` then
-  ``}`` refused, only EOS left, when masks were skipped). The mask costs ~10-25 µs for
+  ``}`` refused, only EOS left, when masks were skipped). The mask costs ~10-60 µs for
   SmolLM2's vocabulary; what stays lazy is applying it to the logits (:mod:`._sampling`).
   A replayed output is consumed the same way, mask by mask, so a retry reaches exactly
   the state the first attempt had.
@@ -96,8 +96,8 @@ def _literal(text: str) -> str:
 class Matcher:
     """One choice's position in its constraint's grammar: which tokens may come next.
 
-    Lives in the scheduler's thread once the request is admitted; every method is a call
-    into llguidance that releases no lock it would need.
+    Used by one thread at a time: the compiling worker thread while it replays a retry's
+    output, then the scheduler's thread once the request is admitted.
     """
 
     __slots__ = ("_bits", "_n_vocab", "inner")
@@ -114,7 +114,7 @@ class Matcher:
         return self.inner.validate_tokens(list(tokens)) if tokens else 0
 
     def allowed(self) -> NDArray[np.bool_]:
-        """The tokens that may come next, one flag per id (the mask: ~10-25 µs). Call it
+        """The tokens that may come next, one flag per id (the mask: ~10-60 µs). Call it
         once before each :meth:`accept`."""
         bits = self._bits
         self.inner.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
