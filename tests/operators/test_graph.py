@@ -20,6 +20,7 @@ from operators.llm import BackendOutput, EngineOutput, PreprocessedRequest
 from operators.migration import Migration
 from operators.openai.events import ChoiceDelta, ChoiceStart, ResponseHead, Usage
 from operators.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
+from operators.parsers import OutputParsers
 from operators.prefill_router import PrefillRouter
 from operators.rewriting import rewritten
 from operators.serving import build_app
@@ -56,10 +57,18 @@ def labels(stages: Stages) -> list[str]:
 
 def test_the_default_stages_are_named_and_in_order() -> None:
     stages = default_stages(TOKENIZER, model_name="m")
-    assert STAGES == ("preprocessor", "migration", "backend", "encoder_router", "prefill_router")
+    assert STAGES == (
+        "preprocessor",
+        "parser",
+        "migration",
+        "backend",
+        "encoder_router",
+        "prefill_router",
+    )
     assert POINTS == (*STAGES, "engine")
     assert [type(getattr(stages, name)) for name in STAGES] == [
         OpenAIPreprocessor,
+        OutputParsers,
         Migration,
         Backend,
         EncoderRouter,
@@ -80,6 +89,7 @@ def test_insertions_go_at_their_point_and_leave_the_original_as_it_was() -> None
     assert labels(spliced) == [
         "front",
         "OpenAIPreprocessor",
+        "OutputParsers",
         "Migration",
         "a1",
         "b1",
@@ -91,6 +101,7 @@ def test_insertions_go_at_their_point_and_leave_the_original_as_it_was() -> None
     ]
     assert labels(stages) == [
         "OpenAIPreprocessor",
+        "OutputParsers",
         "Migration",
         "Backend",
         "EncoderRouter",
@@ -98,6 +109,7 @@ def test_insertions_go_at_their_point_and_leave_the_original_as_it_was() -> None
     ]
     assert labels(stages.insert({"engine": [Recorder("e")], "migration": [Recorder("m")]})) == [
         "OpenAIPreprocessor",
+        "OutputParsers",
         "m",
         "Migration",
         "Backend",
@@ -127,7 +139,7 @@ def test_default_graph_and_build_app_refuse_an_unknown_stage() -> None:
     engine = EchoEngine.from_tokenizer(TOKENIZER)
     with pytest.raises(ValueError, match="'prefill_router', 'engine'"):
         default_graph(engine, TOKENIZER, model_name="m", before={"router": [Recorder()]})
-    with pytest.raises(ValueError, match="'preprocessor', 'migration'"):
+    with pytest.raises(ValueError, match="'preprocessor', 'parser', 'migration'"):
         build_app(engine, TOKENIZER, model_name="m", before={"frontend": [Recorder()]})
 
 
