@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from operators.engines import EchoEngine
+from operators.parsers import MarkerToolFormat, register_tool_parser, tool_parser_names
 from operators.serving import build_app
 from operators.testing import openai_client
 from operators.tokenizer import Tokenizer
@@ -180,6 +181,9 @@ async def test_logprobs_and_usage_cover_every_token_of_a_call() -> None:
     assert "".join(entry.token for entry in choice.logprobs.content) == said
 
 
+SCHEMA: Any = {"name": "a", "schema": {}}
+
+
 async def refused(served: Any, **request: Any) -> Any:
     with pytest.raises(openai.BadRequestError) as caught:
         await ask(served, "hi", **request)
@@ -219,3 +223,16 @@ async def test_tools_without_a_parser_are_refused() -> None:
 async def test_the_pythonic_format_cannot_be_required() -> None:
     body = await refused(app(tool_call_parser="pythonic"), tool_choice="required")
     assert body["param"] == "tool_choice"
+
+
+async def test_a_format_registered_from_python_parses_through_the_server() -> None:
+    if "functioncall" not in tool_parser_names():
+        register_tool_parser("functioncall", MarkerToolFormat(start="<functioncall>", end="</f>"))
+    served = app(tool_call_parser="functioncall")
+    said = 'On it. <functioncall>{"name": "get_time", "arguments": {}}</f>'
+    answer = message_of(await ask(served, said))
+    assert answer["content"] == "On it. "
+    assert [(call["name"], call["arguments"]) for call in answer["calls"]] == [("get_time", "{}")]
+    assert without_ids(await ask_streaming(served, said)) == without_ids(answer)
+    # the other formats' markers are plain text to it
+    assert message_of(await ask(served, PARIS))["content"] == PARIS
