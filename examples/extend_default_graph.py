@@ -1,7 +1,7 @@
 """Adding an operator to the default graph, and serving the result.
 
-The default graph is five named stages (preprocessor, migration, backend, encoder_router,
-prefill_router) in front of an engine. ``build_app(..., before={stage: [operators]})``
+The default graph is six named stages (preprocessor, parser, migration, backend,
+encoder_router, prefill_router) in front of an engine. ``build_app(..., before={stage: [operators]})``
 inserts operators just before a stage (or ``"engine"``) and serves the result exactly like
 the default graph: metrics, migration and all. Here ``Shout`` sits between Migration and
 the Backend, so it sees detokenized text, and the echo engine loses its worker after two

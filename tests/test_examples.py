@@ -47,10 +47,18 @@ RUNS: dict[str, Run] = {
             "gives the same answer: True\n",
         )
     ),
+    "custom_tool_parser.py": Run(
+        expect=(
+            "content: 'Let me check. '\n",
+            'call: get_weather({"city": "Paris"})\n',
+            "finish_reason: tool_calls\n",
+        )
+    ),
     "extend_default_graph.py": Run(
         expect=(
             "HELLO FROM THE GRAPH\n",
-            "OpenAIPreprocessor -> Migration -> Shout -> Backend -> EncoderRouter -> "
+            "OpenAIPreprocessor -> OutputParsers -> Migration -> Shout -> Backend -> "
+            "EncoderRouter -> "
             "PrefillRouter -> engine\n",
         )
     ),
