@@ -8,7 +8,6 @@ format's rules, the fallbacks and the constraints.
 
 from __future__ import annotations
 
-import bisect
 import json
 import re
 
@@ -16,8 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from parser_cases import (
+    MARKER,
     TOOLS,
     Case,
+    decided,
     hermes_cases,
     llama3_json_cases,
     mistral_cases,
@@ -91,53 +92,6 @@ def test_reasoning_alone_at_any_split(data: st.DataObject) -> None:
     content = "".join(raw for _, raw in case.pieces if raw not in reasoning)
     plain = Case(pieces=case.pieces, content=content, reasoning=case.reasoning)
     check_split(plain, data.draw(splits(case.text)), None, THINK)
-
-
-MARKER = "<tool_call>"
-
-
-def held_suffix(text: str, marker: str) -> int:
-    """The length of the longest tail of ``text`` that is a proper prefix of ``marker``."""
-    for held in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[len(text) - held :]):
-            return held
-    return 0
-
-
-def decided(case: Case, fed: int, *, think: bool, tools: bool) -> int:
-    """How much of ``case.text[:fed]`` a hermes parser behind a think parser (either may
-    be absent) has decided, from the case's construction: everything before the first
-    character either withholds (a possible marker, an open block or call)."""
-    text = case.text
-    content_raw: list[int] = []  # the raw position of each content character
-    calls: list[tuple[str, int, int]] = []  # call-like pieces, in content positions
-    blocks: list[tuple[int, int, bool]] = []  # reasoning blocks: raw start, end, closed
-    position = 0
-    for kind, raw in case.pieces:
-        if think and (kind == "think" or (kind == "open" and raw.startswith("<think>"))):
-            blocks.append((position, position + len(raw), kind == "think"))
-        else:
-            if kind != "text":
-                calls.append((kind, len(content_raw), len(content_raw) + len(raw)))
-            content_raw.extend(range(position, position + len(raw)))
-        position += len(raw)
-    reasoning_held = held_suffix(text[:fed], "<think>") if think else 0
-    for start, end, closed in blocks:
-        if start < fed and (fed < end or not closed):
-            inside = fed - start
-            if inside >= len("<think>"):
-                inside = held_suffix(text[start + len("<think>") : fed], "</think>")
-            reasoning_held = inside
-    released = fed - reasoning_held
-    if not tools:
-        return released
-    content_count = bisect.bisect_left(content_raw, released)  # content the tools got
-    content = "".join(text[i] for i in content_raw[:content_count])
-    first_held = content_count - held_suffix(content, MARKER)
-    for kind, start, end in calls:
-        if start < content_count and (content_count < end or kind == "open"):
-            first_held = start
-    return content_raw[first_held] if first_held < content_count else released
 
 
 @pytest.mark.parametrize(
