@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from operators.llm import ToolCallDelta
@@ -51,7 +51,8 @@ class Parsed:
 
     content: str = ""
     reasoning: str = ""
-    calls: list[ToolCallDelta] = field(default_factory=list)
+    #: (a sequence, not a list: one is made per token, and ``()`` costs nothing)
+    calls: Sequence[ToolCallDelta] = ()
 
 
 class ToolParser(Protocol):

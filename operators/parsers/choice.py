@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 from .base import Parsed
 
 if TYPE_CHECKING:
+    from operators.llm import ToolCallDelta
+
     from .base import ReasoningParser, ToolParser
 
 __all__ = ("ChoiceParser",)
@@ -73,7 +75,7 @@ class ChoiceParser:
         parsed = reasoning.finish()
         if tools is not None:
             content: list[str] = []
-            calls = []
+            calls: list[ToolCallDelta] = []
             if parsed.content:
                 self._content += len(parsed.content)
                 fed = tools.feed(parsed.content)

@@ -145,7 +145,6 @@ class LeadingToolParser:
         "_brackets",
         "_calls",
         "_held",
-        "_held_len",
         "_name",
         "_opener",
         "_quotes",
@@ -155,6 +154,7 @@ class LeadingToolParser:
         "_tag",
         "_tag_pos",
         "_tools",
+        "held",
     )
 
     def __init__(
@@ -178,14 +178,10 @@ class LeadingToolParser:
         self._state = _LEAD
         self._tag_pos = 0  # characters of the tag seen (only before the first call)
         self._held: list[str] = []  # withheld text: lead or separators, then the value
-        self._held_len = 0
+        #: characters withheld: leading whitespace, an open call, separators
+        self.held = 0
         self._brackets = BracketScanner(quotes)
         self._calls = 0
-
-    @property
-    def held(self) -> int:
-        """Characters withheld: leading whitespace, an open call, separators."""
-        return self._held_len
 
     def feed(self, text: str, /) -> Parsed:
         """Take the next text; return content and call pieces that may be shown now."""
@@ -256,12 +252,12 @@ class LeadingToolParser:
     def _hold(self, text: str) -> None:
         if text:
             self._held.append(text)
-            self._held_len += len(text)
+            self.held += len(text)
 
     def _release(self) -> str:
         text = "".join(self._held)
         self._held = []
-        self._held_len = 0
+        self.held = 0
         return text
 
     def _close(self, content: list[str], calls: list[ToolCallDelta]) -> None:

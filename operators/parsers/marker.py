@@ -142,6 +142,7 @@ class MarkerToolParser:
         "_scanner",
         "_tail",
         "_tools",
+        "held",
     )
 
     def __init__(self, tool_format: MarkerToolFormat, tools: Sequence[Tool]) -> None:
@@ -155,19 +156,15 @@ class MarkerToolParser:
         self._tail = ""  # the body's last len(end) - 1 characters (an end marker may span)
         #: without an end marker: the body's JSON value, once its first bracket came
         self._brackets: BracketScanner | None = None
-
-    @property
-    def held(self) -> int:
-        """Characters withheld: a possible start marker, or the open call so far."""
-        if self._in_body:
-            return len(self._format.start) + self._body_len
-        return len(self._scanner.withheld)
+        #: characters withheld: a possible start marker, or the open call so far
+        self.held = 0
 
     def feed(self, text: str, /) -> Parsed:
         """Take the next text; return content and call pieces that may be shown now."""
         if not self._in_body:
             released, marker, text = self._scanner.scan(text)
             if marker is None:
+                self.held = self._scanner.held
                 return Parsed(released)
             self._in_body = True
             content = [released]
@@ -181,11 +178,16 @@ class MarkerToolParser:
                 released, marker, text = self._scanner.scan(text)
                 content.append(released)
                 self._in_body = marker is not None
+        if self._in_body:
+            self.held = len(self._format.start) + self._body_len
+        else:
+            self.held = self._scanner.held
         return Parsed("".join(content), "", calls)
 
     def finish(self) -> Parsed:
         """Release what is withheld: a partial marker as content; an open call (no end
         marker yet) as calls if its body is already valid, as content otherwise."""
+        self.held = 0
         if not self._in_body:
             return Parsed(self._scanner.flush())
         content: list[str] = []

@@ -66,40 +66,49 @@ class _Choice:
         self.finished = False
 
     def step(self, output: BackendOutput, call_ids: CallIds | None) -> BackendOutput:
-        """``output`` with its text parsed."""
+        """``output`` with its text parsed (``output`` itself when parsing changed nothing:
+        plain text, nothing withheld)."""
         starts = self.starts
-        self.seen += len(output.tokens)
-        for token in output.tokens:
+        tokens = output.tokens
+        self.seen += len(tokens)
+        for token in tokens:
             starts.append(self.text)
             self.text += len(token)
         parser = self.parser
-        parsed = parser.feed(output.text) if output.text else None
+        text = output.text
+        parsed = parser.feed(text) if text else None
         finish: FinishReason | None = output.finish_reason
         if finish is not None:
             self.finished = True
             rest = parser.finish()
             parsed = rest if parsed is None else _joined(parsed, rest)
+        calls = None
         if parsed is None:
-            content, reasoning, calls = "", "", None
+            content, reasoning = "", ""
         else:
-            content, reasoning, calls = parsed.content, parsed.reasoning, parsed.calls or None
-            if calls is not None:
+            content, reasoning = parsed.content, parsed.reasoning
+            if parsed.calls:
+                calls = list(parsed.calls)
                 self._named(calls, output.index, call_ids)
         if finish == "stop" and self.calls:
             finish = "tool_calls"
-        self.backend_delivered = output.delivered_tokens
+        self.backend_delivered = backend = output.delivered_tokens
+        delivered = self._delivered()
+        if content == text and not reasoning and calls is None and delivered == backend:
+            if finish == output.finish_reason:
+                return output  # (the common case: saves building an output per token)
         # positional (as the Backend builds them): ids, tokens, text, logprobs, top_logprobs,
         # finish_reason, stop_reason, index, delivered_tokens, reasoning, tool_calls
         return BackendOutput(
             output.token_ids,
-            output.tokens,
+            tokens,
             content,
             output.logprobs,
             output.top_logprobs,
             finish,
             output.stop_reason,
             output.index,
-            self._delivered(),
+            delivered,
             reasoning,
             calls,
         )
@@ -107,7 +116,7 @@ class _Choice:
     def flush(self, index: int, call_ids: CallIds | None) -> BackendOutput:
         """The stream ended without finishing this choice: release what is withheld."""
         parsed = self.parser.finish()
-        calls = parsed.calls or None
+        calls = list(parsed.calls) if parsed.calls else None
         if calls is not None:
             self._named(calls, index, call_ids)
         return BackendOutput(
@@ -141,7 +150,7 @@ def _joined(first: Parsed, second: Parsed) -> Parsed:
     return Parsed(
         first.content + second.content,
         first.reasoning + second.reasoning,
-        first.calls + second.calls,
+        [*first.calls, *second.calls],
     )
 
 

@@ -42,7 +42,7 @@ class MarkerReasoningFormat:
 class MarkerReasoningParser:
     """One choice's parser for a :class:`MarkerReasoningFormat`."""
 
-    __slots__ = ("_content", "_fed", "_format", "_reasoning", "_runs", "_scanner")
+    __slots__ = ("_content", "_fed", "_format", "_reasoning", "_runs", "_scanner", "held")
 
     def __init__(self, reasoning_format: MarkerReasoningFormat) -> None:
         self._format = reasoning_format
@@ -57,17 +57,15 @@ class MarkerReasoningParser:
         self._runs: deque[tuple[int, int]] = deque()
         if not self._reasoning:
             self._runs.append((0, 0))
-
-    @property
-    def held(self) -> int:
-        """Characters withheld: the tail that may still become a marker."""
-        return len(self._scanner.withheld)
+        #: characters withheld: the tail that may still become a marker
+        self.held = 0
 
     def feed(self, text: str, /) -> Parsed:
         """Take the next raw text; return the reasoning and content it releases."""
         self._fed += len(text)
         released, marker, text = self._scanner.scan(text)
         if marker is None:  # the common case: no block starts or ends here
+            self.held = self._scanner.held
             if self._reasoning:
                 return Parsed("", released)
             self._content += len(released)
@@ -86,12 +84,14 @@ class MarkerReasoningParser:
             if not self._reasoning:  # content resumes right after the end marker
                 self._runs.append((self._content, self._fed - len(text)))
             released, marker, text = self._scanner.scan(text)
+        self.held = self._scanner.held
         return Parsed("".join(content), "".join(reasoning))
 
     def finish(self) -> Parsed:
         """Release the withheld tail as what it would have been: reasoning inside a
         block, content outside."""
         rest = self._scanner.flush()
+        self.held = 0
         if self._reasoning:
             return Parsed("", rest)
         self._content += len(rest)

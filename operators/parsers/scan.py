@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from operators.stop_jail import Released, StopJail
+from operators.stop_jail import Released, StopJail, Stopped
 
 __all__ = ("BracketScanner", "MarkerScanner")
 
@@ -30,13 +30,16 @@ _SPECIAL: Final = re.compile(r"""[\[\]{}()"'\\]""")
 class MarkerScanner:
     """Finds the first of ``markers`` in a stream, withholding what may still be one."""
 
-    __slots__ = ("_jail", "_markers")
+    __slots__ = ("_jail", "_markers", "held")
 
     def __init__(self, markers: tuple[str, ...]) -> None:
         if not markers or not all(markers):
             raise ValueError(f"markers must be non-empty strings, got {markers!r}")
         self._markers = markers
         self._jail = StopJail(markers)
+        #: how many characters fed so far are withheld (``len(withheld)``, kept as a count
+        #: because the parsers ask for it after every feed)
+        self.held = 0
 
     @property
     def withheld(self) -> str:
@@ -51,20 +54,24 @@ class MarkerScanner:
         before it, ``marker`` is the marker and ``rest`` is the part of ``text`` after it,
         not scanned yet; the scanner starts afresh (call again with ``rest``).
         """
-        jail = self._jail
-        held = len(jail.withheld)
-        result = jail.push(text)
-        if isinstance(result, Released):
-            return result.text, None, ""
+        held = self.held
+        result = self._jail.push(text)
+        if type(result) is Released:
+            released = result.text
+            self.held = held + len(text) - len(released)
+            return released, None, ""
+        assert isinstance(result, Stopped)
         marker = result.stop
         # The match ends inside ``text`` (it would have completed earlier otherwise):
         # ``released + marker`` is a prefix of ``withheld + text``.
         end = len(result.text) + len(marker) - held
         self._jail = StopJail(self._markers)  # a jail that matched takes no more text
+        self.held = 0
         return result.text, marker, text[end:]
 
     def flush(self) -> str:
         """End of stream: the withheld tail, released (it never became a marker)."""
+        self.held = 0
         return self._jail.flush()
 
 

@@ -149,7 +149,7 @@ def test_text_that_cannot_be_a_marker_is_released_at_once() -> None:
     assert parser.feed("日本<").content == "日本"
     assert parser.feed("tool_call>").content == ""
     assert parser.fed - parser.consumed == len(MARKER)
-    assert parser.feed('{"name": "f"}').calls == []
+    assert not parser.feed('{"name": "f"}').calls
     parsed = parser.feed("</tool_call>☀️")
     assert (parsed.content, [call.name for call in parsed.calls]) == ("☀️", ["f", None])
     assert parser.consumed == parser.fed
@@ -158,7 +158,7 @@ def test_text_that_cannot_be_a_marker_is_released_at_once() -> None:
 def test_a_call_comes_out_in_openais_streaming_shape() -> None:
     parser = HERMES.parser(TOOLS)
     parsed = parser.feed('<tool_call>{"arguments": {"city":"Paris"}, "name": "get_weather"}')
-    assert parsed.calls == []
+    assert not parsed.calls
     head, arguments = parser.feed("</tool_call>").calls
     assert (head.index, head.name, head.arguments) == (0, "get_weather", "")
     assert head.id is not None
