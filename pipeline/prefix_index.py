@@ -1,0 +1,360 @@
+"""PrefixIndex: which worker holds which cached prompt blocks, and KV events that update it.
+
+Engines that cache prompt prefixes report them as *blocks*, each named by a chained id:
+a block's id covers every block before it, so one id names a whole prefix (the LLM layer
+makes them with ``operators.kv_blocks``). The index sees only opaque hashable block ids and
+worker ids (str); it knows nothing of tokens or engines.
+
+Because ids are chained, the index needs no tree: a flat map from block id to the set of
+workers holding it *is* the prefix tree, flattened. :meth:`PrefixIndex.overlaps` walks a
+request's ids in order, narrowing the set of workers that still hold every block so far;
+the walk ends at the first block no candidate holds, so it costs one dict lookup per
+request block the best worker holds (plus set work for workers dropping out), never
+anything proportional to the index size.
+
+Holder sets are interned frozensets: blocks held by the same workers share one object, so
+the common step of the walk (the next block has the same holders) is an identity check,
+and an index of 100k blocks stores one dict entry per block, not one set per block.
+
+Engines report changes as events (:class:`KvStored`, :class:`KvRemoved`,
+:class:`KvCleared`, :class:`KvSnapshot`): plain dataclasses of ints, strings and tuples,
+so a transport serializes them with :meth:`to_dict`/:func:`event_from_dict` (msgpack or
+JSON). :meth:`PrefixIndex.apply` applies one and keeps each worker's events in order by
+their ``seq``: a gap means events were missed, and ``apply`` answers False until a
+snapshot from the worker catches the index up (events that arrive while it is awaited are
+replayed after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, Final, Literal, TypeAlias, final
+
+__all__ = (
+    "KvCleared",
+    "KvEvent",
+    "KvRemoved",
+    "KvSnapshot",
+    "KvStored",
+    "PrefixIndex",
+    "event_from_dict",
+)
+
+#: a block id: opaque to the index (the LLM layer uses unsigned 64-bit ints)
+BlockId: TypeAlias = Hashable
+
+_NOBODY: Final[frozenset[str]] = frozenset()
+
+#: interned holder sets kept before the intern tables are rebuilt (they only speed up
+#: updates and queries; correctness never depends on two equal sets being one object)
+_INTERN_LIMIT = 1 << 16
+
+#: events kept per worker while a snapshot is awaited; beyond it they are dropped and the
+#: next snapshot's successor events show a gap again (another snapshot is asked for)
+PENDING_LIMIT = 1 << 16
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KvStored:
+    """The worker now holds these blocks (in prefix order; ids chained)."""
+
+    kind: ClassVar[Literal["stored"]] = "stored"
+    block_ids: tuple[BlockId, ...]
+    #: the worker's event number (1, 2, ...) for loss detection; None: not sequenced
+    seq: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict for a transport (see :func:`event_from_dict`)."""
+        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KvRemoved:
+    """The worker evicted these blocks."""
+
+    kind: ClassVar[Literal["removed"]] = "removed"
+    block_ids: tuple[BlockId, ...]
+    seq: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict for a transport (see :func:`event_from_dict`)."""
+        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KvCleared:
+    """The worker dropped its whole cache."""
+
+    kind: ClassVar[Literal["cleared"]] = "cleared"
+    seq: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict for a transport (see :func:`event_from_dict`)."""
+        return {"kind": self.kind, "seq": self.seq}
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class KvSnapshot:
+    """Everything the worker holds, as of its event ``seq`` (0: before its first event).
+
+    Replaces what the index believed of the worker: the answer to a snapshot request from
+    a frontend that started late or saw a gap.
+    """
+
+    kind: ClassVar[Literal["snapshot"]] = "snapshot"
+    block_ids: tuple[BlockId, ...]
+    seq: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict for a transport (see :func:`event_from_dict`)."""
+        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
+
+
+KvEvent: TypeAlias = KvStored | KvRemoved | KvCleared | KvSnapshot
+
+
+def event_from_dict(data: Mapping[str, Any]) -> KvEvent:
+    """The event ``to_dict()`` made (block id lists become tuples).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    kind = data.get("kind")
+    seq = data.get("seq")
+    if kind == "cleared":
+        return KvCleared(seq)
+    ids = tuple(data.get("block_ids", ()))
+    if kind == "stored":
+        return KvStored(ids, seq)
+    if kind == "removed":
+        return KvRemoved(ids, seq)
+    if kind == "snapshot":
+        return KvSnapshot(ids, seq)
+    raise ValueError(f"unknown KV event kind {kind!r}")
+
+
+@dataclass(slots=True)
+class _Sequence:
+    """A worker's event order: the last applied seq, and events held while out of sync."""
+
+    last: int = 0
+    pending: list[KvEvent] | None = None  # not None: a gap was seen, a snapshot is awaited
+
+
+@final
+class PrefixIndex:
+    """Which workers hold which blocks; per request, how many leading blocks each holds.
+
+    Not thread-safe: one event loop owns it (events and routing decisions both run there).
+    """
+
+    def __init__(self) -> None:
+        self._holders: dict[BlockId, frozenset[str]] = {}
+        self._blocks: dict[str, set[BlockId]] = {}
+        # holder set -> holder set with/without a worker, per worker; values interned
+        self._plus: dict[str, dict[frozenset[str], frozenset[str]]] = {}
+        self._minus: dict[str, dict[frozenset[str], frozenset[str]]] = {}
+        self._interned: dict[frozenset[str], frozenset[str]] = {}
+        self._sequences: dict[str, _Sequence] = {}
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def overlaps(self, block_ids: Sequence[BlockId]) -> dict[str, int]:
+        """For each worker holding the first block, how many leading blocks it holds.
+
+        Workers holding none of the request's leading blocks are absent (count 0).
+        """
+        holders = self._holders.get
+        result: dict[str, int] = {}
+        active: frozenset[str] | None = None
+        depth = 0
+        for depth, block in enumerate(block_ids):
+            held = holders(block)
+            if held is None:
+                break
+            if held is active:
+                continue
+            if active is None:
+                active = held
+            elif not active <= held:
+                still = active & held
+                for worker in active - still:
+                    result[worker] = depth
+                if not still:
+                    return result
+                active = still
+        else:
+            depth = len(block_ids)
+        if active is not None:
+            for worker in active:
+                result[worker] = depth
+        return result
+
+    def blocks(self, worker: str) -> int:
+        """How many blocks ``worker`` holds."""
+        return len(self._blocks.get(worker, ()))
+
+    def workers(self) -> frozenset[str]:
+        """The workers holding at least one block."""
+        return frozenset(worker for worker, held in self._blocks.items() if held)
+
+    def holders(self, block_id: BlockId) -> frozenset[str]:
+        """The workers holding ``block_id``."""
+        return self._holders.get(block_id, _NOBODY)
+
+    def __len__(self) -> int:
+        """How many distinct blocks some worker holds."""
+        return len(self._holders)
+
+    # -- updates ------------------------------------------------------------------------------
+
+    def stored(self, worker: str, block_ids: Iterable[BlockId]) -> None:
+        """``worker`` now holds ``block_ids`` (already held ones are no change)."""
+        mine = self._blocks.setdefault(worker, set())
+        plus = self._plus.setdefault(worker, {})
+        holders = self._holders
+        for block in block_ids:
+            if block in mine:
+                continue
+            mine.add(block)
+            before = holders.get(block, _NOBODY)
+            after = plus.get(before)
+            if after is None:
+                after = plus[before] = self._intern(before | {worker})
+            holders[block] = after
+
+    def removed(self, worker: str, block_ids: Iterable[BlockId]) -> None:
+        """``worker`` no longer holds ``block_ids`` (unknown ones are ignored)."""
+        mine = self._blocks.get(worker)
+        if mine:
+            self._drop(worker, mine, [block for block in block_ids if block in mine])
+
+    def cleared(self, worker: str) -> None:
+        """``worker`` holds nothing any more."""
+        mine = self._blocks.get(worker)
+        if mine:
+            self._drop(worker, mine, list(mine))
+
+    def snapshot(self, worker: str, block_ids: Iterable[BlockId]) -> None:
+        """``worker`` holds exactly ``block_ids``: replaces what the index believed."""
+        wanted = set(block_ids)
+        mine = self._blocks.get(worker)
+        if mine:
+            self._drop(worker, mine, [block for block in mine if block not in wanted])
+            wanted.difference_update(mine)
+        self.stored(worker, wanted)
+
+    def remove_worker(self, worker: str) -> None:
+        """Forget ``worker``: its blocks and its event order (it left, or died)."""
+        self.cleared(worker)
+        self._blocks.pop(worker, None)
+        self._plus.pop(worker, None)
+        self._minus.pop(worker, None)
+        self._sequences.pop(worker, None)
+
+    def _drop(self, worker: str, mine: set[BlockId], blocks: list[BlockId]) -> None:
+        minus = self._minus.setdefault(worker, {})
+        holders = self._holders
+        for block in blocks:
+            mine.discard(block)
+            before = holders[block]
+            after = minus.get(before)
+            if after is None:
+                after = minus[before] = self._intern(before - {worker})
+            if after:
+                holders[block] = after
+            else:
+                del holders[block]
+
+    def _intern(self, holders: frozenset[str]) -> frozenset[str]:
+        if len(self._interned) >= _INTERN_LIMIT:
+            # Rare (it takes 65k distinct holder sets): start the tables afresh. Sets made
+            # before stay valid; they are only no longer shared with new ones.
+            self._interned.clear()
+            self._plus.clear()
+            self._minus.clear()
+        return self._interned.setdefault(holders, holders)
+
+    # -- events -------------------------------------------------------------------------------
+
+    def apply(self, worker: str, event: KvEvent) -> bool:
+        """Apply ``worker``'s ``event``; False while events from it are known to be missing.
+
+        Events with a ``seq`` are kept in order per worker, numbered 1, 2, ... from the
+        worker's start (a snapshot carries the seq of the last event it reflects; 0 before
+        the first). An event at or below the last applied seq is a duplicate or predates
+        the snapshot and is ignored. One that skips numbers (a frontend that started late,
+        or lost messages) is applied anyway, as the best guess, and from then on ``apply``
+        returns False: ask the worker for a :class:`KvSnapshot`. Events arriving until it
+        comes are kept and replayed on top of it, so the index then equals the worker's
+        cache again. Events without a ``seq`` are applied as they come and never report a
+        gap. A snapshot older than the events already applied in order is ignored.
+
+        Worker ids must not be reused by a restarted worker whose numbering starts again
+        at 1 (its events would look like duplicates) unless it was :meth:`remove_worker`-ed
+        in between: discovery ids that include a per-process nonce (a lease id) do that.
+        """
+        seq = event.seq
+        if seq is None:
+            self._apply(worker, event)
+            order = self._sequences.get(worker)
+            return order is None or order.pending is None
+        order = self._sequences.get(worker)
+        if order is None:
+            order = self._sequences[worker] = _Sequence()
+        if isinstance(event, KvSnapshot):
+            return self._caught_up(worker, order, event, seq)
+        if order.pending is not None:
+            if seq > order.last:
+                self._apply(worker, event)  # the best guess until the snapshot arrives
+                if len(order.pending) < PENDING_LIMIT:
+                    order.pending.append(event)
+            return False
+        if seq <= order.last:
+            return True
+        self._apply(worker, event)
+        if seq != order.last + 1:
+            order.pending = [event]
+            return False
+        order.last = seq
+        return True
+
+    def _caught_up(self, worker: str, order: _Sequence, snapshot: KvSnapshot, seq: int) -> bool:
+        if order.pending is None and seq <= order.last:
+            return True  # an old snapshot: what it says was already applied event by event
+        later = sorted(
+            (event for event in order.pending or () if (event.seq or 0) > seq),
+            key=lambda event: event.seq or 0,
+        )
+        self.snapshot(worker, snapshot.block_ids)
+        order.last, order.pending = seq, None
+        for index, event in enumerate(later):
+            if event.seq == order.last:
+                continue  # the same event delivered twice
+            if event.seq != order.last + 1:  # still a gap: replay the rest as the best guess
+                order.pending = later[index:]
+                for guess in order.pending:
+                    self._apply(worker, guess)
+                return False
+            self._apply(worker, event)
+            order.last = event.seq
+        return True
+
+    def _apply(self, worker: str, event: KvEvent) -> None:
+        if isinstance(event, KvStored):
+            self.stored(worker, event.block_ids)
+        elif isinstance(event, KvRemoved):
+            self.removed(worker, event.block_ids)
+        elif isinstance(event, KvCleared):
+            self.cleared(worker)
+        else:
+            self.snapshot(worker, event.block_ids)
+
+    def __repr__(self) -> str:
+        counts = {worker: len(held) for worker, held in self._blocks.items() if held}
+        return f"PrefixIndex({len(self._holders)} blocks, {counts})"
