@@ -144,6 +144,7 @@ class _Sequence:
 
     last: int = 0
     pending: list[KvEvent] | None = None  # not None: a gap was seen, a snapshot is awaited
+    dropped: int = 0  # the highest seq left out of ``pending`` (it was full)
 
 
 @final
@@ -314,6 +315,8 @@ class PrefixIndex:
                 self._apply(worker, event)  # the best guess until the snapshot arrives
                 if len(order.pending) < PENDING_LIMIT:
                     order.pending.append(event)
+                else:
+                    order.dropped = max(order.dropped, seq)
             return False
         if seq <= order.last:
             return True
@@ -343,6 +346,10 @@ class PrefixIndex:
                 return False
             self._apply(worker, event)
             order.last = event.seq
+        if order.dropped > order.last:  # the replay falls short of what was dropped
+            order.pending = []
+            return False
+        order.dropped = 0
         return True
 
     def _apply(self, worker: str, event: KvEvent) -> None:
