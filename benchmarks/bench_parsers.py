@@ -7,9 +7,13 @@ Backend(tokenizer), EchoEngine)`` (the echo engine cycles the text, one token pe
 turn), with SmolLM2's tokenizer. "plain" is text without any markup: what every request
 with tools pays when the model just answers. "markup" is the format's own calls (or
 ``<think>`` blocks) over and over, so the parser withholds, parses JSON and emits calls.
-The baseline row is the same graph without a parser (``OutputParsers()`` is a passthrough
-that adds no hop), on each text; the cost column is the difference. Rates are CPU time of
-this process (best of 3), as in ``bench_graph.py``. No timing is asserted.
+"no parser" is the same graph without one (``OutputParsers()`` is a passthrough that adds
+no hop) on the same text, run alternately with it; "added" is the difference, what a
+request pays for parsing (the operator's hop included). "sans-IO" is the parsers alone,
+fed each token's text without an event loop or operator. Times are CPU time of this
+process, best of 7, as in ``bench_graph.py``, with the garbage collector tuned as
+``serve`` tunes it; the machine's noise shows in the spread
+between runs. No timing is asserted.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import anyio
 
 from operators.backend import Backend
+from operators.cli.tuning import tune_gc
 from operators.engines import EchoEngine
 from operators.llm import PreprocessedRequest, StopConditions, Tool
 from operators.parsers import (
@@ -29,6 +34,7 @@ from operators.parsers import (
     MISTRAL,
     PYTHONIC,
     THINK,
+    ChoiceParser,
     OutputParsers,
     ReasoningFormat,
     ToolCallFormat,
@@ -65,46 +71,94 @@ PARSERS: dict[str, tuple[ToolCallFormat | None, ReasoningFormat | None]] = {
 }
 
 
-async def measure(
-    tokenizer: Tokenizer, parsers: OutputParsers, text: str
-) -> tuple[float, dict[str, int]]:
-    """Best-of-3 CPU µs per token, and what the client got (to check the parse)."""
-    engine = EchoEngine.from_tokenizer(tokenizer, cycle=True)
-    graph: Any = link(parsers, Backend(tokenizer), engine)
-    request = PreprocessedRequest(
+ROUNDS = 7
+
+
+def request(tokenizer: Tokenizer, text: str) -> PreprocessedRequest:
+    return PreprocessedRequest(
         token_ids=tokenizer.encode(text), stop=StopConditions(max_tokens=TOKENS), tools=TOOLS
     )
-    best = float("inf")
-    seen: dict[str, int] = {}
-    for _ in range(3):
-        seen = {"tokens": 0, "content": 0, "reasoning": 0, "calls": 0}
-        start = time.process_time()
-        async with open_stream(graph, Context.new(request)) as stream:
-            async for output in stream:
-                seen["tokens"] += len(output.token_ids)
-                seen["content"] += len(output.text)
-                seen["reasoning"] += len(output.reasoning)
-                seen["calls"] += sum(1 for call in output.tool_calls or () if call.id)
-        best = min(best, time.process_time() - start)
+
+
+async def run_once(graph: Any, request: PreprocessedRequest) -> tuple[float, dict[str, int]]:
+    """CPU seconds for one request, and what the client got (to check the parse)."""
+    seen = {"tokens": 0, "content": 0, "reasoning": 0, "calls": 0}
+    start = time.process_time()
+    async with open_stream(graph, Context.new(request)) as stream:
+        async for output in stream:
+            seen["tokens"] += len(output.token_ids)
+            seen["content"] += len(output.text)
+            seen["reasoning"] += len(output.reasoning)
+            seen["calls"] += sum(1 for call in output.tool_calls or () if call.id)
+    elapsed = time.process_time() - start
     assert seen["tokens"] == TOKENS, seen
-    return best / TOKENS * 1e6, seen
+    return elapsed, seen
+
+
+async def compare(
+    tokenizer: Tokenizer, parsers: OutputParsers, text: str
+) -> tuple[float, float, dict[str, int]]:
+    """Best-of-ROUNDS µs per token with the parsers and without, runs alternating (so a
+    busy neighbour on the machine slows both alike), and what the client got."""
+    engine = EchoEngine.from_tokenizer(tokenizer, cycle=True)
+    with_parsers = link(parsers, Backend(tokenizer), engine)
+    without = link(OutputParsers(), Backend(tokenizer), engine)
+    req = request(tokenizer, text)
+    best, base = float("inf"), float("inf")
+    seen: dict[str, int] = {}
+    for _ in range(ROUNDS):
+        elapsed, _ = await run_once(without, req)
+        base = min(base, elapsed)
+        elapsed, seen = await run_once(with_parsers, req)
+        best = min(best, elapsed)
+    return best / TOKENS * 1e6, base / TOKENS * 1e6, seen
+
+
+def sans_io(
+    tokenizer: Tokenizer,
+    tools: ToolCallFormat | None,
+    reasoning: ReasoningFormat | None,
+    text: str,
+) -> float:
+    """Best-of-ROUNDS µs per token of the parsers alone (no event loop, no operator):
+    :class:`ChoiceParser.feed` on each token's text, then ``finish``."""
+    ids = tokenizer.encode(text)
+    pieces = [tokenizer.decode([token_id]) for token_id in ids]
+    stream = [pieces[i % len(pieces)] for i in range(TOKENS)]
+    best = float("inf")
+    for _ in range(ROUNDS):
+        parser = ChoiceParser(
+            None if reasoning is None else reasoning.parser(),
+            None if tools is None else tools.parser(TOOLS),
+        )
+        feed = parser.feed
+        start = time.process_time()
+        for piece in stream:
+            feed(piece)
+        parser.finish()
+        best = min(best, time.process_time() - start)
+    return best / TOKENS * 1e6
 
 
 async def main() -> None:
     tokenizer = Tokenizer.default()
+    tune_gc()  # as ``serve`` runs: young collections off the per-token path
     texts = {"plain": PLAIN, **{f"{name} markup": text for name, text in MARKUP.items()}}
-    baseline = {}
-    for label, text in texts.items():
-        baseline[label], _ = await measure(tokenizer, OutputParsers(), text)
-    print(f"{'parser':<14}{'text':<20}{'µs/token':>10}{'parser µs':>11}{'calls':>8}")
-    print(f"{'(none)':<14}{'plain':<20}{baseline['plain']:>10.2f}{'':>11}{'':>8}")
+    print(
+        f"{'parser':<14}{'text':<21}{'graph µs':>9}{'no parser':>10}{'added':>7}"
+        f"{'sans-IO':>9}{'calls':>7}"
+    )
     for name, (tools, reasoning) in PARSERS.items():
         for label in ("plain", f"{name} markup"):
-            cost, seen = await measure(tokenizer, OutputParsers(tools, reasoning), texts[label])
+            text = texts[label]
+            cost, base, seen = await compare(tokenizer, OutputParsers(tools, reasoning), text)
             if label != "plain":
                 assert seen["calls"] or seen["reasoning"], (name, seen)  # markup was parsed
-            extra = cost - baseline[label]
-            print(f"{name:<14}{label:<20}{cost:>10.2f}{extra:>11.2f}{seen['calls']:>8}")
+            alone = sans_io(tokenizer, tools, reasoning, text)
+            print(
+                f"{name:<14}{label:<21}{cost:>9.2f}{base:>10.2f}{cost - base:>7.2f}"
+                f"{alone:>9.2f}{seen['calls']:>7}"
+            )
 
 
 if __name__ == "__main__":

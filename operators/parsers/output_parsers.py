@@ -20,7 +20,7 @@ a retrying operator (``check_operator(..., retry=True)``), though its place is a
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -68,12 +68,6 @@ class _Choice:
     def step(self, output: BackendOutput, call_ids: CallIds | None) -> BackendOutput:
         """``output`` with its text parsed (``output`` itself when parsing changed nothing:
         plain text, nothing withheld)."""
-        starts = self.starts
-        tokens = output.tokens
-        self.seen += len(tokens)
-        for token in tokens:
-            starts.append(self.text)
-            self.text += len(token)
         parser = self.parser
         text = output.text
         parsed = parser.feed(text) if text else None
@@ -92,8 +86,9 @@ class _Choice:
                 self._named(calls, output.index, call_ids)
         if finish == "stop" and self.calls:
             finish = "tool_calls"
+        tokens = output.tokens
         self.backend_delivered = backend = output.delivered_tokens
-        delivered = self._delivered()
+        delivered = self._delivered(tokens)
         if content == text and not reasoning and calls is None and delivered == backend:
             if finish == output.finish_reason:
                 return output  # (the common case: saves building an output per token)
@@ -120,7 +115,7 @@ class _Choice:
         if calls is not None:
             self._named(calls, index, call_ids)
         return BackendOutput(
-            [], [], parsed.content, None, None, None, None, index, self._delivered(),
+            [], [], parsed.content, None, None, None, None, index, self._delivered(()),
             parsed.reasoning, calls,
         )  # fmt: skip
 
@@ -131,19 +126,28 @@ class _Choice:
                 if call_ids is not None:
                     call.id = call_ids(index, call.index)
 
-    def _delivered(self) -> int:
-        """Tokens delivered: those starting before the first withheld character, at most
-        the Backend's count; the Backend's count when nothing is withheld."""
+    def _delivered(self, tokens: Sequence[str]) -> int:
+        """Take in the output's tokens; the tokens delivered so far: those that start
+        before the first withheld character, at most the Backend's count (its count when
+        nothing is withheld)."""
         parser = self.parser
         consumed = parser.consumed
         starts = self.starts
+        position = self.text
+        for token in tokens:
+            if starts or position >= consumed:  # (a token decided already is not kept)
+                starts.append(position)
+            position += len(token)
+        self.text = position
+        self.seen += len(tokens)
         while starts and starts[0] < consumed:
             starts.popleft()
         delivered = self.backend_delivered
         if consumed < parser.fed:
             delivered = min(delivered, self.seen - len(starts))
-        delivered = self.delivered = max(self.delivered, delivered)
-        return delivered
+        if delivered > self.delivered:
+            self.delivered = delivered
+        return self.delivered
 
 
 def _joined(first: Parsed, second: Parsed) -> Parsed:
