@@ -8,7 +8,10 @@ The parts:
   :class:`Stream` — what their ``generate`` returns (async iteration + ``aclose``).
 - :func:`open_stream` — the driver that owns cancellation; :class:`FunctionEngine`.
 - :func:`next_or_wait` — await a stream's next item, flushing first if it would wait.
-- :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet.
+- :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet;
+  :class:`KvRouter` (:mod:`pipeline.kv_routing`) is the policy that prefers the worker
+  caching a request's prefix, per a :class:`PrefixIndex` fed by KV events
+  (:mod:`pipeline.prefix_index`).
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
 
@@ -32,11 +35,19 @@ from .errors import RequestError as RequestError
 from .errors import ResponseTimeout as ResponseTimeout
 from .errors import StreamDisconnected as StreamDisconnected
 from .errors import WorkerLost as WorkerLost
+from .kv_routing import KvRouter as KvRouter
 from .link import chain as chain
 from .link import link as link
 from .operator import Engine as Engine
 from .operator import Operator as Operator
 from .operator import Stream as Stream
+from .prefix_index import KvCleared as KvCleared
+from .prefix_index import KvEvent as KvEvent
+from .prefix_index import KvRemoved as KvRemoved
+from .prefix_index import KvSnapshot as KvSnapshot
+from .prefix_index import KvStored as KvStored
+from .prefix_index import PrefixIndex as PrefixIndex
+from .prefix_index import event_from_dict as event_from_dict
 from .ready import next_or_wait as next_or_wait
 from .routers import Direct as Direct
 from .routers import LeastLoaded as LeastLoaded
@@ -59,11 +70,18 @@ __all__ = (
     "EngineError",
     "FunctionEngine",
     "InvalidRequest",
+    "KvCleared",
+    "KvEvent",
+    "KvRemoved",
+    "KvRouter",
+    "KvSnapshot",
+    "KvStored",
     "LeastLoaded",
     "LinkError",
     "MemoryDiscovery",
     "Operator",
     "PipelineError",
+    "PrefixIndex",
     "Random",
     "RequestError",
     "ResponseTimeout",
@@ -79,6 +97,7 @@ __all__ = (
     "WorkerSet",
     "WorkerSetStatistics",
     "chain",
+    "event_from_dict",
     "link",
     "next_or_wait",
     "open_stream",
