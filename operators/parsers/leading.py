@@ -265,7 +265,11 @@ class LeadingToolParser:
         withheld as content, and no calls are looked for after that."""
         text = self._release()
         body = text[text.index(self._opener) :] if self._opener in text else text
-        found = self._read(body)
+        try:
+            found = self._read(body)
+        except Exception:  # a user's reader: a bug there must not fail the answer
+            logger.exception("%s: reading a call failed; shown as content", self._name)
+            found = None
         checked = None if found is None else checked_calls(found, self._tools)
         if checked is None:
             # (debug, not a warning: text that merely opens with a bracket lands here)

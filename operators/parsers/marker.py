@@ -241,7 +241,11 @@ class MarkerToolParser:
 
     def _close(self, body: str, end: str, content: list[str], calls: list[ToolCallDelta]) -> None:
         """A complete body: its calls, or its text (markers included) as content."""
-        found = self._format.read_body(body)
+        try:
+            found = self._format.read_body(body)
+        except Exception:  # a user's read_body: a bug there must not fail the answer
+            logger.exception("%s: read_body failed; shown as content", self._format.name)
+            found = None
         checked = None if found is None else checked_calls(found, self._tools)
         if checked is None:
             logger.warning(

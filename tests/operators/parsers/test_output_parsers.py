@@ -43,6 +43,7 @@ from pipeline import Context, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
 EOS = ByteTokenizer.EOS
+TEST_TIME_LIMIT = 10.0  # (as tests/conftest.py gives every async test)
 
 
 def call_id(choice: int, call: int) -> str:
@@ -78,7 +79,13 @@ def byte_pieces(text: str, cuts: Sequence[int]) -> list[bytes]:
 
 
 def run(graph: Any, req: PreprocessedRequest) -> list[BackendOutput]:
-    return anyio.run(collect, graph, make_context(req))
+    """``collect`` from a synchronous (Hypothesis) test, under the suite's time limit."""
+
+    async def limited() -> list[BackendOutput]:
+        with anyio.fail_after(TEST_TIME_LIMIT):
+            return await collect(graph, make_context(req))
+
+    return anyio.run(limited)
 
 
 def assembled(outputs: Sequence[BackendOutput], index: int = 0) -> dict[str, Any]:

@@ -339,6 +339,17 @@ def test_a_marker_format_in_one_line_and_a_custom_body_in_one_method() -> None:
     assert result.calls == [("f", '{"x": 2}')]
 
 
+def test_a_failing_user_reader_shows_the_text(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken(MarkerToolFormat):
+        def read_body(self, body: str) -> list[tuple[object, object]] | None:
+            raise KeyError(body)
+
+    text = 'a <call>{"name": "f"}</call>'
+    result = parse(list(text), Broken(start="<call>", end="</call>", name="broken"))
+    assert (result.content, result.calls) == (text, [])
+    assert "broken: read_body failed" in caplog.text
+
+
 def test_formats_refuse_empty_markers() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         MarkerToolFormat(start="")
