@@ -46,8 +46,9 @@ __all__ = (
 
 @dataclass(slots=True)
 class Parsed:
-    """What one feed (or the finish) of a parser releases, in that order within the text:
-    reasoning, content, call pieces."""
+    """What one feed (or the finish) of a parser releases. Each kind is in the order of
+    the text; between kinds the order within one feed is not kept (OpenAI's deltas carry
+    content, reasoning and calls apart, and clients assemble each on its own)."""
 
     content: str = ""
     reasoning: str = ""

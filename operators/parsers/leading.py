@@ -261,8 +261,9 @@ class LeadingToolParser:
         return text
 
     def _close(self, content: list[str], calls: list[ToolCallDelta]) -> None:
-        """The value closed (or the output ended inside it): its calls, or all the text
-        withheld as content, and no calls are looked for after that."""
+        """The value closed (or the output ended inside it): its calls, after which
+        separators and another call may follow; or else all the text withheld, as content,
+        and everything after it is content too."""
         text = self._release()
         body = text[text.index(self._opener) :] if self._opener in text else text
         try:
