@@ -152,7 +152,7 @@ async def test_insert_before_splices_operators_into_the_served_graph_in_order() 
     [
         ("backend", "expected STAGE=MODULE:NAME"),
         ("backend=shout", "expected STAGE=MODULE:NAME"),
-        ("detokenizer=shout:Shout", "'preprocessor', 'migration', 'backend'"),
+        ("detokenizer=shout:Shout", "'preprocessor', 'parser', 'migration', 'backend'"),
     ],
 )
 def test_a_malformed_insertion_is_a_usage_error(
