@@ -163,9 +163,7 @@ class KvRouter:
     def _remember(self, worker: str, blocks: Sequence[Hashable], expires: float) -> None:
         blocks = tuple(blocks)  # the caller's list may change later
         self.index.stored(worker, blocks)
-        expiry = self._expiry.setdefault(worker, {})
-        for block in blocks:
-            expiry[block] = expires
+        self._expiry.setdefault(worker, {}).update(dict.fromkeys(blocks, expires))
         self._expiring.append((expires, worker, blocks))
 
     def _expire(self, now: float) -> None:

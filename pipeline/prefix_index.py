@@ -188,7 +188,9 @@ class PrefixIndex:
                     result[worker] = depth
                 if not still:
                     return result
-                active = still
+                # the interned set when there is one: the next blocks are likely held by
+                # exactly these workers, and then the identity check above is enough
+                active = self._interned.get(still, still)
         else:
             depth = len(block_ids)
         if active is not None:
@@ -217,16 +219,24 @@ class PrefixIndex:
     def stored(self, worker: str, block_ids: Iterable[BlockId]) -> None:
         """``worker`` now holds ``block_ids`` (already held ones are no change)."""
         mine = self._blocks.setdefault(worker, set())
+        new = [block for block in block_ids if block not in mine]
+        if not new:
+            return
+        mine.update(new)
         plus = self._plus.setdefault(worker, {})
         holders = self._holders
-        for block in block_ids:
-            if block in mine:
-                continue
-            mine.add(block)
-            before = holders.get(block, _NOBODY)
-            after = plus.get(before)
-            if after is None:
-                after = plus[before] = self._intern(before | {worker})
+        get = holders.get
+        # Neighbouring blocks mostly have the same holders: reuse the last transition.
+        last_before: frozenset[str] | None = None
+        after = _NOBODY
+        for block in new:
+            before = get(block, _NOBODY)
+            if before is not last_before:
+                last_before = before
+                found = plus.get(before)
+                if found is None:
+                    found = plus[before] = self._intern(before | {worker})
+                after = found
             holders[block] = after
 
     def removed(self, worker: str, block_ids: Iterable[BlockId]) -> None:
