@@ -138,6 +138,8 @@ class MarkerToolParser:
         "_brackets",
         "_calls",
         "_format",
+        "_gap",
+        "_gap_before_body",
         "_in_body",
         "_scanner",
         "_tail",
@@ -156,6 +158,12 @@ class MarkerToolParser:
         self._tail = ""  # the body's last len(end) - 1 characters (an end marker may span)
         #: without an end marker: the body's JSON value, once its first bracket came
         self._brackets: BracketScanner | None = None
+        #: whitespace after the last call, withheld: it is dropped if only calls or the
+        #: end follow (the newline a model, or a constraint's separator, puts between
+        #: calls is not content), and shown with the next text otherwise
+        self._gap: str | None = None
+        #: the gap that came before the open call's start marker (shown if it is malformed)
+        self._gap_before_body = ""
         #: characters withheld: a possible start marker, or the open call so far
         self.held = 0
 
@@ -164,10 +172,11 @@ class MarkerToolParser:
         if not self._in_body:
             released, marker, text = self._scanner.scan(text)
             if marker is None:
-                self.held = self._scanner.held
+                released = self._outside(released)
+                self.held = self._scanner.held + len(self._gap or "")
                 return Parsed(released)
-            self._in_body = True
-            content = [released]
+            content = [self._outside(released)]
+            self._open()
         else:
             content = []
         calls: list[ToolCallDelta] = []
@@ -176,24 +185,46 @@ class MarkerToolParser:
                 text = self._feed_body(text, content, calls)
             else:
                 released, marker, text = self._scanner.scan(text)
-                content.append(released)
-                self._in_body = marker is not None
+                content.append(self._outside(released))
+                if marker is not None:
+                    self._open()
         if self._in_body:
-            self.held = len(self._format.start) + self._body_len
+            self.held = len(self._gap_before_body) + len(self._format.start) + self._body_len
         else:
-            self.held = self._scanner.held
+            self.held = self._scanner.held + len(self._gap or "")
         return Parsed("".join(content), "", calls)
 
     def finish(self) -> Parsed:
         """Release what is withheld: a partial marker as content; an open call (no end
-        marker yet) as calls if its body is already valid, as content otherwise."""
+        marker yet) as calls if its body is already valid, as content otherwise.
+        Whitespace after the last call is dropped."""
         self.held = 0
         if not self._in_body:
-            return Parsed(self._scanner.flush())
+            text = self._outside(self._scanner.flush())
+            self._gap = None
+            return Parsed(text)
         content: list[str] = []
         calls: list[ToolCallDelta] = []
         self._close("".join(self._body), "", content, calls)
+        self._gap = None
         return Parsed("".join(content), "", calls)
+
+    def _outside(self, released: str) -> str:
+        """``released`` text outside calls, minus whitespace withheld after a call."""
+        gap = self._gap
+        if gap is None or not released:
+            return released
+        if released.isspace():
+            self._gap = gap + released
+            return ""
+        self._gap = None
+        return gap + released
+
+    def _open(self) -> None:
+        """A start marker: the whitespace before it belongs to the call, not to content."""
+        self._in_body = True
+        self._gap_before_body = self._gap or ""
+        self._gap = None
 
     def _feed_body(self, text: str, content: list[str], calls: list[ToolCallDelta]) -> str:
         """Take ``text`` into the open body; the text after the body, once it closed."""
@@ -223,8 +254,9 @@ class MarkerToolParser:
                 return ""
             if text[start] not in "[{":
                 body = "".join(self._body) + text[:start]
-                content.append(self._format.start + body)
+                content.append(self._gap_before_body + self._format.start + body)
                 logger.debug("%s: %r not followed by a JSON value", self._format.name, body)
+                self._gap_before_body = ""
                 self._reset()
                 return text[start:]
             brackets = self._brackets = BracketScanner()
@@ -255,11 +287,13 @@ class MarkerToolParser:
                 len(body),
             )
             logger.debug("%s: the body was %r", self._format.name, body)
-            content.append(self._format.start + body + end)
+            content.append(self._gap_before_body + self._format.start + body + end)
         else:
             for name, arguments in checked:
                 calls.extend(call_pieces(self._calls, name, arguments))
                 self._calls += 1
+            self._gap = ""  # whitespace after a call waits to see what follows
+        self._gap_before_body = ""
         self._reset()
 
     def _reset(self) -> None:

@@ -74,6 +74,8 @@ class Case:
     content: str = ""
     reasoning: str = ""
     calls: list[tuple[str, str]] = field(default_factory=list)
+    #: what each piece shows: ("call", ""), ("reasoning", ""), or ("text", its content)
+    shown: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -85,6 +87,29 @@ class Case:
         self.content += content
         self.reasoning += reasoning
         self.calls.extend(calls)
+        shown = "call" if calls else "reasoning" if reasoning and not content else "text"
+        self.shown.append((shown, content))
+
+    def drop_gaps_after_calls(self) -> None:
+        """Marker formats drop whitespace between a call and the next call or the end
+        (a newline between calls is not content); whitespace followed by other text is
+        shown with it."""
+        parts: list[str] = []
+        gap: str | None = None
+        for kind, content in self.shown:
+            if kind == "reasoning":
+                continue
+            if kind == "call":
+                gap = ""
+                continue
+            if gap is not None:
+                if not content or content.isspace():
+                    gap += content
+                    continue
+                parts.append(gap)
+                gap = None
+            parts.append(content)
+        self.content = "".join(parts)
 
     def reject_stray(self, marker: str, transparent: tuple[str, ...] = ()) -> None:
         """Reject the case when consecutive text pieces (reading through pieces of the
@@ -161,6 +186,7 @@ def hermes_cases(draw: st.DrawFn, *, think: bool = False) -> Case:
         assume("</think>" not in inner)
         case.add("open", f"<think>{inner}", reasoning=inner)
     case.reject_stray("<tool_call>", transparent=("think",))
+    case.drop_gaps_after_calls()
     if think:
         case.reject_stray("<think>", transparent=("call", "bad"))
     return case
@@ -193,6 +219,7 @@ def mistral_cases(draw: st.DrawFn) -> Case:
         raw = '[TOOL_CALLS] [{"name": "f", "argu'
         case.add("open", raw, content=raw)
     case.reject_stray("[TOOL_CALLS]")
+    case.drop_gaps_after_calls()
     return case
 
 
@@ -380,4 +407,10 @@ def decided(case: Case, fed: int, *, think: bool, tools: bool) -> int:
     for kind, start, end in calls:
         if start < content_count and (content_count < end or kind == "open"):
             first_held = start
+    # whitespace right after a call is withheld until something other than calls follows
+    ended = [(end, kind) for kind, _, end in calls if end <= first_held]
+    if ended:
+        end, kind = max(ended)
+        if kind == "call" and content[end:first_held].isspace():
+            first_held = end
     return content_raw[first_held] if first_held < content_count else released
