@@ -1,13 +1,14 @@
 """Adding an operator to the default graph, and serving the result.
 
 The default graph is six named stages (preprocessor, parser, migration, backend,
-encoder_router, prefill_router) in front of an engine. ``build_app(..., before={stage: [operators]})``
-inserts operators just before a stage (or ``"engine"``) and serves the result exactly like
-the default graph: metrics, migration and all. Here ``Shout`` sits between Migration and
-the Backend, so it sees detokenized text, and the echo engine loses its worker after two
-tokens: Migration retries, ``Shout`` runs again on the retry, the client never notices.
-``rewritten`` (``operators.rewriting``) gives the output its new text and hides the
-original tokens' logprobs, which would otherwise still spell the lower-case text.
+encoder_router, prefill_router) in front of an engine. ``build_app(..., before={stage:
+[operators]})`` inserts operators just before a stage (or ``"engine"``) and serves the
+result exactly like the default graph: metrics, migration and all. Here ``Shout`` sits
+between Migration and the Backend, so it sees detokenized text, and the echo engine loses
+its worker after two tokens: Migration retries, ``Shout`` runs again on the retry, the
+client never notices. ``rewritten`` (``operators.rewriting``) gives the output its new
+text and hides the original tokens' logprobs, which would otherwise still spell the
+lower-case text.
 
 Run it: ``python examples/extend_default_graph.py``.
 """

@@ -22,14 +22,17 @@ import anyio
 import pytest
 from pytest_asyncio import is_async_test
 
-#: seconds any one async test (or Hypothesis example) may run
+#: seconds any one async test (or Hypothesis example) may run, unless it is marked
+#: ``@pytest.mark.time_limit(seconds)`` (a real model answering many requests)
 TEST_TIME_LIMIT = 10.0
 
 
-def _time_limited(test: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+def _time_limited(
+    test: Callable[..., Awaitable[Any]], limit: float = TEST_TIME_LIMIT
+) -> Callable[..., Awaitable[Any]]:
     @functools.wraps(test)
     async def limited(*args: Any, **kwargs: Any) -> Any:
-        with anyio.fail_after(TEST_TIME_LIMIT, reason=f"test ran over {TEST_TIME_LIMIT:g}s"):
+        with anyio.fail_after(limit, reason=f"test ran over {limit:g}s"):
             return await test(*args, **kwargs)
 
     return limited
@@ -41,11 +44,13 @@ def _async_time_limit(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     item = request.node
     if not (is_async_test(item) or _runs_under_anyio(item)):
         return
+    marker = item.get_closest_marker("time_limit")
+    limit = TEST_TIME_LIMIT if marker is None else float(marker.args[0])
     hypothesis = getattr(item.obj, "hypothesis", None)
     if hypothesis is not None:
-        monkeypatch.setattr(hypothesis, "inner_test", _time_limited(hypothesis.inner_test))
+        monkeypatch.setattr(hypothesis, "inner_test", _time_limited(hypothesis.inner_test, limit))
     else:
-        monkeypatch.setattr(item, "obj", _time_limited(item.obj))
+        monkeypatch.setattr(item, "obj", _time_limited(item.obj, limit))
 
 
 def _runs_under_anyio(item: pytest.Item) -> bool:
