@@ -35,4 +35,6 @@ def test_backend_output_field_order() -> None:
         "stop_reason",
         "index",
         "delivered_tokens",
+        "reasoning",
+        "tool_calls",
     ]
