@@ -196,6 +196,9 @@ def local_echo() -> Iterator[ServerProcess]:
 MOCKER = ["--engine", "mocker", "--mocker-decode-ms-per-step", "0.2"]
 SECRET = ["--transfer-secret", "shared-by-this-deployment"]
 ECHO_DELAY = ["--echo-delay-ms", "15"]
+#: long enough streams (60 tokens, 2.4 s) that all 32 have started before the first ends,
+#: even on a loaded machine (at 15 ms, 0.9 s, a busy frontend started the last ones late)
+SLOW_ECHO = ["--echo-delay-ms", "40"]
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +297,8 @@ async def test_remote_workers_stream_exactly_like_the_embedded_server(
     await wait_until(lambda: (len(a.served()), len(b.served())) == (8, 8), within=2)
 
 
-@workers(w1=ECHO_DELAY, w2=ECHO_DELAY, w3=ECHO_DELAY)
+@workers(w1=SLOW_ECHO, w2=SLOW_ECHO, w3=SLOW_ECHO)
+@pytest.mark.time_limit(30)
 async def test_a_worker_killed_mid_stream_under_load_is_invisible(
     deployment: Deployment, local_echo: ServerProcess
 ) -> None:
@@ -304,12 +308,12 @@ async def test_a_worker_killed_mid_stream_under_load_is_invisible(
     got: list[dict[str, Any] | None] = [None] * len(requests)
     started = [anyio.Event() for _ in requests]
     done_before_kill = 0
-    async with client(deployment.server, timeout=8) as api:
+    async with client(deployment.server, timeout=15) as api:
 
         async def run(i: int) -> None:
             got[i] = await chat_stream(api, started=started[i], **requests[i])
 
-        with anyio.fail_after(8):  # a hung stream fails the test here
+        with anyio.fail_after(15):  # a hung stream fails the test here
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
                     tg.start_soon(run, i)
@@ -393,12 +397,12 @@ async def test_a_worker_sigtermed_under_load_is_invisible(
     got: list[dict[str, Any] | None] = [None] * len(requests)
     started = [anyio.Event() for _ in requests]
     leaving = deployment.workers["w1"]
-    async with client(deployment.server, timeout=8) as api:
+    async with client(deployment.server, timeout=15) as api:
 
         async def run(i: int) -> None:
             got[i] = await chat_stream(api, started=started[i], **requests[i])
 
-        with anyio.fail_after(8):  # a hung stream fails the test here
+        with anyio.fail_after(15):  # a hung stream fails the test here
             async with anyio.create_task_group() as tg:
                 for i in range(len(requests)):
                     tg.start_soon(run, i)
