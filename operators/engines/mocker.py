@@ -31,6 +31,10 @@ first launches the next step. A step lasts ``decode_ms_per_step`` plus
 ``prefill_ms_per_token`` for every prompt token admitted into it, so a new request's
 prefill stalls the sequences already decoding on the same worker: the interference that
 disaggregation removes. Transfer handles are :mod:`operators.engines._transfer_handle`.
+
+With ``cache_blocks`` the worker keeps a prefix cache (:mod:`operators.engines._prefix_cache`):
+a prompt's leading cached blocks cost no prefill, and the cache reports what it holds as KV
+events, so a KV-aware router (issue 16) has something real to win.
 """
 
 from __future__ import annotations
@@ -46,7 +50,9 @@ import anyio
 
 from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
 from pipeline import EngineError, InvalidRequest, StreamDisconnected
+from pipeline.prefix_index import KvSnapshot
 
+from ._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink, PrefixCache
 from ._step_clock import StepClock
 from ._transfer_handle import PROCESS_SECRET, digest, handle_problem, issue_handle
 from .echo import echo_logprob
@@ -76,6 +82,8 @@ class MockerStatistics(NamedTuple):
     steps: int  #: engine steps run so far
     active: int  #: sequences holding a batch slot
     waiting: int  #: requests waiting for a batch slot
+    prefill_tokens: int = 0  #: prompt tokens prefilled, not found in the prefix cache
+    cached_prompt_tokens: int = 0  #: prompt tokens found in the prefix cache
 
 
 class _Plan(NamedTuple):
@@ -105,9 +113,16 @@ class MockerEngine:
         special_ids: ids never echoed (chat-template markers, EOS).
         transfer_secret: the HMAC key of transfer handles; prefill and decode workers
             must share it. Defaults to a secret shared by every mocker in this process.
+        block_size: tokens per prefix-cache block (the KV router's block size).
+        cache_blocks: prefix-cache capacity in blocks, LRU-evicted (a prompt's leading
+            cached blocks skip prefill); 0, the default: no cache, every prompt is
+            prefilled in full (``_prefix_cache.DEFAULT_CACHE_BLOCKS`` is a typical size).
+        kv_events: receives the cache's KV events (``pipeline.prefix_index``); see
+            :attr:`kv_events` and :meth:`kv_snapshot`.
     """
 
     __slots__ = (
+        "_cache",
         "_clock",
         "_decode_s",
         "_fail_after",
@@ -140,6 +155,9 @@ class MockerEngine:
         worker_id: str = "mocker",
         special_ids: Iterable[int] = (),
         transfer_secret: bytes | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        cache_blocks: int = 0,
+        kv_events: KvEventSink | None = None,
     ) -> None:
         if role not in ("aggregated", "prefill", "decode", "encode"):
             raise ValueError(f"unknown mocker role {role!r}")
@@ -151,6 +169,8 @@ class MockerEngine:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if fail_after_tokens is not None and fail_after_tokens < 0:
             raise ValueError(f"fail_after_tokens must be >= 0, got {fail_after_tokens}")
+        if cache_blocks < 0:
+            raise ValueError(f"cache_blocks must be >= 0, got {cache_blocks}")
         #: this worker's role
         self.role: Role = role
         #: this worker's name in handles and encoder results
@@ -166,6 +186,7 @@ class MockerEngine:
         self._clock = StepClock(self._decode_s, self._prefill_s)
         self._slots = anyio.Semaphore(max_batch)
         self._waiting = 0
+        self._cache = PrefixCache(block_size, cache_blocks, kv_events) if cache_blocks else None
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, **options: Any) -> MockerEngine:
@@ -174,11 +195,31 @@ class MockerEngine:
 
     def statistics(self) -> MockerStatistics:
         """Steps run, sequences in flight, requests waiting for a batch slot."""
+        cache = self._cache
         return MockerStatistics(
             steps=self._clock.step,
             active=self._max_batch - self._slots.value,
             waiting=self._waiting,
+            prefill_tokens=0 if cache is None else cache.computed_tokens,
+            cached_prompt_tokens=0 if cache is None else cache.cached_tokens,
         )
+
+    @property
+    def kv_events(self) -> KvEventSink | None:
+        """Where the prefix cache reports blocks stored, removed and cleared (None: nowhere).
+
+        A sink set after requests were served should start from :meth:`kv_snapshot`.
+        """
+        return None if self._cache is None else self._cache.sink
+
+    @kv_events.setter
+    def kv_events(self, sink: KvEventSink | None) -> None:
+        if self._cache is not None:
+            self._cache.sink = sink
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """Every block the prefix cache holds, as of its last event (empty: no cache)."""
+        return KvSnapshot(()) if self._cache is None else self._cache.snapshot()
 
     # ------------------------------------------------------------------------- tokens
 
@@ -297,11 +338,16 @@ class MockerEngine:
                 f"mocker {self.worker_id!r}: injected disconnect before the first token",
                 request_id=ctx.id,
             )
+        cache = self._cache if plan.prefill_tokens and self.role != "encode" else None
+        blocks = cache.block_ids(request.token_ids) if cache is not None else []
         self._waiting += 1
         try:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        if cache is not None:  # leading cached blocks skip prefill (not the images)
+            hit = cache.lookup(blocks, len(request.token_ids))
+            plan = plan._replace(prefill_tokens=plan.prefill_tokens - hit)
         clock = self._clock
         first, last = clock.join(anyio.current_time(), plan.prefill_tokens, max(plan.length, 1))
         try:
@@ -331,6 +377,8 @@ class MockerEngine:
                 await clock.wait_step(first + emitted)
                 if ctx.is_stopped:
                     return
+                if emitted == 0 and cache is not None:
+                    cache.store(blocks)  # prefilled: the prompt's blocks are now cached
                 token_id = next(sequence)
                 finish: FinishReason | None = "length" if emitted == final else None
                 handle = None
