@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES
+from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES, ROUTERS
 from .insertions import insertion
 from .options import (
     add_engine_options,
@@ -129,7 +129,31 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=1,
         metavar="M",
-        help="decode (or aggregated) workers, round-robin",
+        help="decode (or aggregated) workers, routed as --router says",
+    )
+    workers.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="round-robin",
+        help=(
+            "how a request picks a decode/aggregated worker: 'kv' prefers the worker caching "
+            "the longest prefix of its prompt, weighed against its load (from the mockers' "
+            "KV events; for engines that report none, from where it sent earlier requests)"
+        ),
+    )
+    workers.add_argument(
+        "--kv-overlap-weight",
+        type=non_negative_float,
+        default=1.0,
+        metavar="W",
+        help="--router kv: the cost of one block to prefill, in requests in flight",
+    )
+    workers.add_argument(
+        "--router-temperature",
+        type=non_negative_float,
+        default=0.0,
+        metavar="T",
+        help="--router kv: 0 picks the cheapest worker; above 0 samples by exp(-cost/T)",
     )
     workers.add_argument(
         "--prefill-workers",
@@ -291,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject option combinations argparse cannot express (exits with code 2)."""
     if args.command == "serve":
+        if args.router != "round-robin" and (args.nats is not None or args.engine == "llama"):
+            parser.error(
+                "--router needs in-process workers (--engine echo or mocker, without --nats)"
+            )
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
                 parser.error(

@@ -26,6 +26,7 @@ from .defaults import (
     TRANSFER_SECRET_ENV,
     EngineName,
     Role,
+    RouterName,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +67,10 @@ class EngineConfig:
     mocker_max_batch: int = 64
     mocker_tokens: Literal["echo", "random"] = "echo"
     mocker_seed: int = 0
+    #: prefix-cache blocks per mocker; None: DEFAULT_CACHE_BLOCKS under --router kv, else 0
+    mocker_cache_blocks: int | None = None
+    #: tokens per KV block: the mockers' cache and the KV router must agree
+    kv_block_size: int = 16
     #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
     transfer_secret: str | None = None
 
@@ -106,6 +111,10 @@ class ServeConfig:
     default_max_tokens: int | None = None
     migration_limit: int = 3
     decode_workers: int = 1
+    #: how a request picks one of the in-process decode/aggregated workers
+    router: RouterName = "round-robin"
+    kv_overlap_weight: float = 1.0
+    router_temperature: float = 0.0
     prefill_workers: int = 0
     encode_workers: int = 0
     disagg_min_prompt_tokens: int = 0

@@ -18,8 +18,10 @@ __all__ = (
     "NATS_CONNECT_TIMEOUT",
     "ROLES",
     "TRANSFER_SECRET_ENV",
+    "ROUTERS",
     "EngineName",
     "Role",
+    "RouterName",
 )
 
 #: what the echo engine is served as unless ``--model-name`` says otherwise
@@ -36,6 +38,10 @@ DEFAULT_LLAMA_STEP_TOKENS: Final = 128
 TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
+
+RouterName = Literal["round-robin", "random", "least-loaded", "kv"]
+#: how ``serve`` picks one of its in-process decode/aggregated workers for a request
+ROUTERS: Final[tuple[RouterName, ...]] = ("round-robin", "random", "least-loaded", "kv")
 
 EngineName = Literal["echo", "mocker", "llama"]
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.engines import EchoEngine
+from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
 from operators.llm import EngineOutput, PreprocessedRequest
 from operators.openai.metrics import BatchingCounts, ServerMetrics
@@ -38,8 +39,15 @@ def load_tokenizer(path: Path | None) -> Tokenizer:
     return Tokenizer.from_file(path)
 
 
-def make_engine(config: EngineConfig, tokenizer: Tokenizer, role: str, worker_id: str) -> Any:
-    """An echo or mocker engine as ``config`` says, for one worker in ``role``."""
+def make_engine(
+    config: EngineConfig, tokenizer: Tokenizer, role: str, worker_id: str, *, kv: bool = False
+) -> Any:
+    """An echo or mocker engine as ``config`` says, for one worker in ``role``.
+
+    ``kv``: a KV router will listen to the mocker's cache, which is then on unless
+    ``--mocker-cache-blocks`` says otherwise (without a listener the cache would only
+    change the timing users know).
+    """
     if config.engine == "echo":
         return EchoEngine.from_tokenizer(
             tokenizer,
@@ -48,6 +56,9 @@ def make_engine(config: EngineConfig, tokenizer: Tokenizer, role: str, worker_id
             fail_after_tokens=config.fail_after_tokens,
         )
     secret = config.transfer_secret
+    cache_blocks = config.mocker_cache_blocks
+    if cache_blocks is None:
+        cache_blocks = DEFAULT_CACHE_BLOCKS if kv else 0
     return MockerEngine.from_tokenizer(
         tokenizer,
         role=role,
@@ -59,18 +70,24 @@ def make_engine(config: EngineConfig, tokenizer: Tokenizer, role: str, worker_id
         seed=config.mocker_seed,
         fail_after_tokens=config.fail_after_tokens,
         transfer_secret=None if secret is None else secret.encode(),
+        block_size=config.kv_block_size,
+        cache_blocks=cache_blocks,
     )
 
 
 def worker_set(
-    config: EngineConfig, tokenizer: Tokenizer, role: str, count: int
+    config: EngineConfig, tokenizer: Tokenizer, role: str, count: int, *, kv: bool = False
 ) -> _Workers | None:
-    """``count`` in-process workers in ``role`` (None for none), named ``ROLE-i``."""
+    """``count`` in-process workers in ``role`` (None for none), named ``ROLE-i``; ``kv``:
+    behind a KV router (see :func:`make_engine`)."""
     if count == 0:
         return None
     return WorkerSet(
         role,
-        {f"{role}-{i}": make_engine(config, tokenizer, role, f"{role}-{i}") for i in range(count)},
+        {
+            f"{role}-{i}": make_engine(config, tokenizer, role, f"{role}-{i}", kv=kv)
+            for i in range(count)
+        },
     )
 
 

@@ -239,6 +239,24 @@ def add_engine_options(
         "--mocker-seed", type=int, default=0, help="seed for --mocker-tokens random"
     )
     mocker.add_argument(
+        "--mocker-cache-blocks",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help=(
+            "prefix-cache capacity per mocker, in --kv-block-size blocks, LRU-evicted: cached "
+            "prompt blocks skip prefill and are reported to the KV router (0: no cache; "
+            "None: 4096 with serve --router kv, else 0)"
+        ),
+    )
+    mocker.add_argument(
+        "--kv-block-size",
+        type=positive_int,
+        default=16,
+        metavar="N",
+        help="tokens per KV cache block (the mocker's cache and the KV router's)",
+    )
+    mocker.add_argument(
         "--transfer-secret",
         default=None,
         metavar="SECRET",

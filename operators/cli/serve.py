@@ -11,21 +11,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
 from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.openai.guard import Guard
 from operators.openai.images import ImagePolicy
 from operators.openai.metrics import ServerMetrics
 from operators.serving import build_app, serve
-from pipeline import Engine, RoundRobin, Router, WorkerSet
+from pipeline import Engine, Router, WorkerSet
 
 from .config import ServeConfig
 from .engines import load_llama, watch_llama, worker_set
 from .insertions import load_insertions
 from .nats import close_nats, connect_nats
 from .output_options import output_options
+from .routing import routing_policy
 
 if TYPE_CHECKING:
     from operators.graph import GraphOptions
@@ -45,8 +48,13 @@ def _engine_and_options(
     tokenizer: Tokenizer,
     workers: WorkerSets | None,
     engine: _Engine | None,
+    metrics: ServerMetrics | None = None,
 ) -> tuple[_Engine, GraphOptions]:
     """The engine to put behind the default graph, and the graph's options.
+
+    In-process decode workers are routed as ``config.router`` says (one worker under the
+    default round-robin is used directly); their KV routing decisions and prefix-cache
+    counts go to ``metrics``.
 
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
@@ -62,9 +70,15 @@ def _engine_and_options(
     elif workers is None:
         engine_config = config.engine
         decode_role = "decode" if config.prefill_workers else "aggregated"
-        decode = worker_set(engine_config, tokenizer, decode_role, config.decode_workers)
+        kv = config.router == "kv"
+        decode = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
         assert decode is not None
-        engine = decode.members[0].engine if len(decode) == 1 else Router(decode, RoundRobin())
+        if len(decode) == 1 and config.router == "round-robin":
+            engine = decode.members[0].engine
+        else:
+            engine = Router(decode, routing_policy(config, decode, metrics))
+        if metrics is not None and engine_config.engine == "mocker":
+            metrics.watch_prefill(_prefill_counts(decode))
         encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
         prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers)
     else:
@@ -91,6 +105,21 @@ def _engine_and_options(
     return engine, options
 
 
+def _prefill_counts(workers: _Workers) -> Callable[[], dict[str, tuple[int, int]]]:
+    """Per worker, (prompt tokens prefilled, prompt tokens found cached), at scrape time."""
+
+    def counts() -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
+        for worker in workers.members:
+            statistics = getattr(worker.engine, "statistics", None)
+            stats = statistics() if statistics is not None else None
+            if isinstance(stats, MockerStatistics):
+                found[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
+        return found
+
+    return counts
+
+
 def build_graph(
     config: ServeConfig | argparse.Namespace,
     tokenizer: Tokenizer,
@@ -111,7 +140,7 @@ def build_graph(
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
-    engine, options = _engine_and_options(config, tokenizer, workers, engine)
+    engine, options = _engine_and_options(config, tokenizer, workers, engine, metrics)
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
@@ -171,7 +200,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 return 1
             stack.push_async_callback(loaded.aclose)
             watch_llama(metrics, loaded)
-        engine, options = _engine_and_options(config, tokenizer, workers, loaded)
+        engine, options = _engine_and_options(config, tokenizer, workers, loaded, metrics)
         app = build_app(
             engine,
             tokenizer,

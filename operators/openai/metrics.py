@@ -23,12 +23,17 @@ Series::
     llm_pipeline_llama_prefill_tokens_total          counter, prompt tokens evaluated
     llm_pipeline_llama_cached_prompt_tokens_total    counter, prompt tokens found in the cache
     llm_pipeline_llama_decode_tokens_total           counter, tokens fed to decode (+ drafts)
+    llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
+    llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
+    llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
+    llm_pipeline_prefill_tokens_total{worker}        counter, prompt tokens prefilled (mocker)
+    llm_pipeline_cached_prompt_tokens_total{worker}  counter, prompt tokens found cached (mocker)
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Final, NamedTuple, final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -206,6 +211,28 @@ def _batch_size_family(batch_sizes: Sequence[int]) -> HistogramMetricFamily:
     )
 
 
+class _PrefillCollector(Collector):
+    def __init__(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        computed = CounterMetricFamily(
+            "llm_pipeline_prefill_tokens",
+            "Prompt tokens a worker prefilled (not found in its prefix cache).",
+            labels=["worker"],
+        )
+        cached = CounterMetricFamily(
+            "llm_pipeline_cached_prompt_tokens",
+            "Prompt tokens a worker found in its prefix cache (their prefill was skipped).",
+            labels=["worker"],
+        )
+        for worker, (prefilled, found) in sorted(self._counts().items()):
+            computed.add_metric([worker], prefilled)
+            cached.add_metric([worker], found)
+        yield computed
+        yield cached
+
+
 @final
 class ServerMetrics:
     """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
@@ -270,8 +297,25 @@ class ServerMetrics:
             "Generation requests killed at their deadline (--request-timeout).",
             registry=self.registry,
         )
+        self.kv_hit_blocks = Counter(
+            "llm_pipeline_kv_hit_blocks",
+            "Prompt blocks the KV router sent to a worker already holding them.",
+            registry=self.registry,
+        )
+        self.kv_miss_blocks = Counter(
+            "llm_pipeline_kv_miss_blocks",
+            "Prompt blocks the KV router sent to a worker that must prefill them.",
+            registry=self.registry,
+        )
+        self.router_decisions = Counter(
+            "llm_pipeline_router_decisions",
+            "Requests the KV router sent to each worker.",
+            ["worker"],
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         self._request_counters: dict[tuple[str, int], Counter] = {}
+        self._decision_counters: dict[str, Counter] = {}
 
     def count_request(self, endpoint: str, status: int) -> None:
         """Count one finished request."""
@@ -284,6 +328,23 @@ class ServerMetrics:
     def count_migration(self, kind: str, outcome: str) -> None:
         """Count one lost worker (the ``on_event`` hook of :class:`operators.Migration`)."""
         self.migrations.labels(kind, outcome).inc()
+
+    def count_kv_decision(self, worker: str, hit: int, miss: int) -> None:
+        """Count one KV routing decision (``KvRouter``'s ``on_decision``): it runs on the
+        routing path, so the worker's counter is looked up once."""
+        counter = self._decision_counters.get(worker)
+        if counter is None:
+            counter = self._decision_counters[worker] = self.router_decisions.labels(worker)
+        counter.inc()
+        if hit:
+            self.kv_hit_blocks.inc(hit)
+        if miss:
+            self.kv_miss_blocks.inc(miss)
+
+    def watch_prefill(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Expose workers' prefill counts, read at scrape time: ``counts()`` maps a worker
+        id to (prompt tokens prefilled, prompt tokens found in its prefix cache)."""
+        self.registry.register(_PrefillCollector(counts))
 
     def watch_speculation(self, counts: Callable[[], tuple[int, int]]) -> None:
         """Expose an engine's speculative-decoding counts, read at scrape time.

@@ -1,0 +1,76 @@
+"""The routing policy ``serve --router`` asks for over its in-process workers.
+
+``kv`` builds one :class:`~pipeline.prefix_index.PrefixIndex` for the worker set and feeds
+it in-process: each mocker's cache reports its KV events to a sink that applies them under
+the worker's id (no transport: the events are applied synchronously, on the loop that
+routes). When some worker's engine reports nothing (echo, a user's engine), the router
+approximates instead: it assumes a worker caches what it sent there, and the index is fed
+by the router alone (mixing both would let the router's guesses and the events fight).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from operators.kv_blocks import request_block_ids
+from pipeline import KvRouter, LeastLoaded, Random, RoundRobin, WorkerSet
+from pipeline.prefix_index import KvEvent, PrefixIndex
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from operators.openai.metrics import ServerMetrics
+    from pipeline.routers import RoutingPolicy
+
+    from .config import ServeConfig
+
+__all__ = ("routing_policy",)
+
+
+def routing_policy(
+    config: ServeConfig, workers: WorkerSet[Any, Any], metrics: ServerMetrics | None = None
+) -> RoutingPolicy:
+    """The policy ``config.router`` names over ``workers``; ``kv`` decisions are counted in
+    ``metrics`` (hit and miss blocks, decisions per worker)."""
+    name = config.router
+    if name == "round-robin":
+        return RoundRobin()
+    if name == "random":
+        return Random()
+    if name == "least-loaded":
+        return LeastLoaded()
+    index = PrefixIndex()
+    reporting = all(_listen(index, worker.id, worker.engine) for worker in workers.members)
+    if not reporting:
+        for worker in workers.members:  # the router's own beliefs only
+            if hasattr(worker.engine, "kv_events"):
+                worker.engine.kv_events = None
+            index.remove_worker(worker.id)
+    return KvRouter(
+        index,
+        request_block_ids(config.engine.kv_block_size),
+        overlap_weight=config.kv_overlap_weight,
+        temperature=config.router_temperature,
+        approximate=not reporting,
+        on_decision=None if metrics is None else metrics.count_kv_decision,
+    )
+
+
+def _listen(index: PrefixIndex, worker_id: str, engine: Any) -> bool:
+    """Feed ``engine``'s KV events into ``index`` as ``worker_id``'s; False: it has none."""
+    if not hasattr(engine, "kv_snapshot"):
+        return False
+    engine.kv_events = _sink(index, worker_id, engine)
+    if engine.kv_events is None:  # the engine took no sink: its cache is off
+        return False
+    index.apply(worker_id, engine.kv_snapshot())
+    return True
+
+
+def _sink(index: PrefixIndex, worker_id: str, engine: Any) -> Callable[[KvEvent], None]:
+    def apply(event: KvEvent) -> None:
+        # In-process nothing is lost; a gap would still be repaired by a fresh snapshot.
+        if not index.apply(worker_id, event):
+            index.apply(worker_id, engine.kv_snapshot())
+
+    return apply

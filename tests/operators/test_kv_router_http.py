@@ -1,0 +1,176 @@
+"""``serve --router kv`` through the HTTP server with the official client: a conversation's
+second turn lands on the worker that served its first (seen in /metrics) and prefills less."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from operators import cli
+from operators.openai.metrics import ServerMetrics
+from operators.openai.server import OpenAIApp
+from operators.testing import openai_client
+from operators.tokenizer import Tokenizer
+
+TOKENIZER = Tokenizer.default()
+SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 12
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = cli.build_parser()
+    args = parser.parse_args(argv)
+    cli._check_args(parser, args)
+    return args
+
+
+def app_for(*argv: str) -> tuple[OpenAIApp, ServerMetrics]:
+    metrics = ServerMetrics()
+    graph = cli.build_graph(parse("serve", *argv), TOKENIZER, metrics)
+    return OpenAIApp(graph, model_name="m", metrics=metrics), metrics
+
+
+async def scrape(app: OpenAIApp) -> dict[tuple[str, str], float]:
+    """/metrics as {(sample name, worker label or ''): value}."""
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
+        text = (await c.get("/metrics")).text
+    return {
+        (sample.name, sample.labels.get("worker", "")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+Samples = dict[tuple[str, str], float]
+
+
+def changed(before: Samples, after: Samples, name: str) -> dict[str, float]:
+    """{worker: increase} of ``name``'s samples that rose."""
+    return {
+        worker: value - before.get((sample, worker), 0.0)
+        for (sample, worker), value in after.items()
+        if sample == name and value > before.get((sample, worker), 0.0)
+    }
+
+
+async def conversation_lands_on_one_worker(*argv: str) -> dict[str, dict[str, float]]:
+    """Two conversations, interleaved; returns each metric's increase over the 2nd turns."""
+    app, _ = app_for("--model-name", "m", "--decode-workers", "4", "--router", "kv", *argv)
+    history: dict[str, list[Any]] = {}
+    first_worker: dict[str, str] = {}
+    async with openai_client(app) as client:
+        for name in ("alice", "bob"):  # first turns
+            history[name] = [
+                {"role": "system", "content": SYSTEM + name},
+                {"role": "user", "content": f"Hello, I am {name}. What is a prefix cache?"},
+            ]
+            before = await scrape(app)
+            reply = await client.chat.completions.create(
+                model="m",
+                messages=history[name],
+                max_tokens=8,
+            )
+            history[name].append(
+                {"role": "assistant", "content": reply.choices[0].message.content or ""}
+            )
+            history[name].append({"role": "user", "content": "And why does routing matter?"})
+            [first_worker[name]] = changed(
+                before, await scrape(app), "llm_pipeline_router_decisions_total"
+            )
+        increases: dict[str, dict[str, float]] = {}
+        for name in ("alice", "bob"):  # second turns: history + answer + a new question
+            before = await scrape(app)
+            await client.chat.completions.create(
+                model="m",
+                messages=history[name],
+                max_tokens=8,
+            )
+            after = await scrape(app)
+            decided = changed(before, after, "llm_pipeline_router_decisions_total")
+            assert decided == {first_worker[name]: 1.0}, (name, first_worker, decided)
+            for metric in ("llm_pipeline_kv_hit_blocks_total", "llm_pipeline_kv_miss_blocks_total"):
+                increases.setdefault(metric, {}).update(changed(before, after, metric))
+            increases[name] = {
+                metric: changed(before, after, metric).get(first_worker[name], 0.0)
+                for metric in (
+                    "llm_pipeline_prefill_tokens_total",
+                    "llm_pipeline_cached_prompt_tokens_total",
+                )
+            }
+    return increases
+
+
+@pytest.mark.parametrize("repeat", range(3))
+async def test_the_second_turn_lands_on_the_first_turns_worker_and_prefills_less(
+    repeat: int,
+) -> None:
+    increases = await conversation_lands_on_one_worker("--engine", "mocker")
+    assert increases["llm_pipeline_kv_hit_blocks_total"][""] > 0  # the router saw the prefix
+    for name in ("alice", "bob"):
+        prefilled = increases[name]["llm_pipeline_prefill_tokens_total"]
+        cached = increases[name]["llm_pipeline_cached_prompt_tokens_total"]
+        # the first turn's prompt (> 150 tokens of system prompt) came from the cache; only
+        # its partial last block, the answer and the new question were computed
+        assert cached >= 150
+        assert 0 < prefilled < cached
+
+
+async def test_an_engine_without_kv_events_is_routed_by_approximation() -> None:
+    increases = await conversation_lands_on_one_worker("--engine", "echo")
+    assert increases["llm_pipeline_kv_hit_blocks_total"][""] > 0
+
+
+async def test_the_default_router_is_round_robin_and_counts_no_kv_decisions() -> None:
+    app, metrics = app_for("--model-name", "m", "--decode-workers", "2", "--engine", "mocker")
+    async with openai_client(app) as client:
+        for _ in range(2):
+            await client.completions.create(model="m", prompt="a b c", max_tokens=2)
+    text = metrics.render().decode()
+    assert "llm_pipeline_router_decisions_total{" not in text
+    assert "llm_pipeline_kv_hit_blocks_total 0.0" in text
+    # no --router kv: the mockers keep no cache, as before
+    assert 'llm_pipeline_cached_prompt_tokens_total{worker="aggregated-0"} 0.0' in text
+
+
+def test_the_router_flags_become_the_config() -> None:
+    config = cli.ServeConfig.from_args(
+        parse(
+            "serve",
+            "--engine",
+            "mocker",
+            "--decode-workers",
+            "4",
+            "--router",
+            "kv",
+            "--kv-overlap-weight",
+            "0.5",
+            "--router-temperature",
+            "0.1",
+            "--kv-block-size",
+            "32",
+            "--mocker-cache-blocks",
+            "128",
+        )
+    )
+    assert (config.router, config.kv_overlap_weight, config.router_temperature) == ("kv", 0.5, 0.1)
+    assert (config.engine.kv_block_size, config.engine.mocker_cache_blocks) == (32, 128)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--router", "kv", "--nats", "nats://127.0.0.1:4222"),
+        ("--router", "least-loaded", "--engine", "llama"),
+        (
+            "--router",
+            "sticky",
+        ),
+    ],
+)
+def test_a_router_without_in_process_workers_is_a_usage_error(argv: tuple[str, ...]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse("serve", *argv)
+    assert caught.value.code == 2
