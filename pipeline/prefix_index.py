@@ -16,6 +16,15 @@ Holder sets are interned frozensets: blocks held by the same workers share one o
 the common step of the walk (the next block has the same holders) is an identity check,
 and an index of 100k blocks stores one dict entry per block, not one set per block.
 
+Once the walk is down to one or two workers (a conversation's history usually lives on
+one), it follows each worker's *runs* instead: the blocks a worker stored together, in the order
+it stored them. A run is compared with the request as two list slices, which costs a
+tenth of a dict lookup per block, so a fully cached 4k-token prompt costs a few lookups
+and a slice comparison instead of 256 lookups (``benchmarks/bench_kv_index.py``).
+Correctness does not rest on runs being chains: the index keeps every block of a run's
+live range held by its worker (an eviction inside a run splits it), so equal slices mean
+held blocks.
+
 Engines report changes as events (:class:`KvStored`, :class:`KvRemoved`,
 :class:`KvCleared`, :class:`KvSnapshot`): plain dataclasses of ints, strings and tuples,
 so a transport serializes them with :meth:`to_dict`/:func:`event_from_dict` (msgpack or
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, ClassVar, Final, Literal, TypeAlias, final
 
 __all__ = (
@@ -53,6 +63,22 @@ _INTERN_LIMIT = 1 << 16
 #: events kept per worker while a snapshot is awaited; beyond it they are dropped and the
 #: next snapshot's successor events show a gap again (another snapshot is asked for)
 PENDING_LIMIT = 1 << 16
+
+#: the walk follows each worker's runs once this few workers are left: the walk costs a
+#: dict lookup per block for all of them, following costs a few list comparisons per
+#: worker (measured: 1-2 is best at 4 and 16 workers; more is slower on shared prefixes)
+_FOLLOW = 2
+
+
+class _Run:
+    """Blocks one worker stored in one call, in order; it holds all of ``ids[start:end]``."""
+
+    __slots__ = ("end", "ids", "start")
+
+    def __init__(self, ids: list[BlockId], start: int, end: int) -> None:
+        self.ids = ids
+        self.start = start
+        self.end = end
 
 
 @final
@@ -156,7 +182,8 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self._holders: dict[BlockId, frozenset[str]] = {}
-        self._blocks: dict[str, set[BlockId]] = {}
+        # worker -> block -> (the run holding it, its position in the run's ids)
+        self._blocks: dict[str, dict[BlockId, tuple[_Run, int]]] = {}
         # holder set -> holder set with/without a worker, per worker; values interned
         self._plus: dict[str, dict[frozenset[str], frozenset[str]]] = {}
         self._minus: dict[str, dict[frozenset[str], frozenset[str]]] = {}
@@ -191,12 +218,47 @@ class PrefixIndex:
                 # the interned set when there is one: the next blocks are likely held by
                 # exactly these workers, and then the identity check above is enough
                 active = self._interned.get(still, still)
+            if len(active) <= _FOLLOW:
+                ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+                for worker in active:
+                    result[worker] = self._follow(self._blocks[worker], ids, depth)
+                return result
         else:
             depth = len(block_ids)
         if active is not None:
             for worker in active:
                 result[worker] = depth
         return result
+
+    @staticmethod
+    def _follow(mine: dict[BlockId, tuple[_Run, int]], ids: list[BlockId], depth: int) -> int:
+        """How far the worker whose blocks are ``mine`` holds ``ids`` on from ``depth``."""
+        total = len(ids)
+        while depth < total:
+            entry = mine.get(ids[depth])
+            if entry is None:
+                break
+            run, at = entry
+            length = min(run.end - at, total - depth)
+            held = run.ids
+            # Compare in growing pieces, then halve the piece that differs: the cost stays
+            # proportional to how far the request follows the run (a slice copies, and
+            # touches, every block in it), not to the run's length.
+            good, piece = 1, 16  # the first block matched in the lookup
+            while good < length:
+                bad = min(good + piece, length)
+                if ids[depth + good : depth + bad] == held[at + good : at + bad]:
+                    good, piece = bad, piece * 2
+                    continue
+                while bad - good > 1:
+                    middle = (good + bad) // 2
+                    if ids[depth + good : depth + middle] == held[at + good : at + middle]:
+                        good = middle
+                    else:
+                        bad = middle
+                break
+            depth += good
+        return depth
 
     def blocks(self, worker: str) -> int:
         """How many blocks ``worker`` holds."""
@@ -218,11 +280,19 @@ class PrefixIndex:
 
     def stored(self, worker: str, block_ids: Iterable[BlockId]) -> None:
         """``worker`` now holds ``block_ids`` (already held ones are no change)."""
-        mine = self._blocks.setdefault(worker, set())
-        new = [block for block in block_ids if block not in mine]
+        mine = self._blocks.setdefault(worker, {})
+        given = block_ids if isinstance(block_ids, list) else list(block_ids)
+        new = [block for block in given if block not in mine]
         if not new:
             return
-        mine.update(new)
+        first = given.index(new[0])
+        if given[first : first + len(new)] == new and len(set(new)) == len(new):
+            # the usual event: a held prefix (or none), then new blocks in a row
+            run = _Run(new, 0, len(new))
+            count = len(new)
+            mine.update(zip(new, zip(repeat(run, count), range(count), strict=True), strict=True))
+        else:
+            self._new_runs(mine, given)
         plus = self._plus.setdefault(worker, {})
         holders = self._holders
         get = holders.get
@@ -239,26 +309,63 @@ class PrefixIndex:
                 after = found
             holders[block] = after
 
+    @staticmethod
+    def _new_runs(mine: dict[BlockId, tuple[_Run, int]], given: list[BlockId]) -> None:
+        """Record ``given``'s new blocks in ``mine``, a run for each stretch of them."""
+        run: _Run | None = None
+        for block in given:
+            if block in mine:
+                run = None  # a run is what was new in a row
+                continue
+            if run is None:
+                run = _Run([], 0, 0)
+            mine[block] = (run, run.end)
+            run.ids.append(block)
+            run.end += 1
+
     def removed(self, worker: str, block_ids: Iterable[BlockId]) -> None:
         """``worker`` no longer holds ``block_ids`` (unknown ones are ignored)."""
         mine = self._blocks.get(worker)
-        if mine:
-            self._drop(worker, mine, [block for block in block_ids if block in mine])
+        if not mine:
+            return
+        gone = []
+        for block in block_ids:
+            entry = mine.pop(block, None)
+            if entry is None:
+                continue
+            gone.append(block)
+            run, at = entry
+            if at == run.end - 1:
+                run.end = at
+            elif at == run.start:
+                run.start = at + 1
+            else:  # split the run; the smaller side moves to a new one
+                ids = run.ids
+                if run.end - at <= at - run.start:
+                    part = _Run(ids, at + 1, run.end)
+                    run.end = at
+                else:
+                    part = _Run(ids, run.start, at)
+                    run.start = at + 1
+                for position in range(part.start, part.end):
+                    mine[ids[position]] = (part, position)
+        self._drop(worker, gone)
 
     def cleared(self, worker: str) -> None:
         """``worker`` holds nothing any more."""
         mine = self._blocks.get(worker)
         if mine:
-            self._drop(worker, mine, list(mine))
+            self._drop(worker, list(mine))
+            mine.clear()
 
     def snapshot(self, worker: str, block_ids: Iterable[BlockId]) -> None:
         """``worker`` holds exactly ``block_ids``: replaces what the index believed."""
-        wanted = set(block_ids)
+        ordered = list(block_ids)  # in their order: runs follow it
         mine = self._blocks.get(worker)
         if mine:
-            self._drop(worker, mine, [block for block in mine if block not in wanted])
-            wanted.difference_update(mine)
-        self.stored(worker, wanted)
+            wanted = set(ordered)
+            self.removed(worker, [block for block in mine if block not in wanted])
+        self.stored(worker, ordered)
 
     def remove_worker(self, worker: str) -> None:
         """Forget ``worker``: its blocks and its event order (it left, or died)."""
@@ -268,11 +375,11 @@ class PrefixIndex:
         self._minus.pop(worker, None)
         self._sequences.pop(worker, None)
 
-    def _drop(self, worker: str, mine: set[BlockId], blocks: list[BlockId]) -> None:
+    def _drop(self, worker: str, blocks: list[BlockId]) -> None:
+        """Take ``worker`` out of the holders of ``blocks`` (its own map is done already)."""
         minus = self._minus.setdefault(worker, {})
         holders = self._holders
         for block in blocks:
-            mine.discard(block)
             before = holders[block]
             after = minus.get(before)
             if after is None:

@@ -9,11 +9,14 @@ prompts do.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
+from unittest.mock import patch
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline import prefix_index
 from pipeline.prefix_index import (
     PENDING_LIMIT,
     KvCleared,
@@ -25,7 +28,7 @@ from pipeline.prefix_index import (
     event_from_dict,
 )
 
-WORKERS = ("w0", "w1", "w2", "w3")
+WORKERS = ("w0", "w1", "w2", "w3", "w4", "w5")
 
 
 def ids(prompt: str) -> list[tuple[str, ...]]:
@@ -99,12 +102,31 @@ def test_updates_removals_clears_and_snapshots() -> None:
 
 def test_a_removed_worker_drops_its_entries_and_no_one_elses() -> None:
     index = PrefixIndex()
-    for worker in WORKERS:
+    for worker in ("w0", "w1", "w2", "w3"):
         index.stored(worker, ids("shared" + worker[-1]))
     index.remove_worker("w1")
     assert index.overlaps(ids("shared1")) == {"w0": 6, "w2": 6, "w3": 6}
     assert index.blocks("w1") == 0
     assert len(index) == 6 + 3  # the shared blocks and one own block for each of the others
+
+
+def test_runs_split_by_evictions_and_restores_give_exact_counts() -> None:
+    """One worker left: the walk follows what it stored together (its runs)."""
+    index = PrefixIndex()
+    chain = ids("abcdefghij")
+    index.stored("a", chain)  # one run of ten
+    assert index.overlaps(ids("abcdefgxyz")) == {"a": 7}  # the request leaves the run
+    index.removed("a", [chain[4]])  # a hole in the middle splits it
+    assert index.overlaps(chain) == {"a": 4}
+    index.stored("a", [chain[4]])  # a run of one fills it
+    assert index.overlaps(chain) == {"a": 10}
+    index.removed("a", [chain[9], chain[0]])  # the tail, then the head
+    assert index.overlaps(chain) == {}
+    index.stored("a", chain[:1])
+    assert index.overlaps(chain) == {"a": 9}
+    for block in ids("klmnop"):  # a block per call, as decode output may be reported
+        index.stored("b", [block])
+    assert index.overlaps(ids("klmnopq")) == {"b": 6}
 
 
 class Counted:
@@ -139,47 +161,54 @@ def test_a_query_touches_only_the_requests_blocks_whatever_the_index_size(indexe
 
 # -- properties against the reference ---------------------------------------------------------
 
-prompts = st.text(alphabet="ab", min_size=1, max_size=6)
+prompts = st.text(alphabet="ab", min_size=1, max_size=8)
 workers = st.sampled_from(WORKERS)
+positions = st.integers(0, 7)
 operations = st.one_of(
-    st.tuples(st.just("stored"), workers, prompts),
-    st.tuples(st.just("removed"), workers, prompts, st.integers(0, 5)),
+    # a chain from some block on (an engine reports only the blocks it newly computed)
+    st.tuples(st.just("stored"), workers, prompts, positions),
+    # any blocks, holes in a run included
+    st.tuples(st.just("removed"), workers, prompts, st.sets(positions)),
     st.tuples(st.just("cleared"), workers),
     st.tuples(st.just("snapshot"), workers, st.lists(prompts, max_size=3)),
     st.tuples(st.just("remove_worker"), workers),
 )
 
 
+@pytest.mark.parametrize("follow", [0, 1, 100], ids=["walk", "follow-one", "follow-all"])
 @settings(max_examples=300, deadline=None)
 @given(st.lists(operations, max_size=40), st.lists(prompts, min_size=1, max_size=8))
 def test_the_index_equals_a_naive_reference_after_any_updates(
-    ops: list[tuple[object, ...]], queries: list[str]
+    follow: int, ops: list[tuple[Any, ...]], queries: list[str]
 ) -> None:
+    """Whether the walk looks up every block or follows runs from some number of workers
+    down, the answers are the reference's."""
     index = PrefixIndex()
     truth: dict[str, set[Hashable]] = {}
-    for op in ops:
-        kind, worker = op[0], str(op[1])
-        held = truth.setdefault(worker, set())
-        if kind == "stored":
-            blocks = ids(str(op[2]))
-            index.stored(worker, blocks)
-            held.update(blocks)
-        elif kind == "removed":
-            blocks = ids(str(op[2]))[int(str(op[3])) :]  # evict a tail, or all of it
-            index.removed(worker, blocks)
-            held.difference_update(blocks)
-        elif kind == "cleared":
-            index.cleared(worker)
-            held.clear()
-        elif kind == "snapshot":
-            assert isinstance(op[2], list)
-            blocks = [block for prompt in op[2] for block in ids(prompt)]
-            index.snapshot(worker, blocks)
-            truth[worker] = set(blocks)
-        else:
-            index.remove_worker(worker)
-            del truth[worker]
-        assert_matches(index, truth, queries)
+    with patch.object(prefix_index, "_FOLLOW", follow):
+        for op in ops:
+            kind, worker = op[0], op[1]
+            held = truth.setdefault(worker, set())
+            if kind == "stored":
+                blocks = ids(op[2])[op[3] :]
+                index.stored(worker, blocks)
+                held.update(blocks)
+            elif kind == "removed":
+                chain = ids(op[2])
+                blocks = [chain[i] for i in sorted(op[3]) if i < len(chain)]
+                index.removed(worker, blocks)
+                held.difference_update(blocks)
+            elif kind == "cleared":
+                index.cleared(worker)
+                held.clear()
+            elif kind == "snapshot":
+                blocks = [block for prompt in op[2] for block in ids(prompt)]
+                index.snapshot(worker, blocks)
+                truth[worker] = set(blocks)
+            else:
+                index.remove_worker(worker)
+                del truth[worker]
+            assert_matches(index, truth, queries)
 
 
 def worker_events(draws: list[tuple[str, str, int]]) -> list[tuple[KvEvent, set[Hashable]]]:
