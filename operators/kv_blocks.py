@@ -24,9 +24,11 @@ block sizes never meet. Why not the alternatives:
 - A 32-bit checksum (``zlib.crc32``) collides within ~65k blocks (birthday bound); 64 bits
   puts the first collision near 4 billion blocks, and a collision only misroutes.
 - A fresh ``blake2b(..., digest_size=8)`` per block costs more than copying one prepared
-  hasher (keyword parsing); measured on this machine for a 4096-token prompt in 16-token
-  blocks: ~150-250 µs for the 256 ids (~0.6-1 µs a block), of which ~55 µs is packing the
-  list of ints. ``benchmarks/bench_kv_index.py`` reports it.
+  hasher (keyword parsing). Measured on the 2-core development machine for 16-token
+  blocks (``benchmarks/bench_kv_index.py``, medians of two runs): 155-300 µs for a
+  4096-token prompt's 256 ids (0.6-1.2 µs a block, ~55 µs of it packing the list of
+  ints), 11-13 µs for a 128-token prompt. It runs once per request on the router, next
+  to a tokenization that costs milliseconds for the same prompt.
 """
 
 from __future__ import annotations

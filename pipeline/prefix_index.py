@@ -17,8 +17,8 @@ the common step of the walk (the next block has the same holders) is an identity
 and an index of 100k blocks stores one dict entry per block, not one set per block.
 
 Once the walk is down to one or two workers (a conversation's history usually lives on
-one), it follows each worker's *runs* instead: the blocks a worker stored together, in the order
-it stored them. A run is compared with the request as two list slices, which costs a
+one), it follows each worker's *runs* instead: the blocks a worker stored together, in
+the order it stored them. A run is compared with the request as two list slices, which costs a
 tenth of a dict lookup per block, so a fully cached 4k-token prompt costs a few lookups
 and a slice comparison instead of 256 lookups (``benchmarks/bench_kv_index.py``).
 Correctness does not rest on runs being chains: the index keeps every block of a run's
@@ -81,9 +81,23 @@ class _Run:
         self.end = end
 
 
+class _Event:
+    """What KV events share: a ``kind`` tag, and a plain dict for transports."""
+
+    __slots__ = ()
+    kind: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict of ints, strs and lists (see :func:`event_from_dict`)."""
+        plain: dict[str, Any] = {"kind": self.kind, "seq": getattr(self, "seq", None)}
+        if isinstance(self, KvStored | KvRemoved | KvSnapshot):
+            plain["block_ids"] = list(self.block_ids)
+        return plain
+
+
 @final
 @dataclass(frozen=True, slots=True)
-class KvStored:
+class KvStored(_Event):
     """The worker now holds these blocks (in prefix order; ids chained)."""
 
     kind: ClassVar[Literal["stored"]] = "stored"
@@ -91,41 +105,29 @@ class KvStored:
     #: the worker's event number (1, 2, ...) for loss detection; None: not sequenced
     seq: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict for a transport (see :func:`event_from_dict`)."""
-        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
-
 
 @final
 @dataclass(frozen=True, slots=True)
-class KvRemoved:
+class KvRemoved(_Event):
     """The worker evicted these blocks."""
 
     kind: ClassVar[Literal["removed"]] = "removed"
     block_ids: tuple[BlockId, ...]
     seq: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict for a transport (see :func:`event_from_dict`)."""
-        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
-
 
 @final
 @dataclass(frozen=True, slots=True)
-class KvCleared:
+class KvCleared(_Event):
     """The worker dropped its whole cache."""
 
     kind: ClassVar[Literal["cleared"]] = "cleared"
     seq: int | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict for a transport (see :func:`event_from_dict`)."""
-        return {"kind": self.kind, "seq": self.seq}
-
 
 @final
 @dataclass(frozen=True, slots=True)
-class KvSnapshot:
+class KvSnapshot(_Event):
     """Everything the worker holds, as of its event ``seq`` (0: before its first event).
 
     Replaces what the index believed of the worker: the answer to a snapshot request from
@@ -135,10 +137,6 @@ class KvSnapshot:
     kind: ClassVar[Literal["snapshot"]] = "snapshot"
     block_ids: tuple[BlockId, ...]
     seq: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A plain dict for a transport (see :func:`event_from_dict`)."""
-        return {"kind": self.kind, "block_ids": list(self.block_ids), "seq": self.seq}
 
 
 KvEvent: TypeAlias = KvStored | KvRemoved | KvCleared | KvSnapshot
