@@ -19,7 +19,13 @@ Where the holdings come from:
 - **Approximation** (``approximate=True``, engines that report nothing, e.g. a user's):
   the router assumes each worker caches what was routed to it, for ``ttl`` seconds from
   the last request that brought those blocks. It writes that belief into the index
-  itself, so the index should not also be fed by events.
+  itself, so the index should not also be fed by events. Approximated blocks expire when
+  the next decision is made after their ttl passed.
+
+The router sees only the candidates it is offered, so a worker that left its WorkerSet is
+never chosen; its entries stay in the index until whoever follows membership (discovery)
+calls ``index.remove_worker(worker_id)``, which should happen when the worker dies, not
+when its discovery key expires.
 
 The units matter: ``overlap_weight`` converts blocks to ``load`` units. With the default
 load (requests in flight on the worker, from the WorkerSet), weight 1.0 says one block of
