@@ -13,8 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from operators.kv_blocks import request_block_ids
-from pipeline import KvRouter, LeastLoaded, Random, RoundRobin, WorkerSet
-from pipeline.prefix_index import KvEvent, PrefixIndex
+from pipeline import KvEvent, KvRouter, LeastLoaded, PrefixIndex, Random, RoundRobin, WorkerSet
 
 if TYPE_CHECKING:
     from collections.abc import Callable

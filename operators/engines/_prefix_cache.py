@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Final, final
 
 from operators.kv_blocks import block_hashes
-from pipeline.prefix_index import KvCleared, KvEvent, KvRemoved, KvSnapshot, KvStored
+from pipeline import KvCleared, KvEvent, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS", "KvEventSink", "PrefixCache")
 

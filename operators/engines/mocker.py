@@ -49,8 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, fin
 import anyio
 
 from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
-from pipeline import EngineError, InvalidRequest, StreamDisconnected
-from pipeline.prefix_index import KvSnapshot
+from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected
 
 from ._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink, PrefixCache
 from ._step_clock import StepClock
