@@ -63,8 +63,9 @@ def output_structure(
         parallel = choice == "required" and request.parallel_tool_calls is not False
         constraint = tool_format.constraint(called, parallel=parallel, param="tool_choice")
         if constraint is None:
+            wanted = "'required'" if choice == "required" else "a named function"
             raise InvalidRequest(
-                f"tool_choice {choice!r} is not supported with this server's tool-call "
+                f"tool_choice {wanted} is not supported with this server's tool-call "
                 "format (its calls cannot be expressed as a constraint)",
                 param="tool_choice",
             )
