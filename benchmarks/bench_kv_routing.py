@@ -8,8 +8,11 @@ behind a ``Router``; ``kv`` is :class:`pipeline.KvRouter` over one ``PrefixIndex
 the mockers' KV events, applied in-process (as ``serve --router kv`` wires it). The
 workload: N conversations sharing a system prompt; each turn's prompt is the previous
 prompt, the previous answer and a new question. The conversations run concurrently
-(closed loop: a client sends its next turn when the previous answer is complete), so their
-turns interleave on the workers. Every router sees the same trace: questions are seeded
+(closed loop: a client sends its next turn a random pause, ``--think-ms`` on average,
+after the previous answer is complete), so their turns interleave on the workers. Without
+the pause, the conversations a kv router keeps on one worker finish in the same step and
+all send their next turn into the same next step, whose prefill then delays them all: a
+lockstep no real set of users keeps, which would charge kv for the benchmark's own rhythm. Every router sees the same trace: questions are seeded
 and answers are a function of the prompt (``tokens="random"``).
 
 Measured per router (median over ``--runs``): prompt tokens prefilled (what the mockers
@@ -110,6 +113,9 @@ async def run_once(router_name: str, args: argparse.Namespace) -> dict[str, floa
                     answer += output.token_ids
             output_tokens += len(answer)
             prompt += answer
+            # The user reads the answer and types: without this pause, the clients sharing a
+            # worker finish together and all send their next turn into the same engine step.
+            await anyio.sleep(rng.expovariate(1000 / args.think_ms) if args.think_ms else 0)
 
     start = time.perf_counter()
     async with anyio.create_task_group() as tg:
@@ -137,10 +143,13 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--cache-blocks", type=int, default=1024, help="per worker")
-    parser.add_argument("--prefill-ms-per-token", type=float, default=0.02)
+    parser.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     parser.add_argument("--decode-ms-per-step", type=float, default=2.0)
     parser.add_argument("--overlap-weight", type=float, default=1.0)
-    parser.add_argument("--stagger-ms", type=float, default=5.0)
+    parser.add_argument("--stagger-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--think-ms", type=float, default=200.0, help="mean pause between turns (exponential)"
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs per router; medians shown")
     parser.add_argument("--routers", default=",".join(ROUTERS))
     args = parser.parse_args()
@@ -149,7 +158,7 @@ def main() -> None:
         f"turns, system prompt {args.system_tokens} tokens, +{args.question_tokens} question "
         f"+{args.answer_tokens} answer per turn, cache {args.cache_blocks} blocks of "
         f"{args.block_size}, prefill {args.prefill_ms_per_token} ms/token, decode "
-        f"{args.decode_ms_per_step} ms/step; median of {args.runs} runs"
+        f"{args.decode_ms_per_step} ms/step, think {args.think_ms} ms; median of {args.runs} runs"
     )
     header = ("router", "prefill tok", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "tok/s")
     print("{:<14}{:>13}{:>10}{:>13}{:>13}{:>9}".format(*header))
