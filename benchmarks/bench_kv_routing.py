@@ -12,7 +12,8 @@ prompt, the previous answer and a new question. The conversations run concurrent
 after the previous answer is complete), so their turns interleave on the workers. Without
 the pause, the conversations a kv router keeps on one worker finish in the same step and
 all send their next turn into the same next step, whose prefill then delays them all: a
-lockstep no real set of users keeps, which would charge kv for the benchmark's own rhythm. Every router sees the same trace: questions are seeded
+lockstep no real set of users keeps, which would charge kv for the benchmark's own rhythm.
+Every router sees the same trace: questions are seeded
 and answers are a function of the prompt (``tokens="random"``).
 
 Measured per router (median over ``--runs``): prompt tokens prefilled (what the mockers

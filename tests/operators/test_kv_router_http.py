@@ -4,6 +4,7 @@ second turn lands on the worker that served its first (seen in /metrics) and pre
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import httpx
@@ -116,6 +117,48 @@ async def test_the_second_turn_lands_on_the_first_turns_worker_and_prefills_less
         # its partial last block, the answer and the new question were computed
         assert cached >= 150
         assert 0 < prefilled < cached
+
+
+async def first_token_seconds(client: Any, messages: list[Any]) -> tuple[float, str]:
+    """Time to the first content of a streamed chat answer, and the whole answer."""
+    start = time.perf_counter()
+    first: float | None = None
+    text = ""
+    stream = await client.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, stream=True
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - start
+            text += chunk.choices[0].delta.content
+    assert first is not None
+    return first, text
+
+
+async def test_the_second_turns_time_to_first_token_drops() -> None:
+    # 4 ms of simulated prefill per uncached prompt token: the first turn's ~200-token
+    # prompt takes ~0.8 s before its first token; the second turn finds all but its last
+    # partial block, the answer and the new question (< 60 tokens, ~0.2 s) cached. The
+    # first turn's time is a lower bound the mocker guarantees, so the margin holds on a
+    # loaded machine.
+    app, _ = app_for(
+        "--model-name", "m", "--engine", "mocker", "--decode-workers", "4", "--router", "kv",
+        "--mocker-prefill-ms-per-token", "4", "--mocker-decode-ms-per-step", "1",
+    )  # fmt: skip
+    messages: list[Any] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hello. What is a prefix cache?"},
+    ]
+    async with openai_client(app) as client:
+        first_turn, answer = await first_token_seconds(client, messages)
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And why does routing matter?"},
+        ]
+        second_turn, _ = await first_token_seconds(client, messages)
+    assert first_turn >= 0.6
+    assert second_turn < first_turn / 2, (first_turn, second_turn)
 
 
 async def test_an_engine_without_kv_events_is_routed_by_approximation() -> None:
