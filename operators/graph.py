@@ -71,7 +71,7 @@ from .parsers import tool_parser as registered_tools
 from .prefill_router import PrefillRouter
 
 if TYPE_CHECKING:
-    from pipeline import WorkerSet
+    from pipeline import RoutingPolicy, WorkerSet
 
     from .openai.images import ImagePolicy
     from .tokenizer import Tokenizer
@@ -122,6 +122,7 @@ class GraphOptions(TypedDict, total=False):
     on_migration: MigrationEvent | None
     encode_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None
+    prefill_policy: RoutingPolicy | None
     disagg_min_prompt_tokens: int
     images: ImagePolicy | None
     tool_call_parser: str | ToolCallFormat | None
@@ -272,6 +273,7 @@ def default_stages(
     on_migration: MigrationEvent | None = None,
     encode_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
     prefill_workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
+    prefill_policy: RoutingPolicy | None = None,
     disagg_min_prompt_tokens: int = 0,
     images: ImagePolicy | None = None,
     tool_call_parser: str | ToolCallFormat | None = "hermes",
@@ -285,11 +287,13 @@ def default_stages(
     request sets no limit; ``chat_template`` (Jinja source) overrides the tokenizer's;
     ``migration_limit`` is the retries per request (0 disables); ``on_migration`` hears of
     each lost worker; ``encode_workers``/``prefill_workers`` turn on the encoder hop and
-    disaggregated prefill (for prompts of at least ``disagg_min_prompt_tokens``);
-    ``images`` says which image inputs are accepted; ``tool_call_parser`` and
-    ``reasoning_parser`` are formats or their registered names (:mod:`operators.parsers`;
-    None: no parsing, and requests with tools get a 400); ``engine_features`` overrides
-    what the engine declares (a Router over workers that check constraints themselves).
+    disaggregated prefill (for prompts of at least ``disagg_min_prompt_tokens``), the
+    prefill worker picked by ``prefill_policy`` (default round-robin; e.g. a
+    :class:`pipeline.KvRouter`); ``images`` says which image inputs are accepted;
+    ``tool_call_parser`` and ``reasoning_parser`` are formats or their registered names
+    (:mod:`operators.parsers`; None: no parsing, and requests with tools get a 400);
+    ``engine_features`` overrides what the engine declares (a Router over workers that
+    check constraints themselves).
 
     Raises:
         ValueError: a parser name is not registered.
@@ -316,7 +320,9 @@ def default_stages(
         migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),
         backend=Backend(tokenizer),
         encoder_router=EncoderRouter(encode_workers),
-        prefill_router=PrefillRouter(prefill_workers, min_prompt_tokens=disagg_min_prompt_tokens),
+        prefill_router=PrefillRouter(
+            prefill_workers, min_prompt_tokens=disagg_min_prompt_tokens, policy=prefill_policy
+        ),
         engine_features=engine_features,
     )
 

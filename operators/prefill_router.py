@@ -3,7 +3,7 @@
 It sits between the request-shaping operators and the decode router (Dynamo's
 ``PrefillRouter``, "completed/pull" handoff)::
 
-    request --[prefill leg: ctx.child, max_tokens=1, round-robin over the prefill set]-->
+    request --[prefill leg: ctx.child, max_tokens=1, a policy over the prefill set]-->
             <-- the first token + a transfer handle (EngineOutput.prefill_result)
     request + prefill_result --> downstream (decode)
     client  <-- first token, then the decode stream (which continues after it)
@@ -38,6 +38,7 @@ from pipeline import (
     EngineError,
     RoundRobin,
     Router,
+    RoutingPolicy,
     Stream,
     WorkerSet,
     open_stream,
@@ -56,7 +57,10 @@ class PrefillRouter:
 
     ``workers`` is the prefill WorkerSet, kept current by discovery (None: always
     aggregated). ``min_prompt_tokens``: prompts with fewer tokens to prefill (prompt plus
-    replayed output) are served aggregated.
+    replayed output) are served aggregated. ``policy`` picks the prefill worker (default:
+    round-robin); a :class:`pipeline.KvRouter` sends each prompt to the prefill worker that
+    caches its longest prefix, where most of the work it saves is (the prefill leg is the
+    whole prompt; decode computes none of it).
 
     :attr:`state` follows the WorkerSet's membership, computed when read (no watcher
     task; see :class:`operators.encoder_router.EncoderRouter`).
@@ -67,13 +71,16 @@ class PrefillRouter:
         workers: WorkerSet[PreprocessedRequest, EngineOutput] | None = None,
         *,
         min_prompt_tokens: int = 0,
+        policy: RoutingPolicy | None = None,
     ) -> None:
         if min_prompt_tokens < 0:
             raise ValueError(f"min_prompt_tokens must be >= 0, got {min_prompt_tokens}")
         #: the prefill workers (None: never any)
         self.workers = workers
         self.min_prompt_tokens = min_prompt_tokens
-        self._router = None if workers is None else Router(workers, RoundRobin())
+        #: how the prefill worker is picked
+        self.policy: RoutingPolicy = RoundRobin() if policy is None else policy
+        self._router = None if workers is None else Router(workers, self.policy)
 
     @property
     def state(self) -> RouterState:

@@ -55,6 +55,7 @@ from .routers import MemoryDiscovery as MemoryDiscovery
 from .routers import Random as Random
 from .routers import RoundRobin as RoundRobin
 from .routers import Router as Router
+from .routers import RoutingPolicy as RoutingPolicy
 from .routers import Worker as Worker
 from .routers import WorkerSet as WorkerSet
 from .routers import WorkerSetStatistics as WorkerSetStatistics
@@ -87,6 +88,7 @@ __all__ = (
     "ResponseTimeout",
     "RoundRobin",
     "Router",
+    "RoutingPolicy",
     "State",
     "StateKey",
     "StateKeyError",
