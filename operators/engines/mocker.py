@@ -39,21 +39,19 @@ events, so a KV-aware router (issue 16) has something real to win.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
-import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, final
 
 import anyio
 
-from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
+from operators.llm import EngineOutput, FinishReason, PreprocessedRequest
 from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected
 
+from ._mock_tokens import TokenSource, embeddings, top_logprobs
 from ._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink, PrefixCache
 from ._step_clock import StepClock
-from ._transfer_handle import PROCESS_SECRET, digest, handle_problem, issue_handle
+from ._transfer_handle import PROCESS_SECRET, handle_problem, issue_handle
 from .echo import echo_logprob
 
 if TYPE_CHECKING:
@@ -71,8 +69,6 @@ Role = Literal["aggregated", "prefill", "decode", "encode"]
 DEFAULT_MAX_TOKENS: Final = 16
 #: prompt tokens one image costs to encode (on an encode worker, or inline)
 IMAGE_TOKENS: Final = 64
-
-_RANDOM_IDS: Final = (256, 4096)  # "random" tokens are drawn from this id range
 
 
 class MockerStatistics(NamedTuple):
@@ -128,10 +124,8 @@ class MockerEngine:
         "_max_batch",
         "_prefill_s",
         "_secret",
-        "_seed",
         "_slots",
-        "_special",
-        "_tokens",
+        "_source",
         "_waiting",
         "role",
         "worker_id",
@@ -177,10 +171,8 @@ class MockerEngine:
         self._prefill_s = prefill_ms_per_token / 1000
         self._decode_s = decode_ms_per_step / 1000
         self._max_batch = max_batch
-        self._tokens = tokens
-        self._seed = seed
+        self._source = TokenSource(tokens, seed, special_ids)
         self._fail_after = fail_after_tokens
-        self._special = frozenset(special_ids)
         self._secret = PROCESS_SECRET if transfer_secret is None else transfer_secret
         self._clock = StepClock(self._decode_s, self._prefill_s)
         self._slots = anyio.Semaphore(max_batch)
@@ -224,30 +216,7 @@ class MockerEngine:
 
     def token_at(self, request: PreprocessedRequest, position: int) -> int:
         """The token this mocker generates at ``position`` (0: the first output token)."""
-        return next(self._sequence(request, position))
-
-    def _sequence(self, request: PreprocessedRequest, start: int) -> Iterator[int]:
-        prompt = request.token_ids[: request.prompt_tokens]
-        if self._tokens == "echo":
-            special = self._special
-            echo = [token_id for token_id in prompt if token_id not in special]
-            if echo:
-                period = len(echo)
-                return (echo[i % period] for i in itertools.count(start))
-        return self._random(prompt, start)
-
-    def _random(self, prompt: list[int], start: int) -> Iterator[int]:
-        rng = random.Random(f"{self._seed}:{digest(prompt)}")
-        low, high = _RANDOM_IDS
-        special = self._special
-        position = 0
-        while True:
-            token_id = rng.randrange(low, high)
-            if token_id in special:
-                continue
-            if position >= start:
-                yield token_id
-            position += 1
+        return self._source.at(request, position)
 
     # ------------------------------------------------------------------ transfer handles
 
@@ -281,7 +250,7 @@ class MockerEngine:
         result = request.encoder_result
         if result is None:
             return IMAGE_TOKENS * len(request.multimodal)  # inline encoding
-        if "embeddings" in result and result["embeddings"] != _embeddings(request):
+        if "embeddings" in result and result["embeddings"] != embeddings(request):
             raise EngineError(
                 f"mocker {self.worker_id!r}: encoder_result does not describe this request's "
                 "multimodal items",
@@ -357,7 +326,7 @@ class MockerEngine:
                         token_ids=[],
                         finish_reason="stop",
                         encoder_result={
-                            "embeddings": _embeddings(request),
+                            "embeddings": embeddings(request),
                             "worker_id": self.worker_id,
                         },
                     )
@@ -365,7 +334,7 @@ class MockerEngine:
             choices = range(max(request.n, 1))
             top_k = request.output.logprobs
             final = plan.length - 1
-            sequence = self._sequence(request, plan.start)
+            sequence = self._source.sequence(request, plan.start)
             for emitted in range(plan.length):
                 if emitted == fail_after:
                     logger.debug("mocker: injecting a disconnect into %s", ctx.id)
@@ -388,7 +357,7 @@ class MockerEngine:
                 if top_k is not None:
                     logprob = echo_logprob(token_id)
                     logprobs = [logprob]
-                    top = [_top_logprobs(token_id, logprob, top_k)]
+                    top = [top_logprobs(token_id, logprob, top_k)]
                 for index in choices:
                     yield EngineOutput(
                         token_ids=[token_id],
@@ -409,25 +378,8 @@ class MockerEngine:
             f"prefill_ms_per_token={self._prefill_s * 1000:g}",
             f"decode_ms_per_step={self._decode_s * 1000:g}",
             f"max_batch={self._max_batch}",
-            f"tokens={self._tokens!r}",
+            f"tokens={self._source.kind!r}",
         ]
         if self._fail_after is not None:
             options.append(f"fail_after_tokens={self._fail_after}")
         return f"MockerEngine({', '.join(options)})"
-
-
-def _embeddings(request: PreprocessedRequest) -> list[dict[str, Any]]:
-    """What an encode worker returns for each of the request's multimodal items."""
-    return [
-        {
-            "index": index,
-            "digest": hashlib.sha256(item.data).hexdigest()[:16],
-            "mime_type": item.mime_type,
-        }
-        for index, item in enumerate(request.multimodal)
-    ]
-
-
-def _top_logprobs(token_id: int, logprob: float, k: int) -> TopLogprobs:
-    """The sampled token first, then ``k`` deterministic less likely alternatives."""
-    return [(token_id, logprob), *((token_id + rank, logprob - rank) for rank in range(1, k + 1))]
