@@ -47,6 +47,13 @@ RUNS: dict[str, Run] = {
             "gives the same answer: True\n",
         )
     ),
+    "kv_routing.py": Run(
+        expect=(
+            "alice: every turn on one worker: True\n",
+            "bob: every turn on one worker: True\n",
+            "5 of 5 blocks cached\n",
+        )
+    ),
     "custom_tool_parser.py": Run(
         expect=(
             "content: 'Let me check. '\n",
