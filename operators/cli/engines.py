@@ -109,6 +109,7 @@ async def load_llama(config: EngineConfig) -> Any:
             parallel=config.parallel,
             step_tokens=config.step_tokens,
             speculative=speculative,
+            block_size=config.kv_block_size,
         )
     )
 

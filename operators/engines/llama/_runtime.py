@@ -41,6 +41,8 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
+    from ._kv_events import KvLedger
+
     Row = NDArray[np.float32]
 
 __all__ = ("Aborted", "Feed", "LlamaFailure", "Runtime")
@@ -122,6 +124,9 @@ class Runtime:
             token for token in range(self.n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, token)
         )
         self.cached: list[list[int]] = [[] for _ in range(parallel)]
+        #: told where cells are cut, copied over or cleared (the KV events); extensions it
+        #: sees in ``cached`` itself
+        self.ledger: KvLedger | None = None
         # The batch lives in numpy arrays of our own, so a step fills it with slice
         # assignments; every token belongs to exactly one sequence.
         self._tokens = np.zeros(n_batch, dtype=np.int32)
@@ -218,14 +223,20 @@ class Runtime:
         if source != target:
             llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
             self.cached[target] = list(self.cached[source])
+            if self.ledger is not None:
+                self.ledger.truncated(target, 0)
 
     def clear(self) -> None:
         """Forget every sequence."""
         llama_cpp.llama_memory_clear(self._memory, True)
         for cached in self.cached:
             cached.clear()
+        if self.ledger is not None:
+            self.ledger.cleared()
 
     def _remove(self, seq: int, start: int) -> None:
+        if self.ledger is not None:
+            self.ledger.truncated(seq, start)
         if not llama_cpp.llama_memory_seq_rm(self._memory, seq, start, -1):
             llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)  # whole: never fails
             self.cached[seq].clear()

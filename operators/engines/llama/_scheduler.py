@@ -46,6 +46,7 @@ from operators.llm import EngineOutput
 from pipeline import EngineError
 
 from ._job import Job
+from ._kv_events import KvReporter
 from ._placement import choose_slot
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
@@ -69,9 +70,15 @@ class Scheduler:
     """
 
     def __init__(
-        self, runtime: Runtime, *, step_tokens: int, speculation: NgramSpeculation | None
+        self,
+        runtime: Runtime,
+        *,
+        step_tokens: int,
+        speculation: NgramSpeculation | None,
+        kv: KvReporter | None = None,
     ) -> None:
         self._runtime = runtime
+        self._kv = kv
         self._step_tokens = step_tokens
         self._speculation = speculation
         self._slots: list[Sequence | None] = [None] * runtime.parallel
@@ -164,7 +171,9 @@ class Scheduler:
                 self._receive()
                 self._retire()
                 self._admit()
-                if not self._step():
+                stepped = self._step()
+                self._report_kv()
+                if not stepped:
                     self._ring()
                     self._wake.wait()
         except Exception as exc:  # a bug: fail every request rather than leave it hanging
@@ -382,7 +391,15 @@ class Scheduler:
             job.finished += 1
             if job.finished == job.n:
                 self._jobs.remove(job)
+                self._report_kv()  # before the task sees its end: its blocks are reported
                 job.end()
+
+    def _report_kv(self) -> None:
+        """Queue the KV events of what changed in the slots' cells (nothing to do, and no
+        hashing, while nobody listens)."""
+        kv = self._kv
+        if kv is not None and kv.sink is not None:
+            kv.sync(self._runtime.cached)
 
     def _fail(self, jobs: list[Job], exc: Exception) -> None:
         """llama.cpp failed in a step: its requests get an EngineError."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 import anyio
 from anyio.lowlevel import checkpoint
 
+from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink
 from operators.engines.ngram import NgramSpeculation
 from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError
@@ -23,6 +24,7 @@ from pipeline import EngineError
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
 from ._job import Job
+from ._kv_events import KvLedger, KvReporter
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._steps import LlamaStep
@@ -37,7 +39,7 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from pipeline import Context, Stream
+    from pipeline import Context, KvSnapshot, Stream
 
 __all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
 
@@ -148,6 +150,8 @@ class LlamaEngine:
         step_tokens: most tokens one step evaluates: a token of every decoding sequence,
             then chunks of pending prompts, then drafts. At least ``parallel`` and 16.
         speculative: prompt-lookup speculative decoding for greedy requests.
+        block_size: tokens per KV block in the KV events (the KV router's block size).
+        kv_events: receives the KV events of the slots' cells; see :attr:`kv_events`.
 
     Structured output: a request's ``constraint`` (``response_format``, a required tool
     call) is honoured by masking each choice's logits with llguidance (docs/llama.md,
@@ -173,6 +177,8 @@ class LlamaEngine:
         parallel: int = DEFAULT_PARALLEL,
         step_tokens: int = DEFAULT_STEP_TOKENS,
         speculative: NgramSpeculation | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        kv_events: KvEventSink | None = None,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise ImportError(
@@ -195,6 +201,7 @@ class LlamaEngine:
                 f"step_tokens must be >= parallel ({parallel}) and >= 16, got {step_tokens}: "
                 "every step carries a token of each running sequence"
             )
+        kv = KvReporter(KvLedger(parallel, block_size))  # validates block_size
         path = _find_default_model() if model_path is None else Path(model_path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF model not found: {path}")
@@ -207,12 +214,17 @@ class LlamaEngine:
             path, n_ctx=n_ctx, n_threads=self._n_threads, parallel=parallel, n_batch=step_tokens
         )
         self._runtime: Runtime | None = runtime
+        runtime.ledger = kv.ledger
+        self._kv = kv
+        kv.set_sink(kv_events)
         self._n_ctx = runtime.n_ctx
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
         self._grammars = Grammars(runtime)
         # Every decode runs in the scheduler's thread, the probe included (see there).
-        self._scheduler = Scheduler(runtime, step_tokens=step_tokens, speculation=speculative)
+        self._scheduler = Scheduler(
+            runtime, step_tokens=step_tokens, speculation=speculative, kv=kv
+        )
         try:
             self._batch_invariant = self._scheduler.batch_invariant()
         except EngineError:
@@ -279,6 +291,28 @@ class LlamaEngine:
     def speculative(self) -> NgramSpeculation | None:
         return self._speculation
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per block in the KV events."""
+        return self._kv.ledger.block_size
+
+    @property
+    def kv_events(self) -> KvEventSink | None:
+        """Where the KV events go, on the event loop it was set on: the full blocks of the
+        slots' cells (docs/llama.md, "KV events"). None (the default) tracks nothing; a
+        sink set later gets what is cached already as one ``KvStored``, and should start
+        from :meth:`kv_snapshot`."""
+        return self._kv.sink
+
+    @kv_events.setter
+    def kv_events(self, sink: KvEventSink | None) -> None:
+        self._kv.set_sink(sink)
+        self._scheduler.nudge()  # an idle scheduler syncs what is cached already
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """Every block held as of the last KV event delivered, with that event's ``seq``."""
+        return self._kv.snapshot()
+
     def statistics(self) -> LlamaStatistics:
         """Counters since the engine was created, and the current load."""
         scheduler = self._scheduler
@@ -340,6 +374,8 @@ class LlamaEngine:
             return
         width = min(n, self._parallel)
         scheduler = self._scheduler
+        if self._kv.sink is not None:
+            self._kv.bind()  # a sink set outside this event loop
         await self._slots.acquire(width)
         try:
             if ctx.is_stopped:

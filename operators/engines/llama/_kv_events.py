@@ -1,0 +1,276 @@
+"""The KV events of the llama engine: the full blocks its slots' cells really hold.
+
+A KV router (issue 16) routes a request to the worker that holds most of its prompt's
+leading blocks, so the engine reports what it holds as :mod:`operators.kv_blocks` ids: the
+union, over slots, of the full blocks of ``runtime.cached[slot]`` (a free slot keeps its
+cells as a prefix cache, and generated tokens in them are a real prefix for the next turn
+of a chat). Two slots may hold the same prefix, so blocks are reference-counted by slot: a
+block is *stored* when the first slot comes to hold it and *removed* when the last lets go.
+
+Two halves, because two threads are involved:
+
+- :class:`KvLedger`, the scheduler thread's: the runtime marks where it cut a slot's cells
+  (:meth:`~KvLedger.truncated`, a copy, a clear; one ``min`` each, paid whether or not
+  anyone listens) and :meth:`~KvLedger.sync` turns what changed since the last call into
+  events. Extensions need no mark: a slot's cells grow only at the end, so its length
+  says how far it grew. A slot's ids extend incrementally (the new blocks are hashed with
+  the last kept id as parent), so a decode step hashes a block once in ``block_size``
+  steps, and a sync with nothing new is a few comparisons per slot.
+- :class:`KvReporter`, the event loop's: the sink is called on the event loop
+  (``engine.kv_events``, as the mocker's), never from the scheduler thread. Events wait in
+  a deque until the loop drains them; the scheduler asks the loop to, without waiting for
+  it (``call_soon_threadsafe``: a scheduler that waited for a busy loop would stall every
+  sequence of the batch, see ``_job``). The reporter numbers the events as it delivers them
+  and keeps the set they describe, so :meth:`~KvReporter.snapshot` always equals the events
+  delivered so far, with their last ``seq``.
+
+Nothing is hashed or queued while no sink is set (the default): the scheduler checks one
+attribute per step. A sink set later gets everything already cached as one
+:class:`~pipeline.KvStored` at the next sync (after its consumer applied a snapshot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from typing import Final, final
+
+from operators.engines._prefix_cache import KvEventSink
+from operators.kv_blocks import block_hashes
+from pipeline import KvCleared, KvEvent, KvRemoved, KvSnapshot, KvStored
+
+__all__ = ("KvLedger", "KvReporter")
+
+logger = logging.getLogger("operators.engines.llama")
+
+#: a slot not cut since the last sync
+_UNCUT: Final = sys.maxsize
+
+
+@final
+class KvLedger:
+    """The blocks each slot holds as of the last :meth:`sync`, reference-counted.
+
+    Owned by the scheduler thread (the runtime calls the marks, the scheduler syncs).
+    """
+
+    __slots__ = ("_cleared", "_cut", "_ids", "_refs", "block_size")
+
+    def __init__(self, slots: int, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._ids: list[list[int]] = [[] for _ in range(slots)]
+        self._cut = [_UNCUT] * slots  # the shortest length each slot was cut to
+        self._refs: dict[int, int] = {}  # block -> slots holding it
+        self._cleared = False
+
+    # ------------------------------------------------------- marks (from the runtime)
+
+    def truncated(self, slot: int, length: int) -> None:
+        """Slot ``slot``'s cells from ``length`` on were dropped (or replaced)."""
+        if length < self._cut[slot]:
+            self._cut[slot] = length
+
+    def cleared(self) -> None:
+        """Every slot was emptied at once."""
+        self._cleared = True
+        self._cut = [0] * len(self._cut)
+
+    # ------------------------------------------------------------------------ syncing
+
+    def sync(self, cached: Sequence[Sequence[int]]) -> list[KvEvent]:
+        """Events (unnumbered) taking the held blocks to those of ``cached`` now.
+
+        At most one :class:`KvCleared`, then one :class:`KvRemoved`, then one
+        :class:`KvStored` (its ids in prefix order: each block's parent is held already or
+        comes before it). A block moving from one slot to another in between is no event.
+        """
+        events: list[KvEvent] = []
+        refs = self._refs
+        if self._cleared:
+            self._cleared = False
+            if refs:
+                events.append(KvCleared())
+            refs.clear()
+            for ids in self._ids:
+                ids.clear()
+        size = self.block_size
+        stored: list[int] = []
+        dropped: list[int] = []
+        cut = self._cut
+        for slot, tokens in enumerate(cached):
+            ids = self._ids[slot]
+            full = len(tokens) // size
+            kept = min(len(ids), full, cut[slot] // size)
+            cut[slot] = _UNCUT
+            if kept < len(ids):
+                dropped.extend(ids[kept:])
+                del ids[kept:]
+            if full > kept:
+                new = block_hashes(
+                    tokens[kept * size : full * size], size, parent=ids[-1] if ids else None
+                )
+                ids.extend(new)
+                for block in new:  # counted up before any count goes down: see below
+                    count = refs.get(block, 0)
+                    refs[block] = count + 1
+                    if not count:
+                        stored.append(block)
+        # Dropped blocks were counted before this sync and stored ones were not, so the two
+        # lists are disjoint, and a block that changed slots never reached zero.
+        removed: list[int] = []
+        for block in dropped:
+            count = refs[block] - 1
+            if count:
+                refs[block] = count
+            else:
+                del refs[block]
+                removed.append(block)
+        if removed:
+            events.append(KvRemoved(tuple(removed)))
+        if stored:
+            events.append(KvStored(tuple(stored)))
+        return events
+
+    def held(self) -> set[int]:
+        """Every block some slot holds, as of the last sync (for tests)."""
+        return set(self._refs)
+
+    def slot_ids(self, slot: int) -> list[int]:
+        """Slot ``slot``'s block ids as of the last sync (for tests)."""
+        return list(self._ids[slot])
+
+
+def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object] | None:
+    """How another thread schedules a callback on the running event loop, if any.
+
+    Both are non-blocking (they write a byte to the loop's wake-up pipe). anyio offers only
+    blocking calls into the loop from a thread (``anyio.from_thread``).
+    """
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:
+        pass
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            return trio.lowlevel.current_trio_token().run_sync_soon  # type: ignore[no-any-return]
+        except RuntimeError:
+            pass
+    return None
+
+
+@final
+class KvReporter:
+    """Delivers a :class:`KvLedger`'s events to ``sink`` on the event loop, numbered.
+
+    The scheduler thread calls :meth:`sync`; the event loop sets :attr:`sink` (with
+    :meth:`set_sink`) and calls :meth:`snapshot`. ``seq`` counts the events delivered: 1, 2,
+    ... from the engine's start; a snapshot carries the last one (0 before the first).
+
+    No lock: the hand-off is a deque (appends and pops are atomic), and the "drain
+    scheduled" flag is a hint; a drain that finds nothing, or one that also takes events
+    queued after it was scheduled, is harmless.
+    """
+
+    __slots__ = (
+        "_call_soon",
+        "_draining",
+        "_held",
+        "_pending",
+        "_scheduled",
+        "_seq",
+        "ledger",
+        "sink",
+    )
+
+    def __init__(self, ledger: KvLedger) -> None:
+        self.ledger = ledger
+        self._pending: deque[KvEvent] = deque()  # synced, not delivered yet
+        self._held: dict[Hashable, None] = {}  # as of the events delivered; parents first
+        self._seq = 0
+        self._draining = False
+        self._scheduled = False
+        self._call_soon: Callable[[Callable[[], None]], object] | None = None
+        #: receives the events on the event loop; None: nothing is tracked
+        self.sink: KvEventSink | None = None
+
+    # -------------------------------------------------------------- the event loop
+
+    def set_sink(self, sink: KvEventSink | None) -> None:
+        """Report to ``sink`` from now on; None stops tracking (the scheduler's next sync
+        then reports nothing). Set it on the event loop that should receive the events."""
+        self.sink = sink
+        if sink is not None:
+            self.bind()
+
+    def bind(self) -> None:
+        """Deliver to the running event loop (a sink set outside one is bound by the next
+        request); events already waiting are delivered now."""
+        call_soon = _call_soon_threadsafe()
+        if call_soon is not None:
+            self._call_soon = call_soon
+        if self._pending:
+            self.drain()
+
+    def drain(self) -> None:
+        """Number the waiting events, apply them to the snapshot and call the sink.
+
+        Not reentrant: a sink that asks for a snapshot gets the one as of its event.
+        """
+        self._scheduled = False
+        if self._draining:
+            return
+        self._draining = True
+        pending, held = self._pending, self._held
+        try:
+            while pending:
+                event = pending.popleft()
+                self._seq += 1
+                if isinstance(event, KvStored):
+                    event = KvStored(event.block_ids, self._seq)
+                    held.update(dict.fromkeys(event.block_ids))
+                elif isinstance(event, KvRemoved):
+                    event = KvRemoved(event.block_ids, self._seq)
+                    for block in event.block_ids:
+                        held.pop(block, None)
+                else:
+                    event = KvCleared(self._seq)
+                    held.clear()
+                sink = self.sink
+                if sink is not None:
+                    try:
+                        sink(event)
+                    except Exception:  # one failing consumer must not stop the others
+                        logger.exception("the KV event sink failed on %r", event)
+        finally:
+            self._draining = False
+
+    def snapshot(self) -> KvSnapshot:
+        """Every block held as of the last event delivered (waiting ones are delivered
+        first), parents before children."""
+        self.drain()
+        return KvSnapshot(tuple(self._held), self._seq)
+
+    # --------------------------------------------------------- the scheduler thread
+
+    def sync(self, cached: Sequence[Sequence[int]]) -> None:
+        """Queue what changed in ``cached`` since the last sync, and have the event loop
+        deliver it. Call it only while :attr:`sink` is set: it is what tracking costs."""
+        events = self.ledger.sync(cached)
+        if not events:
+            return
+        self._pending.extend(events)
+        call_soon = self._call_soon
+        if self._scheduled or call_soon is None:
+            return  # a drain is on its way; or none can be: the next bind() delivers
+        self._scheduled = True
+        try:
+            call_soon(self.drain)
+        except Exception:  # the loop is closed: wait for the next bind()
+            self._scheduled = False
+            self._call_soon = None
