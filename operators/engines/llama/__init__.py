@@ -10,7 +10,8 @@ explains the choices.
 
 The modules, from the request inwards:
 
-- :mod:`.engine` — :class:`LlamaEngine`: validation, FIFO admission to the slots, streaming.
+- :mod:`.engine` — :class:`LlamaEngine`: validation, FIFO admission to the slots
+  (``_slots``), streaming.
 - ``_validation`` — what a request may ask (every refusal is an ``InvalidRequest``).
 - ``_job`` — the hand-off between a request's task and the scheduler thread.
 - ``_scheduler`` — the thread that plans and runs every step; ``_steps`` — its records
@@ -20,6 +21,7 @@ The modules, from the request inwards:
   token mask per choice.
 - ``_speculation`` — prompt-lookup drafts per sequence (:mod:`operators.engines.ngram`).
 - ``_runtime`` — the llama.cpp context: batches, logits and a KV sequence per slot.
+- ``_kv_events`` — the KV events: the full blocks the slots' cells hold, for a KV router.
 
 Importing this package never needs llama.cpp: :class:`LlamaEngine` says what to install.
 """

@@ -102,11 +102,16 @@ class KvLedger:
         stored: list[int] = []
         dropped: list[int] = []
         cut = self._cut
-        for slot, tokens in enumerate(cached):
-            ids = self._ids[slot]
+        for slot, (tokens, ids) in enumerate(zip(cached, self._ids, strict=True)):
             full = len(tokens) // size
-            kept = min(len(ids), full, cut[slot] // size)
-            cut[slot] = _UNCUT
+            mark = cut[slot]
+            if mark == _UNCUT:
+                if full == len(ids):
+                    continue  # the usual decode step: no block completed, nothing cut
+                kept = min(len(ids), full)
+            else:
+                kept = min(len(ids), full, mark // size)
+                cut[slot] = _UNCUT
             if kept < len(ids):
                 dropped.extend(ids[kept:])
                 del ids[kept:]

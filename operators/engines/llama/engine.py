@@ -27,6 +27,7 @@ from ._job import Job
 from ._kv_events import KvLedger, KvReporter
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
+from ._slots import Slots
 from ._steps import LlamaStep
 from ._validation import token_budget
 
@@ -79,41 +80,6 @@ class LlamaStatistics(NamedTuple):
     decode_tokens: int = 0
     #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
     batch_sizes: tuple[int, ...] = ()
-
-
-@final
-class _Slots:
-    """First come, first served access to the engine's slots; a request takes all the
-    slots it needs at once (one per choice, up to ``parallel``).
-
-    A FIFO lock is the turnstile, so a request waiting for its second slot keeps everyone
-    behind it waiting rather than letting them take the slot it needs. The semaphore, unlike
-    a lock, may be released from any task: an abandoned stream's finalizer.
-    """
-
-    def __init__(self, count: int) -> None:
-        self._free = anyio.Semaphore(count)
-        self._turnstile = anyio.Lock()
-        #: slots asked for by requests still in the queue
-        self.waiting = 0
-
-    async def acquire(self, width: int) -> None:
-        taken = 0
-        self.waiting += width
-        try:
-            async with self._turnstile:
-                while taken < width:
-                    await self._free.acquire()
-                    taken += 1
-        except BaseException:  # cancelled while waiting: leave the queue, give back
-            self.release(taken)
-            raise
-        finally:
-            self.waiting -= width
-
-    def release(self, width: int) -> None:
-        for _ in range(width):
-            self._free.release()
 
 
 def _default_threads() -> int:
@@ -239,7 +205,7 @@ class LlamaEngine:
                 "plain decoding, where two tokens are nearly tied. Build llama-cpp-python "
                 "with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF for identical output."
             )
-        self._slots = _Slots(parallel)
+        self._slots = Slots(parallel)
         self._closing = False
         logger.info(
             "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d)",
