@@ -8,6 +8,7 @@ and a small block size, so that a few dozen tokens make several blocks.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +18,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from operators.engines.llama import LlamaEngine
-from operators.engines.llama._kv_events import KvLedger
+from operators.engines.llama._kv_events import KvLedger, KvReporter
 from operators.kv_blocks import block_hashes
 from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.tokenizer import Tokenizer, find_smollm2_gguf
-from pipeline import KvCleared, KvEvent, KvRemoved, KvStored, PrefixIndex, open_stream
+from pipeline import (
+    KvCleared,
+    KvEvent,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
+    PrefixIndex,
+    open_stream,
+)
 from pipeline.testing import collect, make_context
 
 BS = 8  # tokens per block in the engine tests
@@ -126,6 +135,50 @@ def test_a_block_moving_between_slots_is_no_event() -> None:
     assert ledger.sync(cached) == [KvStored((block_hashes([1, 2, 9, 9], 2)[1],))]
     assert ledger.held() == set(block_hashes([1, 2, 3, 4], 2) + block_hashes([1, 2, 9, 9], 2))
     assert KvLedger(1, 4).sync([[1, 2, 3]]) == []  # no full block yet
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_reporter_delivers_on_the_event_loop_numbered(backend: str) -> None:
+    """Events synced in another thread (the scheduler's) reach the sink on the loop's
+    thread, numbered from 1, and the snapshot is what they describe."""
+    reporter = KvReporter(KvLedger(1, 2))
+    calls: list[tuple[KvEvent, bool]] = []
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            arrived = anyio.Event()
+            loop_thread = threading.current_thread()
+
+            def sink(event: KvEvent) -> None:
+                calls.append((event, threading.current_thread() is loop_thread))
+                if len(calls) == 2:
+                    arrived.set()
+
+            reporter.set_sink(sink)
+            assert reporter.snapshot() == KvSnapshot((), 0)
+            cached = [[1, 2, 3, 4]]
+
+            def scheduler() -> None:
+                reporter.sync(cached)
+                cached[0] = [1, 2, 7, 7]
+                reporter.ledger.truncated(0, 2)
+                reporter.sync(cached)
+
+            await anyio.to_thread.run_sync(scheduler)
+            await arrived.wait()
+
+    anyio.run(main, backend=backend)
+    a, b = block_hashes([1, 2, 3, 4], 2)
+    c = block_hashes([1, 2, 7, 7], 2)[1]
+    assert (
+        calls
+        == [
+            (KvStored((a, b), 1), True),
+            (KvRemoved((b,), 2), True),
+            (KvStored((c,), 3), True),
+        ][: len(calls)]
+    )
+    assert reporter.snapshot() == KvSnapshot((a, c), 3)  # the third is drained by now
 
 
 # -- the engine -------------------------------------------------------------------------------
@@ -284,6 +337,7 @@ async def test_reusing_a_slot_for_another_prompt_removes_what_no_slot_holds(
     first = tokenizer.encode(CHAT.format("What is the capital of France?"))
     outputs = await collect(engine, make_context(request(first, 2)))
     kept = cached_after(first, outputs)
+    assert engine.kv_snapshot() == KvSnapshot((), 0)  # no sink: nothing was tracked
     listener = Listener(engine)  # late: the existing cache arrives as one event
     await listener.arrived.wait()
     assert listener.held() == set(block_hashes(kept, BS))
