@@ -42,7 +42,14 @@ from .stop_jail import Released, StopJail, Stopped
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ("RESUMABLE", "Backend", "BackendState", "ChoiceDecoder", "DetokenizerFactory")
+__all__ = (
+    "CACHED_TOKENS",
+    "RESUMABLE",
+    "Backend",
+    "BackendState",
+    "ChoiceDecoder",
+    "DetokenizerFactory",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -269,6 +276,11 @@ class BackendState:
 
 _STATE = StateKey[BackendState]("backend.state")
 
+#: prompt tokens the engine last reported finding in its prefix cache for this request
+#: (``EngineOutput.cached_tokens``; a retry's report replaces the first attempt's), kept in
+#: the request's state for whoever reports usage (the OpenAI preprocessor)
+CACHED_TOKENS = StateKey[int]("backend.cached_tokens")
+
 
 class Backend:
     """Operator: EngineOutput token ids -> BackendOutput text, with stop conditions.
@@ -307,6 +319,8 @@ class Backend:
         try:
             async with aclosing(downstream.generate(leg)) as stream:
                 async for output in stream:
+                    if output.cached_tokens is not None:
+                        ctx.state.set(CACHED_TOKENS, output.cached_tokens)
                     choice = state.choices.get(output.index)
                     if choice is None:
                         choice = self._choice(state, request, output.index)

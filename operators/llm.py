@@ -195,6 +195,10 @@ class EngineOutput:
     encoder_result: dict[str, Any] | None = None
     #: a prefill worker's transfer handle (an object), on its terminal output
     prefill_result: dict[str, Any] | None = None
+    #: prompt tokens the engine found in its prefix cache instead of computing them, on an
+    #: attempt's first output (None: not reported); shown as the response's
+    #: ``usage.prompt_tokens_details.cached_tokens``
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

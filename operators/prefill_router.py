@@ -112,6 +112,7 @@ class PrefillRouter:
         text: list[str] = []
         finish = None
         handle = None
+        cached = None
         async with open_stream(self._router, leg) as stream:
             async for output in stream:
                 if output.index != 0:
@@ -127,6 +128,8 @@ class PrefillRouter:
                     handle = output.prefill_result
                 if output.finish_reason is not None:
                     finish = output.finish_reason
+                if output.cached_tokens is not None:
+                    cached = output.cached_tokens
         if not token_ids and leg.is_stopped:
             return None
         if len(token_ids) != 1:
@@ -141,6 +144,7 @@ class PrefillRouter:
             finish_reason=finish,
             text="".join(text) if text else None,
             prefill_result=handle,
+            cached_tokens=cached,
         )
 
     def generate(

@@ -313,6 +313,7 @@ class MockerEngine:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        hit: int | None = None  # reported on the first output when there is a cache
         if cache is not None:  # leading cached blocks skip prefill (not the images)
             hit = cache.lookup(blocks, len(request.token_ids))
             plan = plan._replace(prefill_tokens=plan.prefill_tokens - hit)
@@ -366,6 +367,7 @@ class MockerEngine:
                         finish_reason=finish,
                         index=index,
                         prefill_result=handle,
+                        cached_tokens=hit if emitted == 0 else None,
                     )
         finally:
             clock.leave(anyio.current_time(), first, last, plan.prefill_tokens)

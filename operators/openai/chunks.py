@@ -89,9 +89,9 @@ class _Chunks:
         self._base = base
         self._echo = echo
 
-    def usage(self, prompt_tokens: int) -> Usage:
+    def usage(self, prompt_tokens: int, cached_tokens: int | None = None) -> Usage:
         """The last event: the response's token counts."""
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=self.completion_tokens)
+        return Usage(prompt_tokens, self.completion_tokens, cached_tokens)
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         raw = self._texts.get(token_id)[1]

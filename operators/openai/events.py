@@ -100,14 +100,20 @@ class Usage:
 
     prompt_tokens: int
     completion_tokens: int
+    #: prompt tokens the engines found cached (None: they did not say)
+    cached_tokens: int | None = None
 
-    def as_dict(self) -> dict[str, int]:
-        """OpenAI's ``usage`` object."""
-        return {
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object (``prompt_tokens_details`` when the engine reported
+        its prefix cache's hits)."""
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 OpenAIEvent: TypeAlias = ResponseHead | ChoiceStart | ChoiceDelta | Usage

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.to_thread
 
+from operators.backend import CACHED_TOKENS
 from operators.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, InvalidRequest, State, Stream
 
@@ -320,6 +321,7 @@ class OpenAIPreprocessor:
                 multimodal = await load_images(leg.images, self._images)
                 leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
         yield chunks.head
+        cached: int | None = None
         for position, leg in enumerate(legs):
             chunks.start_prompt(position * n, leg.echo)
             leg_ctx = (
@@ -331,7 +333,10 @@ class OpenAIPreprocessor:
                 async for output in stream:
                     for event in chunks.feed(output):
                         yield event
-        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs))
+            hits = leg_ctx.state.get(CACHED_TOKENS, None)
+            if hits is not None:  # (a retry's prompt includes replayed output: clamp)
+                cached = (cached or 0) + min(hits, leg.request.prompt_tokens)
+        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs), cached)
 
 
 @dataclass(slots=True)

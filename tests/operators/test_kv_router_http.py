@@ -217,3 +217,64 @@ def test_a_router_without_in_process_workers_is_a_usage_error(argv: tuple[str, .
     with pytest.raises(SystemExit) as caught:
         parse("serve", *argv)
     assert caught.value.code == 2
+
+
+async def test_usage_reports_the_prompt_tokens_found_cached() -> None:
+    app, _ = app_for("--model-name", "m", "--engine", "mocker", "--decode-workers", "2",
+                     "--router", "kv")  # fmt: skip
+    messages: list[Any] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hello. What is a prefix cache?"},
+    ]
+    async with openai_client(app) as client:
+        first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        assert first.usage is not None
+        assert first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And why does routing matter?"},
+        ]
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=messages,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usages = [chunk.usage async for chunk in stream if chunk.usage is not None]
+    [usage] = usages
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    # the whole first turn's prompt, in full 16-token blocks, came from the cache
+    assert first.usage.prompt_tokens // 16 * 16 <= cached < usage.prompt_tokens
+    assert cached % 16 == 0
+
+
+async def test_usage_has_no_cache_details_when_the_engine_reports_none() -> None:
+    app, _ = app_for("--model-name", "m", "--engine", "echo")
+    async with openai_client(app) as client:
+        reply = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens_details is None
+
+
+async def test_a_retried_request_reports_at_most_its_prompt_as_cached() -> None:
+    # Every first attempt loses its worker after 3 tokens; the retry's prompt holds the
+    # prompt and the 3 replayed tokens, and finds the prompt cached on the same worker.
+    app, _ = app_for("--model-name", "m", "--engine", "mocker", "--decode-workers", "2",
+                     "--router", "kv", "--fail-after-tokens", "3")  # fmt: skip
+    async with openai_client(app) as client:
+        reply = await client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": SYSTEM}],
+            max_tokens=6,
+        )
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens_details is not None
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    assert 0 < cached <= reply.usage.prompt_tokens

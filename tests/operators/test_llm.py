@@ -18,6 +18,7 @@ def test_engine_output_field_order() -> None:
         "text",
         "encoder_result",
         "prefill_result",
+        "cached_tokens",
     ]
     assert EngineOutput([7], None, None, "stop", 1) == EngineOutput(
         token_ids=[7], finish_reason="stop", index=1

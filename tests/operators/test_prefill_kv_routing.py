@@ -35,7 +35,8 @@ def _apply(index: PrefixIndex, worker: str, event: KvEvent) -> None:
 
 async def serve(
     policy: RoutingPolicy | None, engines: list[MockerEngine], prompts: list[list[int]]
-) -> None:
+) -> list[int | None]:
+    """Serve each prompt in turn; the prompt tokens each one found cached, as reported."""
     router = PrefillRouter(
         WorkerSet[PreprocessedRequest, EngineOutput](
             "prefill", {engine.worker_id: engine for engine in engines}
@@ -44,10 +45,13 @@ async def serve(
     )
     decode = MockerEngine(role="decode", prefill_ms_per_token=0, decode_ms_per_step=0)
     graph = link(router, decode)
+    reported = []
     for prompt in prompts:
         request = PreprocessedRequest(token_ids=prompt, stop=StopConditions(max_tokens=3))
         outputs = await collect(graph, Context.new(request))
         assert sum(len(output.token_ids) for output in outputs) == 3
+        reported.append(outputs[0].cached_tokens)  # the prefill leg's, on the first token
+    return reported
 
 
 def cached(engines: list[MockerEngine]) -> dict[str, int]:
@@ -60,7 +64,10 @@ async def test_a_longer_prompt_is_prefilled_on_the_worker_caching_its_prefix() -
     conversation = list(range(1000, 1032))  # 8 full blocks
     other = list(range(2000, 2032))
     policy = KvRouter(index, request_block_ids(BLOCK), seed=0)
-    await serve(policy, engines, [conversation, other, conversation + [7] * 8, other + [9] * 8])
+    reported = await serve(
+        policy, engines, [conversation, other, conversation + [7] * 8, other + [9] * 8]
+    )
+    assert reported == [0, 0, 32, 32]
     found = cached(engines)
     # each second turn found its whole first turn (32 tokens) cached: it was prefilled on
     # the worker that prefilled the first
