@@ -286,6 +286,8 @@ async def test_a_served_prompt_is_held_and_the_next_turn_keeps_it(
     outputs = await collect(engine, make_context(request(second, 3)))
     reused = engine.statistics().cached_prompt_tokens - before
     assert reused == len(kept)  # the whole first turn, as the engine reports it
+    assert outputs[0].cached_tokens == reused  # and as the response's usage will show it
+    assert all(output.cached_tokens is None for output in outputs[1:])
     assert listener.held() == set(block_hashes(cached_after(second, outputs), BS))
     assert listener.removed(0) == set()
 

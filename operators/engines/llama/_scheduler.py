@@ -250,6 +250,8 @@ class Scheduler:
         self._slots[slot] = seq
         self._prefilling.append(seq)
         self.counters.cached += reused
+        if seq.index == 0:  # the request's cache hit (its siblings copy choice 0's prompt)
+            seq.cached = reused
 
     def _vacate(self, seq: Sequence) -> None:
         """Free ``seq``'s slot. Its cells stay, as a prefix cache for the next sequence."""

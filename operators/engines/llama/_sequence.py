@@ -47,6 +47,7 @@ class Sequence:
         "_stop_ids",
         "_suppress",
         "budget",
+        "cached",
         "drafter",
         "followers",
         "generated",
@@ -94,6 +95,9 @@ class Sequence:
         self.followers: list[Sequence] = []
         #: outputs handed to the job (the scheduler's count; the job counts what was taken)
         self.produced = 0
+        #: prompt tokens found in the slot's cells when placed, reported on the first
+        #: output (then None)
+        self.cached: int | None = None
 
     @property
     def behind(self) -> int:
@@ -164,4 +168,6 @@ class Sequence:
         if self.drafter is not None:
             self.drafter.extend(token_ids)
         output = EngineOutput(token_ids, logprobs, top_logprobs, finish, self.index)
+        if self.cached is not None:
+            output.cached_tokens, self.cached = self.cached, None
         return output, max(len(token_ids) - 1 + matched, 0)

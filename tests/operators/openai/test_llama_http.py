@@ -73,6 +73,23 @@ async def test_chat_answers_with_text_and_correct_usage(llama: ServerProcess) ->
     assert response.usage.total_tokens == len(prompt) + response.usage.completion_tokens
 
 
+async def test_a_chats_next_turn_reports_its_cached_prompt_tokens(llama: ServerProcess) -> None:
+    first = await greedy(llama, QUESTION)
+    details = first.usage.prompt_tokens_details
+    assert details is not None
+    assert details.cached_tokens is not None
+    assert details.cached_tokens < first.usage.prompt_tokens
+    follow_up = [
+        *QUESTION,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And of Italy?"},
+    ]
+    second = await greedy(llama, follow_up)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # the slot still holds the first turn's prompt (and the answer's tokens fed back)
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
 async def test_greedy_is_deterministic_and_unchanged_by_speculation(
     llama: ServerProcess, speculative: ServerProcess
 ) -> None:
