@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from operators.openai.preprocessor import OpenAIRequest
     from operators.tokenizer import Tokenizer
     from operators.transport import WorkerSets
+    from pipeline import RoutingPolicy
 
 __all__ = ("build_graph", "guard", "run_serve")
 
@@ -65,6 +66,7 @@ def _engine_and_options(
     encode: _Workers | None
     prefill: _Workers | None
     features: frozenset[str] | None = None  # what the engine declares
+    prefill_policy: RoutingPolicy | None = None
     if engine is not None:
         encode = prefill = None
     elif workers is None:
@@ -77,10 +79,12 @@ def _engine_and_options(
             engine = decode.members[0].engine
         else:
             engine = Router(decode, routing_policy(config, decode, metrics))
-        if metrics is not None and engine_config.engine == "mocker":
-            metrics.watch_prefill(_prefill_counts(decode))
         encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
-        prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers)
+        prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
+        if kv and prefill is not None:  # prompts are prefilled where their prefix is
+            prefill_policy = routing_policy(config, prefill, metrics)
+        if metrics is not None and engine_config.engine == "mocker":
+            metrics.watch_prefill(_prefill_counts(decode, prefill))
     else:
         from operators.transport import RetryElsewhere
 
@@ -96,6 +100,7 @@ def _engine_and_options(
         "migration_limit": config.migration_limit,
         "encode_workers": encode,
         "prefill_workers": prefill,
+        "prefill_policy": prefill_policy,
         "disagg_min_prompt_tokens": config.disagg_min_prompt_tokens,
         "images": ImagePolicy(
             allowed_hosts=config.allowed_image_hosts, max_bytes=config.max_image_bytes
@@ -105,12 +110,13 @@ def _engine_and_options(
     return engine, options
 
 
-def _prefill_counts(workers: _Workers) -> Callable[[], dict[str, tuple[int, int]]]:
+def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:
     """Per worker, (prompt tokens prefilled, prompt tokens found cached), at scrape time."""
+    members = [worker for workers in sets if workers is not None for worker in workers.members]
 
     def counts() -> dict[str, tuple[int, int]]:
         found: dict[str, tuple[int, int]] = {}
-        for worker in workers.members:
+        for worker in members:
             statistics = getattr(worker.engine, "statistics", None)
             stats = statistics() if statistics is not None else None
             if isinstance(stats, MockerStatistics):

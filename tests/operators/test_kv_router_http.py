@@ -278,3 +278,30 @@ async def test_a_retried_request_reports_at_most_its_prompt_as_cached() -> None:
     cached = reply.usage.prompt_tokens_details.cached_tokens
     assert cached is not None
     assert 0 < cached <= reply.usage.prompt_tokens
+
+
+async def test_with_prefill_workers_the_next_turn_is_prefilled_where_its_prefix_is() -> None:
+    app, _ = app_for("--model-name", "m", "--engine", "mocker", "--prefill-workers", "3",
+                     "--decode-workers", "2", "--router", "kv")  # fmt: skip
+    messages: list[Any] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Hello. What is a prefix cache?"},
+    ]
+    async with openai_client(app) as client:
+        first = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        messages += [
+            {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And why does routing matter?"},
+        ]
+        before = await scrape(app)
+        second = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        after = await scrape(app)
+    decided = changed(before, after, "llm_pipeline_router_decisions_total")
+    # one decision among the prefill workers (the prompt), one among the decode workers
+    assert sorted(worker.split("-")[0] for worker in decided) == ["decode", "prefill"]
+    [prefill_worker] = [worker for worker in decided if worker.startswith("prefill")]
+    cached = changed(before, after, "llm_pipeline_cached_prompt_tokens_total")
+    assert cached.get(prefill_worker, 0) >= 150  # the first turn's prompt was found there
+    assert second.usage is not None
+    assert second.usage.prompt_tokens_details is not None
+    assert second.usage.prompt_tokens_details.cached_tokens == cached[prefill_worker]
