@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workers.add_argument(
         "--kv-overlap-weight",
+        "--kv-overlap-score-weight",  # Dynamo's name
         type=non_negative_float,
         default=1.0,
         metavar="W",

@@ -251,6 +251,7 @@ def add_engine_options(
     )
     mocker.add_argument(
         "--kv-block-size",
+        "--kv-cache-block-size",  # Dynamo's name
         type=positive_int,
         default=16,
         metavar="N",

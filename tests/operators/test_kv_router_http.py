@@ -202,6 +202,12 @@ def test_the_router_flags_become_the_config() -> None:
     assert (config.engine.kv_block_size, config.engine.mocker_cache_blocks) == (32, 128)
 
 
+def test_dynamos_flag_names_are_accepted() -> None:
+    argv = ("--router", "kv", "--kv-overlap-score-weight", "0.25", "--kv-cache-block-size", "64")
+    config = cli.ServeConfig.from_args(parse("serve", *argv))
+    assert (config.kv_overlap_weight, config.engine.kv_block_size) == (0.25, 64)
+
+
 @pytest.mark.parametrize(
     "argv",
     [
