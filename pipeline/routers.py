@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = (
     "Direct",
     "LeastLoaded",
+    "MembershipListener",
     "MemoryDiscovery",
     "Random",
     "RoundRobin",
@@ -42,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 In = TypeVar("In")
 Out = TypeVar("Out")
+
+#: ``listener(worker_id, joined)``: a worker joined (True) or left (False) a WorkerSet
+MembershipListener = Callable[[str, bool], None]
 
 
 @final
@@ -84,6 +88,7 @@ class WorkerSet(Generic[In, Out]):
         self._changed: anyio.Event | None = None
         self._waiting = 0
         self._ever_had_members = False
+        self._listeners: list[MembershipListener] = []
         for worker_id, engine in (workers or {}).items():
             self.add(worker_id, engine)
 
@@ -109,13 +114,40 @@ class WorkerSet(Generic[In, Out]):
             self._workers[worker_id] = Worker(worker_id, engine)
             self._members = tuple(self._workers.values())
             self._ever_had_members = True
+            self._tell(worker_id, joined=True)
         self._notify()
 
     def remove(self, worker_id: str) -> None:
         """Remove a worker; its in-flight streams go on, new requests no longer reach it."""
         if self._workers.pop(worker_id, None) is not None:
             self._members = tuple(self._workers.values())
+            self._tell(worker_id, joined=False)
             self._notify()
+
+    def listen(self, listener: MembershipListener) -> Callable[[], None]:
+        """Call ``listener(worker_id, joined)`` from now on, each time a worker joins or leaves.
+
+        For what is kept per worker outside the set and must follow it the moment it
+        changes, which :meth:`wait_changed` (woken later, with the net change) cannot
+        promise: a prefix index drops a departed worker's blocks before the next routing
+        decision. The call happens inside :meth:`add` / :meth:`remove`, so it must be quick;
+        an exception it raises is logged, not raised to whoever changed the set. A replaced
+        engine is no change of membership. Returns the function that stops the calls.
+        """
+        self._listeners.append(listener)
+
+        def stop() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return stop
+
+    def _tell(self, worker_id: str, *, joined: bool) -> None:
+        for listener in tuple(self._listeners):
+            try:
+                listener(worker_id, joined)
+            except Exception:  # discovery must go on whatever a listener does
+                logger.exception("%r: a membership listener failed", self)
 
     @property
     def lifecycle(self) -> Literal["pending", "active", "unavailable"]:

@@ -65,6 +65,12 @@ from __future__ import annotations
 from ._nats_client import RemoteEngine as RemoteEngine
 from ._nats_client import RemoteEngineStatistics as RemoteEngineStatistics
 from ._nats_discovery import NatsDiscovery as NatsDiscovery
+from ._nats_kv import KvReporter as KvReporter
+from ._nats_kv import NatsKvEvents as NatsKvEvents
+from ._nats_kv import NatsKvEventsStatistics as NatsKvEventsStatistics
+from ._nats_kv import NatsKvPublisher as NatsKvPublisher
+from ._nats_kv import NatsKvPublisherStatistics as NatsKvPublisherStatistics
+from ._nats_kv import kv_subject as kv_subject
 from ._nats_worker import NatsWorker as NatsWorker
 from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
 from ._nats_worker import serve as serve
@@ -82,12 +88,18 @@ __all__ = (
     "DEFAULT_NAMESPACE",
     "DEFAULT_WINDOW",
     "ROLES",
+    "KvReporter",
     "NatsDiscovery",
+    "NatsKvEvents",
+    "NatsKvEventsStatistics",
+    "NatsKvPublisher",
+    "NatsKvPublisherStatistics",
     "NatsTimeouts",
     "NatsWorker",
     "NatsWorkerStatistics",
     "RemoteEngine",
     "RemoteEngineStatistics",
     "connect",
+    "kv_subject",
     "serve",
 )
