@@ -7,10 +7,13 @@ The workload of ``bench_kv_routing.py``, as chat completions: N conversations sh
 system prompt; each turn sends the whole conversation so far (system prompt, every earlier
 question and the answer the server returned for it) plus a new question, streamed, with
 ``max_tokens`` fixed (``ignore_eos``) and ``stream_options.include_usage``. Conversations
-run concurrently and closed-loop (a conversation sends its next turn when its previous
-answer is complete), started ``--stagger-ms`` apart, so their turns interleave on the
-workers. The trace is text, seeded: the system prompt and the questions are words drawn
-from SmolLM2's vocabulary (one token each, so ``--system-tokens`` is close to the prompt's
+run concurrently and closed-loop (a conversation sends its next turn a seeded random pause,
+``--think-ms`` on average, after its previous answer is complete), started ``--stagger-ms``
+apart, so their turns interleave on the workers, as in ``bench_kv_routing.py``. With
+``--think-ms 0`` the conversations a kv router keeps on one worker finish in the same step
+and send their next turns together (a lockstep worth measuring too). The trace is text,
+seeded: the system prompt and the questions are words drawn from SmolLM2's vocabulary (one
+token each, so ``--system-tokens`` is close to the prompt's
 token count), and run ``r`` uses seed ``--seed + r``: every server gets the same prompts,
 while no run finds the previous run's prompts in a cache. Answers are what the server
 returns, so the next turn's prompt depends on the server only through its answer text.
@@ -180,6 +183,7 @@ class Trace:
     """The seeded prompts of one run: a system prompt and each conversation's questions."""
 
     def __init__(self, words: list[str], seed: int, args: argparse.Namespace) -> None:
+        self.seed = seed
         rng = random.Random(seed)
         self.system = " ".join(rng.choice(words) for _ in range(args.system_tokens))
         self.questions = [
@@ -261,6 +265,7 @@ async def run_once(trace: Trace, args: argparse.Namespace) -> RunResult:
 
         async def conversation(number: int) -> None:
             await asyncio.sleep(number * args.stagger_ms / 1000)
+            think = random.Random(f"think/{trace.seed}/{number}")
             messages = [{"role": "system", "content": trace.system}]
             for question in trace.questions[number]:
                 messages.append({"role": "user", "content": question})
@@ -268,6 +273,10 @@ async def run_once(trace: Trace, args: argparse.Namespace) -> RunResult:
                 if answer is None:
                     return
                 messages.append({"role": "assistant", "content": answer})
+                # the user reads and types: without a pause, the conversations a kv router
+                # keeps on one worker finish together and send their next turns into one step
+                if args.think_ms:
+                    await asyncio.sleep(think.expovariate(1000 / args.think_ms))
 
         start = time.perf_counter()
         await asyncio.gather(*(conversation(n) for n in range(args.conversations)))
@@ -361,7 +370,10 @@ def main() -> None:
     parser.add_argument("--question-tokens", type=int, default=64, help="words, ~1 token each")
     parser.add_argument("--max-tokens", type=int, default=64, help="answer length")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--stagger-ms", type=float, default=5.0)
+    parser.add_argument("--stagger-ms", type=float, default=50.0, help="between arrivals")
+    parser.add_argument(
+        "--think-ms", type=float, default=200.0, help="mean pause between turns (exponential)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="run r uses seed + r")
     parser.add_argument("--runs", type=int, default=2, help="medians shown")
     parser.add_argument("--timeout", type=float, default=120.0)
@@ -385,7 +397,8 @@ def main() -> None:
     print(
         f"{args.label}: {args.url} model {args.model}; {args.conversations} conversations x "
         f"{args.turns} turns, system ~{args.system_tokens} tokens, +{args.question_tokens} "
-        f"question +{args.max_tokens} answer per turn, stagger {args.stagger_ms} ms"
+        f"question +{args.max_tokens} answer per turn, stagger {args.stagger_ms} ms, "
+        f"think {args.think_ms} ms"
     )
     print(f"{'run':<14}" + "".join(f"{name:>15}" for name, _, _ in COLUMNS))
     summaries = []
@@ -401,7 +414,7 @@ def main() -> None:
             print(row(f"{args.label} #{run}", summary), flush=True)
             if args.show_metrics:
                 for key, value in sorted(result.metrics.items()):
-                    if value and not key.endswith("_created"):
+                    if value and "_created" not in key:
                         print(f"    {key} {value:g}")
             workers = per_label(result.metrics, OURS_PREFILL)
             if workers:
