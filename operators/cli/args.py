@@ -138,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=(
             "how a request picks a decode/aggregated worker: 'kv' prefers the worker caching "
             "the longest prefix of its prompt, weighed against its load (from the mockers' "
-            "KV events; for engines that report none, from where it sent earlier requests)"
+            "KV events; for engines that report none, from where it sent earlier requests; "
+            "with --nats, from the KV events workers publish, e.g. `worker --engine mocker "
+            "--mocker-cache-blocks N`: workers that publish none are routed by load)"
         ),
     )
     workers.add_argument(
@@ -316,10 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Reject option combinations argparse cannot express (exits with code 2)."""
     if args.command == "serve":
-        if args.router != "round-robin" and (args.nats is not None or args.engine == "llama"):
-            parser.error(
-                "--router needs in-process workers (--engine echo or mocker, without --nats)"
-            )
+        if args.nats is not None and args.router not in ("round-robin", "kv"):
+            parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
+        if args.nats is None and args.router != "round-robin" and args.engine == "llama":
+            parser.error("--router needs in-process workers (--engine echo or mocker) or --nats")
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
                 parser.error(

@@ -2,22 +2,33 @@
 
 Failures to connect are the user's to fix (a wrong URL, no server yet), so they are one
 line on stderr and an exit code, never a traceback.
+
+KV events cross NATS here too: a worker publishes its engine's (:func:`publish_kv_events`),
+a ``serve --router kv`` frontend follows them into one index per worker set
+(:func:`follow_kv_events`).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
+
+from pipeline import PrefixIndex
 
 from .defaults import NATS_CONNECT_TIMEOUT
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from anyio.abc import TaskGroup
     from nats.aio.client import Client
 
-__all__ = ("OneLineErrors", "close_nats", "connect_nats")
+    from pipeline import WorkerSet
+
+__all__ = ("OneLineErrors", "close_nats", "connect_nats", "follow_kv_events", "publish_kv_events")
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +54,37 @@ async def close_nats(nc: Client) -> None:
             await nc.close()
         except Exception as exc:  # closing a connection to a server that went away
             logger.debug("closing the NATS connection: %r", exc)
+
+
+async def publish_kv_events(
+    task_group: TaskGroup, nc: Client, engine: Any, *, model: str, worker_id: str
+) -> bool:
+    """Publish ``engine``'s KV events for ``model`` from ``task_group``, if it reports any
+    (a mocker with a cache, the llama engine); start before the worker registers, so that
+    frontends can ask for its snapshot as soon as they see it. False: it reports none."""
+    from pipeline.transports.nats import NatsKvPublisher
+
+    if not hasattr(engine, "kv_snapshot"):
+        return False
+    publisher = NatsKvPublisher(engine, nc=nc, model=model, worker_id=worker_id)
+    await task_group.start(publisher.run)
+    return publisher.active
+
+
+async def follow_kv_events(
+    task_group: TaskGroup, nc: Client, *, model: str, sets: Iterable[WorkerSet[Any, Any]]
+) -> list[PrefixIndex]:
+    """One index per worker set, fed from ``task_group`` by the KV events its members
+    publish (see :class:`~pipeline.transports.nats.NatsKvEvents`); returns once every
+    current member was asked for its snapshot."""
+    from pipeline.transports.nats import NatsKvEvents
+
+    indexes = []
+    for workers in sets:
+        index = PrefixIndex()
+        await task_group.start(NatsKvEvents(nc, model=model, index=index).run, workers)
+        indexes.append(index)
+    return indexes
 
 
 class OneLineErrors(logging.Filter):

@@ -6,24 +6,40 @@ the worker's id (no transport: the events are applied synchronously, on the loop
 routes). When some worker's engine reports nothing (echo, a user's engine), the router
 approximates instead: it assumes a worker caches what it sent there, and the index is fed
 by the router alone (mixing both would let the router's guesses and the events fight).
+
+Over NATS (``serve --nats --router kv``) the workers live elsewhere: their KV events come
+over NATS into an index per worker set (``operators.cli.nats.follow_kv_events``), so the
+router is always in events mode; a worker that publishes none (an echo worker, a mocker
+without ``--mocker-cache-blocks``) holds nothing in the index and is chosen by load alone.
+Its retries avoid the workers a request already tried, as the round-robin one does.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, final
 
 from operators.kv_blocks import request_block_ids
-from pipeline import KvEvent, KvRouter, LeastLoaded, PrefixIndex, Random, RoundRobin, WorkerSet
+from pipeline import (
+    KvEvent,
+    KvRouter,
+    LeastLoaded,
+    PrefixIndex,
+    Random,
+    RoundRobin,
+    StateKey,
+    WorkerSet,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from operators.openai.metrics import ServerMetrics
+    from pipeline import Context, Worker
     from pipeline.routers import RoutingPolicy
 
     from .config import ServeConfig
 
-__all__ = ("routing_policy",)
+__all__ = ("remote_kv_policy", "routing_policy")
 
 
 def routing_policy(
@@ -45,14 +61,55 @@ def routing_policy(
             if hasattr(worker.engine, "kv_events"):
                 worker.engine.kv_events = None
             index.remove_worker(worker.id)
+    return _kv_router(config, index, metrics, approximate=not reporting)
+
+
+def remote_kv_policy(
+    config: ServeConfig, index: PrefixIndex, metrics: ServerMetrics | None = None
+) -> RoutingPolicy:
+    """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
+    workers' KV events over NATS) among the workers a request has not tried yet."""
+    return _Untried(_kv_router(config, index, metrics, approximate=False))
+
+
+def _kv_router(
+    config: ServeConfig, index: PrefixIndex, metrics: ServerMetrics | None, *, approximate: bool
+) -> KvRouter:
     return KvRouter(
         index,
         request_block_ids(config.engine.kv_block_size),
         overlap_weight=config.kv_overlap_weight,
         temperature=config.router_temperature,
-        approximate=not reporting,
+        approximate=approximate,
         on_decision=None if metrics is None else metrics.count_kv_decision,
     )
+
+
+@final
+class _Untried:
+    """``policy``'s choice among the workers a request has not tried (all, once it tried
+    every one): Migration's retry never goes back to the worker it just lost while
+    another is there, even for a loss discovery cannot act on (a ping timeout)."""
+
+    __slots__ = ("_tried", "policy")
+
+    def __init__(self, policy: RoutingPolicy) -> None:
+        self.policy = policy
+        self._tried: StateKey[set[str]] = StateKey("workers tried by a kv router")
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        tried = ctx.state.get(self._tried, None)
+        if tried is None:
+            tried = set()
+            ctx.state.set(self._tried, tried)
+        elif fresh := [worker for worker in workers if worker.id not in tried]:
+            workers = fresh
+        worker = self.policy.choose(workers, ctx)
+        tried.add(worker.id)
+        return worker
+
+    def __repr__(self) -> str:
+        return f"{self.policy!r} among untried workers"
 
 
 def _listen(index: PrefixIndex, worker_id: str, engine: Any) -> bool:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+import anyio
 
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
@@ -21,14 +23,14 @@ from operators.openai.guard import Guard
 from operators.openai.images import ImagePolicy
 from operators.openai.metrics import ServerMetrics
 from operators.serving import build_app, serve
-from pipeline import Engine, Router, WorkerSet
+from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .config import ServeConfig
 from .engines import load_llama, watch_llama, worker_set
 from .insertions import load_insertions
-from .nats import close_nats, connect_nats
+from .nats import close_nats, connect_nats, follow_kv_events
 from .output_options import output_options
-from .routing import routing_policy
+from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
     from operators.graph import GraphOptions
@@ -50,6 +52,7 @@ def _engine_and_options(
     workers: WorkerSets | None,
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
+    kv_indexes: Sequence[PrefixIndex] | None = None,
 ) -> tuple[_Engine, GraphOptions]:
     """The engine to put behind the default graph, and the graph's options.
 
@@ -61,7 +64,9 @@ def _engine_and_options(
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.transport.RetryElsewhere`) and that waits
-    ``config.worker_wait`` seconds for a member.
+    ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
+    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
+    (unfed ones when not given), and so does the PrefillRouter.
     """
     encode: _Workers | None
     prefill: _Workers | None
@@ -88,7 +93,12 @@ def _engine_and_options(
     else:
         from operators.transport import RetryElsewhere
 
-        engine = Router(workers.decode, RetryElsewhere(), wait=config.worker_wait)
+        policy: RoutingPolicy = RetryElsewhere()
+        if config.router == "kv":
+            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
+            policy = remote_kv_policy(config, decode_index, metrics)
+            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
+        engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         # Remote workers check constraints themselves: the llama engine honours them, the
         # echo and mocker engines refuse them with a 400 that travels back by name.
@@ -181,6 +191,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
     metrics = ServerMetrics()
     async with contextlib.AsyncExitStack() as stack:
         workers = None
+        kv_indexes: list[PrefixIndex] | None = None
         via = ""
         if config.nats is not None:
             from operators.transport import discover_workers
@@ -197,6 +208,12 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
                 return 1
             via = f" with workers via {config.nats}"
+            if config.router == "kv":  # fed by the KV events the workers publish
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)
+                kv_indexes = await follow_kv_events(
+                    tg, nc, model=config.model_name, sets=(workers.decode, workers.prefill)
+                )
         loaded: Any = None
         if workers is None and config.engine.engine == "llama":
             try:
@@ -206,7 +223,9 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 return 1
             stack.push_async_callback(loaded.aclose)
             watch_llama(metrics, loaded)
-        engine, options = _engine_and_options(config, tokenizer, workers, loaded, metrics)
+        engine, options = _engine_and_options(
+            config, tokenizer, workers, loaded, metrics, kv_indexes
+        )
         app = build_app(
             engine,
             tokenizer,

@@ -2,7 +2,9 @@
 SIGINT/SIGTERM, then a drain.
 
 The worker serves EngineOutput, never the Backend: the stateful operators stay on the
-frontend, so nothing of a request's state has to cross the wire.
+frontend, so nothing of a request's state has to cross the wire. An engine that reports
+its prefix cache (``--engine mocker --mocker-cache-blocks N``, the llama engine) also
+publishes its KV events for ``serve --nats --router kv`` frontends.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pipeline import link
 
 from .config import WorkerConfig
 from .engines import load_llama, make_engine
-from .nats import close_nats, connect_nats
+from .nats import close_nats, connect_nats, publish_kv_events
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -101,6 +103,9 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
                     )
                     try:
+                        await publish_kv_events(
+                            tg, nc, engine, model=config.model_name, worker_id=worker_id
+                        )
                         async with served:
                             worker = served
                             print(
