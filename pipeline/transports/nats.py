@@ -24,6 +24,16 @@
   :class:`~pipeline.WorkerSet` current: workers appear when they register, leave when they
   stop gracefully, are evicted at the first "no responders" for them, and are declared
   lost (their in-flight streams fail) when their key's TTL runs out.
+* KV events, for KV-aware routing: :class:`NatsKvPublisher` publishes what an engine that
+  reports its prefix cache (a :class:`KvReporter`) stores and evicts, on
+  ``{ns}.kv.{model}.{worker_id}``, and answers snapshot requests on that subject plus
+  ``.snapshot``; :class:`NatsKvEvents` keeps a frontend's
+  :class:`~pipeline.prefix_index.PrefixIndex` current for a WorkerSet's members. Plain
+  subscriptions, so every frontend keeps its own index; nothing is persisted: a worker
+  that joins, a gap in a worker's event numbers, and a reconnection each get a snapshot,
+  and a worker that leaves the set (stopped, evicted at "no responders", expired) has its
+  blocks dropped at once (:meth:`~pipeline.WorkerSet.listen`), long before its key would
+  expire.
 * :func:`connect` makes the connection workers and frontends use: reconnecting forever
   once connected, :class:`~pipeline.ConnectFailed` when the first connection does not
   succeed within ``give_up_after`` seconds.
@@ -47,6 +57,11 @@ A worker process and a frontend, in full::
     workers = WorkerSet("smollm2")
     async with NatsDiscovery(nc, model="smollm2", codec=CODEC).watch(workers):
         graph = link(Migration(), Backend(tokenizer), Router(workers))
+
+With KV-aware routing, the worker also starts ``await tg.start(NatsKvPublisher(engine,
+nc=nc, model="smollm2", worker_id=ID).run)`` before it registers, and the frontend
+``await tg.start(NatsKvEvents(nc, model="smollm2", index=index).run, workers)`` for the
+``KvRouter(index, ...)`` policy of its Router.
 
 ``RemoteEngine(nc, model="smollm2")`` skips discovery: NATS load-balances over the queue
 group. The codec must carry the payload types (:class:`~.codec.DataclassCodec`). The
