@@ -125,14 +125,12 @@ class WorkerSet(Generic[In, Out]):
             self._notify()
 
     def listen(self, listener: MembershipListener) -> Callable[[], None]:
-        """Call ``listener(worker_id, joined)`` from now on, each time a worker joins or leaves.
+        """Call ``listener(worker_id, joined)`` each time a worker joins or leaves.
 
-        For what is kept per worker outside the set and must follow it the moment it
-        changes, which :meth:`wait_changed` (woken later, with the net change) cannot
-        promise: a prefix index drops a departed worker's blocks before the next routing
-        decision. The call happens inside :meth:`add` / :meth:`remove`, so it must be quick;
-        an exception it raises is logged, not raised to whoever changed the set. A replaced
-        engine is no change of membership. Returns the function that stops the calls.
+        For state kept per worker elsewhere that must follow at once (a prefix index drops
+        a departed worker's blocks before the next decision), which :meth:`wait_changed`
+        cannot promise. Called inside :meth:`add` / :meth:`remove`: be quick; exceptions
+        are logged. Returns the function that stops the calls.
         """
         self._listeners.append(listener)
 
