@@ -211,7 +211,7 @@ def test_dynamos_flag_names_are_accepted() -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ("--router", "kv", "--nats", "nats://127.0.0.1:4222"),
+        ("--router", "random", "--nats", "nats://127.0.0.1:4222"),
         ("--router", "least-loaded", "--engine", "llama"),
         (
             "--router",
