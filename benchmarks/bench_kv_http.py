@@ -168,7 +168,7 @@ class RunResult:
                 else None
             ),
             "router_block_hit_rate": (
-                hit / max(hit + miss, 1) if hit is not None and miss is not None else None
+                hit / (hit + miss) if hit is not None and miss is not None and hit + miss else None
             ),
         }
         # Dynamo's KV router: the cached prefix it predicted on each chosen worker (tokens)
