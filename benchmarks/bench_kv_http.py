@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kv_http.py --url http://127.0.0.1:8000 --model NAME \\
         [--conversations 32] [--turns 6] [--runs 2] [--label ours-kv] [--json FILE]
+    python benchmarks/bench_kv_http.py --report FILE   # medians per label, kv/rr ratios
 
 The workload of ``bench_kv_routing.py``, as chat completions: N conversations share a
 system prompt; each turn sends the whole conversation so far (system prompt, every earlier
@@ -13,9 +14,9 @@ apart, so their turns interleave on the workers, as in ``bench_kv_routing.py``. 
 ``--think-ms 0`` the conversations a kv router keeps on one worker finish in the same step
 and send their next turns together (a lockstep worth measuring too). The trace is text,
 seeded: the system prompt and the questions are words drawn from SmolLM2's vocabulary (one
-token each, so ``--system-tokens`` is close to the prompt's
-token count), and run ``r`` uses seed ``--seed + r``: every server gets the same prompts,
-while no run finds the previous run's prompts in a cache. Answers are what the server
+token each, so ``--system-tokens`` is close to the prompt's token count), and run ``r``
+uses seed ``--seed + r``: every server gets the same prompts, while no run finds the
+previous run's prompts in a cache. Answers are what the server
 returns, so the next turn's prompt depends on the server only through its answer text.
 
 Printed per run and as the median over ``--runs``: requests, prompt tokens (usage), TTFT
@@ -33,13 +34,14 @@ the cache hit rate where the server reports one:
   ``dynamo_frontend_cached_tokens``), so prefilled = prompt - cached; its KV router's
   prediction is ``dynamo_component_router_kv_selected_cached_prefix_tokens_total`` over
   ``dynamo_component_router_input_sequence_tokens_sum`` on the frontend's ``/metrics``.
-  ``--metrics-url`` (repeatable) adds other endpoints to diff.
+  ``--metrics-url`` (repeatable) names the endpoints to diff instead of ``URL/metrics``.
 
 "hit rate" is what the engines' caches served (cached / prompt tokens, ours from the
 mockers' counters, Dynamo's from usage); "router hit" is what the router predicted for
 the workers it chose (ours by blocks, Dynamo's by tokens).
 
-Only the client's standard library and httpx are needed (the project's .venv has both).
+Only the standard library and httpx are needed (the project's .venv has both). See
+``README_kv.md`` for the comparison with Dynamo (``dynamo_kv_stack.sh`` starts it).
 """
 
 from __future__ import annotations
