@@ -16,7 +16,7 @@ Its retries avoid the workers a request already tried, as the round-robin one do
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any
 
 from operators.kv_blocks import request_block_ids
 from pipeline import (
@@ -26,15 +26,13 @@ from pipeline import (
     PrefixIndex,
     Random,
     RoundRobin,
-    StateKey,
     WorkerSet,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable
 
     from operators.openai.metrics import ServerMetrics
-    from pipeline import Context, Worker
     from pipeline.routers import RoutingPolicy
 
     from .config import ServeConfig
@@ -69,7 +67,9 @@ def remote_kv_policy(
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
     workers' KV events over NATS) among the workers a request has not tried yet."""
-    return _Untried(_kv_router(config, index, metrics, approximate=False))
+    from operators.transport import RetryElsewhere  # (needs nats-py, as --nats does)
+
+    return RetryElsewhere(_kv_router(config, index, metrics, approximate=False))
 
 
 def _kv_router(
@@ -83,33 +83,6 @@ def _kv_router(
         approximate=approximate,
         on_decision=None if metrics is None else metrics.count_kv_decision,
     )
-
-
-@final
-class _Untried:
-    """``policy``'s choice among the workers a request has not tried (all, once it tried
-    every one): Migration's retry never goes back to the worker it just lost while
-    another is there, even for a loss discovery cannot act on (a ping timeout)."""
-
-    __slots__ = ("_tried", "policy")
-
-    def __init__(self, policy: RoutingPolicy) -> None:
-        self.policy = policy
-        self._tried: StateKey[set[str]] = StateKey("workers tried by a kv router")
-
-    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
-        tried = ctx.state.get(self._tried, None)
-        if tried is None:
-            tried = set()
-            ctx.state.set(self._tried, tried)
-        elif fresh := [worker for worker in workers if worker.id not in tried]:
-            workers = fresh
-        worker = self.policy.choose(workers, ctx)
-        tried.add(worker.id)
-        return worker
-
-    def __repr__(self) -> str:
-        return f"{self.policy!r} among untried workers"
 
 
 def _listen(index: PrefixIndex, worker_id: str, engine: Any) -> bool:
