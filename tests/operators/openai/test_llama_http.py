@@ -98,7 +98,11 @@ async def test_greedy_is_deterministic_and_unchanged_by_speculation(
     spec = await greedy(speculative, REPEAT)
     assert first.choices[0].message.content == second.choices[0].message.content
     assert spec.choices[0].message.content == first.choices[0].message.content
-    assert spec.usage == first.usage
+    # (what each server's slots had cached before differs, the counts do not)
+    assert (spec.usage.prompt_tokens, spec.usage.completion_tokens) == (
+        first.usage.prompt_tokens,
+        first.usage.completion_tokens,
+    )
     proposed = await metric(speculative, "llm_pipeline_speculative_proposed_tokens_total")
     accepted = await metric(speculative, "llm_pipeline_speculative_accepted_tokens_total")
     assert 0 < accepted <= proposed
