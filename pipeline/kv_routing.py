@@ -148,7 +148,7 @@ class KvRouter:
         worker = workers[chosen]
         hit = overlaps.get(worker.id, 0)
         if self.approximate and blocks:
-            self._remember(worker.id, blocks, now + self._ttl)
+            self._remember(worker.id, blocks, hit, now + self._ttl)
         if self._on_decision is not None:
             self._on_decision(worker.id, hit, total - hit)
         return worker
@@ -166,9 +166,12 @@ class KvRouter:
         weights = [math.exp((best - cost) / temperature) for cost in costs]
         return self._random.choices(range(len(costs)), weights)[0]
 
-    def _remember(self, worker: str, blocks: Sequence[Hashable], expires: float) -> None:
+    def _remember(self, worker: str, blocks: Sequence[Hashable], held: int, expires: float) -> None:
+        """``worker`` caches ``blocks`` (it holds the first ``held`` already) until
+        ``expires``, or a later request for them."""
         blocks = tuple(blocks)  # the caller's list may change later
-        self.index.stored(worker, blocks)
+        if held < len(blocks):  # the index has the first ``held``: only their ttl changes
+            self.index.stored(worker, blocks[held:] if held else blocks)
         self._expiry.setdefault(worker, {}).update(dict.fromkeys(blocks, expires))
         self._expiring.append((expires, worker, blocks))
 
