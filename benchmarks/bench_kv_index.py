@@ -11,8 +11,10 @@ how fast, so the cost claims live here:
   worker (one in ten on a second). Queries are ``mixed`` (next turns: a stored
   conversation cut anywhere and continued to the prompt length; one in five a prompt no
   worker holds) or ``cached`` (every block held by some worker: the longest walk). Also
-  with ``approximate=True``, where each decision also records the prompt's blocks (a
-  dict and a set insertion per block the worker did not hold yet).
+  with ``approximate=True``, where each decision also records the prompt's blocks the
+  worker did not hold yet, and the router's index was written by routing the same
+  conversations to their owners: keyed every 8th block (the default ``stride``) and, for
+  comparison, every block (``stride=1``).
 - **hashing** (``operators.kv_blocks.block_hashes``): per prompt, reported apart, because
   the decision excludes it (the LLM layer hashes each request once).
 - **updates**: ``PrefixIndex.stored`` and ``removed`` per block, and ``apply`` of a
@@ -73,6 +75,20 @@ def build_index(
         for owner in owners:
             index.stored(f"w{owner}", ids)
     return index
+
+
+def approximating(
+    hashed: list[list[int]], pool: list[Worker[Any, Any]], stride: int, rng: random.Random
+) -> KvRouter:
+    """A router in approximation mode that routed every conversation to its owners before
+    (so its index holds them as this router keys them: every ``stride``-th block)."""
+    policy = KvRouter(
+        PrefixIndex(), lambda ctx: ctx.data, seed=0, approximate=True, stride=stride, ttl=1e9
+    )
+    for ids in hashed:
+        for owner in rng.sample(range(len(pool)), 2 if rng.random() < 0.1 else 1):
+            policy.choose([pool[owner]], make_context(ids))
+    return policy
 
 
 def queries(
@@ -136,18 +152,16 @@ def bench_decisions(prompts: list[list[int]], hashed: list[list[int]], seed: int
                 batch = queries(prompts, length, kind, rng)
                 contexts: list[Context[Any]] = [make_context(ids) for ids in batch]
                 hits = [max(index.overlaps(ids).values(), default=0) / len(ids) for ids in batch]
-                for approximate in (False, True):
-                    policy = KvRouter(
-                        build_index(prompts, hashed, workers, rng) if approximate else index,
-                        lambda ctx: ctx.data,
-                        seed=seed,
-                        approximate=approximate,
-                    )
+                for mode in ("events", "approximate", "approx. stride 1"):
+                    if mode == "events":
+                        policy = KvRouter(index, lambda ctx: ctx.data, seed=seed)
+                    else:
+                        stride = 1 if mode.endswith("1") else 8
+                        policy = approximating(hashed, pool, stride, rng)
                     samples = timed(functools.partial(policy.choose, pool), contexts)
-                    mode = "approximate" if approximate else "events"
                     print(
                         f"  decision, {length:4}-token prompt ({length // BLOCK:3} blocks), "
-                        f"{kind:6}, {mode:11}: {summary(samples)}   "
+                        f"{kind:6}, {mode:16}: {summary(samples)}   "
                         f"(best worker's hit {statistics.mean(hits):4.0%})"
                     )
 

@@ -148,6 +148,7 @@ def test_approximation_routes_the_next_turn_to_the_first_turns_worker_until_the_
         prompt_ids,
         approximate=True,
         ttl=120.0,
+        stride=1,  # every block remembered: the index shows exactly what was routed
         clock=clock,
         load=lambda worker: loads[worker.id],
         seed=5,
@@ -211,6 +212,38 @@ def test_a_removed_worker_rejoining_keeps_its_new_approximated_blocks() -> None:
     assert index.overlaps(ids("xy")) == {"a": 2}
 
 
+def test_a_stride_keys_the_head_then_every_strideth_block_and_the_last() -> None:
+    index = PrefixIndex()
+    decisions: list[tuple[str, int, int]] = []
+    policy = KvRouter(
+        index,
+        prompt_ids,
+        approximate=True,
+        stride=4,
+        on_decision=lambda *args: decisions.append(args),
+    )
+    (a,) = pool("a")
+    prompt = "abcdefghijklmn"  # 14 blocks: keys 0, 1, 2, 3, 7, 11 and the last, 13
+    choose(policy, [a], prompt)
+    assert index.blocks("a") == 7
+    assert index.holders(tuple(prompt[:8])) == {"a"}
+    assert index.holders(tuple(prompt[:5])) == frozenset()
+    choose(policy, [a], prompt)  # the same prompt again: every key held, so every block
+    choose(policy, [a], prompt + "op")  # 16 blocks: keys to 11 held, 15 not: 12 known
+    choose(policy, [a], "abx")  # a short prompt is keyed whole: 2 of 3 held
+    assert decisions == [("a", 0, 14), ("a", 14, 0), ("a", 12, 4), ("a", 2, 1)]
+
+
+def test_outside_approximation_the_stride_is_moot() -> None:
+    index = PrefixIndex()
+    index.stored("a", ids("abcdef"))  # what a worker's events said: every block
+    decisions: list[tuple[str, int, int]] = []
+    policy = KvRouter(index, prompt_ids, stride=4, on_decision=lambda *args: decisions.append(args))
+    choose(policy, pool("a"), "abcdefgh")
+    assert decisions == [("a", 6, 2)]
+    assert "stride" not in repr(policy)
+
+
 def test_without_approximation_the_router_never_writes_the_index() -> None:
     index = PrefixIndex()
     policy = KvRouter(index, prompt_ids)
@@ -239,6 +272,7 @@ def test_every_decision_reports_the_worker_and_its_hit_and_miss_blocks() -> None
         ({"temperature": -0.5}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
         ({"ttl": 0.0}, "ttl"),
+        ({"stride": 0}, "stride"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(arguments: dict[str, Any], message: str) -> None:
@@ -249,7 +283,7 @@ def test_bad_arguments_are_refused_by_name(arguments: dict[str, Any], message: s
 def test_repr_names_the_mode() -> None:
     policy = KvRouter(PrefixIndex(), prompt_ids, approximate=True, ttl=30)
     assert repr(policy) == (
-        "KvRouter(weight=1, temperature=0, approximate ttl=30s, PrefixIndex(0 blocks, {}))"
+        "KvRouter(weight=1, temperature=0, approximate ttl=30s stride=8, PrefixIndex(0 blocks, {}))"
     )
 
 
