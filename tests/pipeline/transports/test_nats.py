@@ -9,9 +9,8 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import nats
 from anyio.abc import Process
 from nats.aio.client import Client
 from nats_server import NatsServer, connect, settle
+from ready_process import ready_process
 from worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 from operators.backend import Backend
@@ -421,26 +421,11 @@ async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
 # -- dead workers: kill -9 ---------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def worker_process(url: str, worker_id: str, ttl: float = 1) -> AsyncIterator[Process]:
+def worker_process(
+    url: str, worker_id: str, ttl: float = 1
+) -> AbstractAsyncContextManager[Process]:
     """``worker_process.py`` serving Countdown as ``worker_id``; killed on exit."""
-    process = await anyio.open_process(
-        [sys.executable, str(HERE / "worker_process.py"), url, worker_id, str(ttl)],
-        cwd=ROOT,
-        stderr=None,
-    )
-    try:
-        assert process.stdout is not None
-        with anyio.fail_after(15):
-            line = await process.stdout.receive()
-        assert line.startswith(b"ready"), line
-        yield process
-    finally:
-        if process.returncode is None:
-            process.kill()
-        with anyio.fail_after(5):
-            await process.wait()
-        await process.aclose()
+    return ready_process("worker_process.py", url, worker_id, str(ttl))
 
 
 def request() -> PreprocessedRequest:

@@ -8,9 +8,8 @@ test, which ``kill -9``s a ``kv_worker_process.py`` serving a caching mocker.
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,12 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
+from anyio.abc import Process
 from kv_worker_process import BLOCK_SIZE
 from kv_worker_process import MODEL as CACHING_MODEL
 from nats.aio.client import Client
 from nats_server import NatsServer, connect
+from ready_process import ready_process
 
 from operators.kv_blocks import request_block_ids
 from operators.llm import PreprocessedRequest, StopConditions
@@ -293,26 +294,9 @@ async def test_an_engine_without_a_cache_publishes_nothing(nc: Client) -> None:
 # -- a killed worker ---------------------------------------------------------------------------
 
 
-@asynccontextmanager
-async def caching_worker_process(url: str, worker_id: str) -> AsyncIterator[anyio.abc.Process]:
+def caching_worker_process(url: str, worker_id: str) -> AbstractAsyncContextManager[Process]:
     """``kv_worker_process.py`` as ``worker_id`` (key TTL 30 s); killed on exit."""
-    process = await anyio.open_process(
-        [sys.executable, str(HERE / "kv_worker_process.py"), url, worker_id, "30"],
-        cwd=ROOT,
-        stderr=None,
-    )
-    try:
-        assert process.stdout is not None
-        with anyio.fail_after(15):
-            line = await process.stdout.receive()
-        assert line.startswith(b"ready"), line
-        yield process
-    finally:
-        if process.returncode is None:
-            process.kill()
-        with anyio.fail_after(5):
-            await process.wait()
-        await process.aclose()
+    return ready_process("kv_worker_process.py", url, worker_id, "30")
 
 
 @pytest.mark.time_limit(20)
