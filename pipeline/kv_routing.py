@@ -156,15 +156,9 @@ class KvRouter:
             if self._stride > 1:
                 keys = self._sparse(blocks)
         overlaps = self.index.overlaps(keys) if keys else {}
-        if keys is not blocks:  # held keys -> held blocks (all of them when every key is)
-            stride, whole = self._stride, len(keys)
-            held = {
-                worker: total if found == whole else found if found < stride
-                else (found - stride + 1) * stride
-                for worker, found in overlaps.items()
-            }  # fmt: skip
-        else:
-            held = overlaps
+        held = overlaps
+        if keys is not blocks:
+            held = {worker: self._held(found, keys, total) for worker, found in overlaps.items()}
         weight = self.overlap_weight
         load = self._load
         costs = [(total - held.get(worker.id, 0)) * weight + load(worker) for worker in workers]
@@ -179,6 +173,14 @@ class KvRouter:
         if self._on_decision is not None:
             self._on_decision(worker.id, hit, total - hit)
         return worker
+
+    def _held(self, found: int, keys: Sequence[Hashable], total: int) -> int:
+        """The blocks a worker holding the first ``found`` sparse ``keys`` holds: all of
+        them when it holds every key, else up to its last key's block."""
+        if found == len(keys):
+            return total
+        stride = self._stride
+        return found if found < stride else (found - stride + 1) * stride
 
     def _sparse(self, blocks: Sequence[Hashable]) -> list[Hashable]:
         """The first ``stride - 1`` blocks, then every ``stride``-th, then the last: the
