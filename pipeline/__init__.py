@@ -37,6 +37,7 @@ from .errors import StreamDisconnected as StreamDisconnected
 from .errors import WorkerLost as WorkerLost
 from .kv_events import KvCleared as KvCleared
 from .kv_events import KvEvent as KvEvent
+from .kv_events import KvEventSink as KvEventSink
 from .kv_events import KvRemoved as KvRemoved
 from .kv_events import KvSnapshot as KvSnapshot
 from .kv_events import KvStored as KvStored
@@ -73,6 +74,7 @@ __all__ = (
     "InvalidRequest",
     "KvCleared",
     "KvEvent",
+    "KvEventSink",
     "KvRemoved",
     "KvRouter",
     "KvSnapshot",

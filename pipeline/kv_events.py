@@ -10,7 +10,7 @@ the index so that an engine or a transport can speak them without the index itse
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, TypeAlias, final
 
@@ -18,6 +18,7 @@ __all__ = (
     "BlockId",
     "KvCleared",
     "KvEvent",
+    "KvEventSink",
     "KvRemoved",
     "KvSnapshot",
     "KvStored",
@@ -87,6 +88,10 @@ class KvSnapshot(_Event):
 
 
 KvEvent: TypeAlias = KvStored | KvRemoved | KvCleared | KvSnapshot
+
+KvEventSink: TypeAlias = Callable[[KvEvent], None]
+"""Where an engine reports its KV events as they happen (its ``kv_events`` attribute): called
+on the event loop, so it must be quick (apply to an index, or buffer for a transport)."""
 
 
 def event_from_dict(data: Mapping[str, Any]) -> KvEvent:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from operators.kv_blocks import request_block_ids
 from pipeline import (
     KvEvent,
+    KvEventSink,
     KvRouter,
     LeastLoaded,
     PrefixIndex,
@@ -30,8 +31,6 @@ from pipeline import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from operators.openai.metrics import ServerMetrics
     from pipeline.routers import RoutingPolicy
 
@@ -96,7 +95,7 @@ def _listen(index: PrefixIndex, worker_id: str, engine: Any) -> bool:
     return True
 
 
-def _sink(index: PrefixIndex, worker_id: str, engine: Any) -> Callable[[KvEvent], None]:
+def _sink(index: PrefixIndex, worker_id: str, engine: Any) -> KvEventSink:
     def apply(event: KvEvent) -> None:
         # In-process nothing is lost; a gap would still be repaired by a fresh snapshot.
         if not index.apply(worker_id, event):

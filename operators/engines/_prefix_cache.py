@@ -19,11 +19,11 @@ only reuse a block when it holds every block before it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Final, final
 
 from operators.kv_blocks import block_hashes
-from pipeline import KvCleared, KvEvent, KvRemoved, KvSnapshot, KvStored
+from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS", "KvEventSink", "PrefixCache")
 
@@ -33,7 +33,6 @@ DEFAULT_BLOCK_SIZE: Final = 16
 DEFAULT_CACHE_BLOCKS: Final = 4096
 
 #: where a cache reports its events: called synchronously, on the engine's event loop
-KvEventSink = Callable[[KvEvent], None]
 
 
 @final

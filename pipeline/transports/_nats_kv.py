@@ -31,14 +31,12 @@ import anyio
 import nats.errors
 from anyio.abc import TaskStatus
 
-from pipeline.kv_events import KvEvent, KvSnapshot, event_from_dict
+from pipeline.kv_events import KvEvent, KvEventSink, KvSnapshot, event_from_dict
 
 from . import _wire
 from ._wire import DEFAULT_NAMESPACE, control_codec, quietly, settle
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     from nats.aio.client import Client
     from nats.aio.msg import Msg
 
@@ -78,7 +76,7 @@ class KvReporter(Protocol):
     """An engine that reports its prefix cache (the mocker, the llama engine)."""
 
     #: the sink of its KV events; an engine whose cache is off leaves it None when set
-    kv_events: Callable[[KvEvent], None] | None
+    kv_events: KvEventSink | None
 
     def kv_snapshot(self) -> KvSnapshot:
         """Every block it holds, as of its last event."""

@@ -38,9 +38,8 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Final, final
 
-from operators.engines._prefix_cache import KvEventSink
 from operators.kv_blocks import block_hashes
-from pipeline import KvCleared, KvEvent, KvRemoved, KvSnapshot, KvStored
+from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("KvLedger", "KvReporter")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink
+from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
 from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError
@@ -40,7 +40,7 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from pipeline import Context, KvSnapshot, Stream
+    from pipeline import Context, KvEventSink, KvSnapshot, Stream
 
 __all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
 
