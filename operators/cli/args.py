@@ -5,6 +5,8 @@ express. Parsing happens here and nowhere else: everything after it takes a type
 from __future__ import annotations
 
 import argparse
+import importlib
+import sys
 from pathlib import Path
 
 from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES, ROUTERS
@@ -20,7 +22,7 @@ from .options import (
     worker_id,
 )
 
-__all__ = ("build_parser", "check_args")
+__all__ = ("NATS_MODULES", "build_parser", "check_args", "missing_modules")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -315,8 +317,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: what ``--nats`` (``serve --nats``, every ``worker``) imports: the ``[nats]`` extra
+NATS_MODULES = ("nats", "msgpack")
+
+
+def missing_modules(modules: tuple[str, ...]) -> list[str]:
+    """The ``modules`` that cannot be imported (an extra that is not installed)."""
+    missing = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    return missing
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Reject option combinations argparse cannot express (exits with code 2)."""
+    """Reject option combinations argparse cannot express (exits with code 2).
+
+    ``--nats`` without the ``[nats]`` extra is one line naming the install command (not
+    argparse's usage text: the arguments are right, the installation is not).
+    """
+    missing = missing_modules(NATS_MODULES) if getattr(args, "nats", None) is not None else []
+    if missing:
+        print(
+            f"llm-pipeline: --nats needs the nats extra ({', '.join(missing)} missing): "
+            "pip install 'llm-pipeline[nats]'",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
