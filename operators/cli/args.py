@@ -9,7 +9,14 @@ import importlib
 import sys
 from pathlib import Path
 
-from .defaults import API_KEY_ENV, ENGINES, NATS_CONNECT_TIMEOUT, ROLES, ROUTERS
+from .defaults import (
+    API_KEY_ENV,
+    DEFAULT_DRAIN_TIMEOUT,
+    ENGINES,
+    NATS_CONNECT_TIMEOUT,
+    ROLES,
+    ROUTERS,
+)
 from .insertions import insertion
 from .options import (
     add_engine_options,
@@ -255,11 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     guard.add_argument(
         "--drain-timeout",
         type=non_negative_float,
-        default=30.0,
+        default=DEFAULT_DRAIN_TIMEOUT,
         metavar="SECONDS",
         help=(
             "on SIGINT/SIGTERM, how long in-flight requests may run on; what is left then "
-            "ends with an error (never a false finish)"
+            "ends with an error (never a false finish). The default exits within 30 s of "
+            "SIGTERM, Kubernetes' default grace period: under a longer "
+            "terminationGracePeriodSeconds, set it to that minus 5"
         ),
     )
     add_log_level(serve_parser, "server")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .defaults import (
     API_KEY_ENV,
+    DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
     DEFAULT_LLAMA_STEP_TOKENS,
@@ -125,7 +126,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     max_inflight: int | None = None
     request_timeout: float | None = None
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     log_level: LogLevel = "warning"
     #: operators to insert, as (point, ``MODULE:NAME``), loaded when the graph is built
     insert_before: tuple[tuple[Point, str], ...] = ()

@@ -6,11 +6,14 @@ owning SIGINT and SIGTERM, so a shutdown drains the app first::
     signal --> app.drain()          new requests get 503, in-flight ones run on
            --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
     drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
+    EXIT_AFTER_ABORT later --> force exit (connections that have not closed are dropped)
     second signal --> force exit
 
 A stream is never ended with a finish reason it did not earn: it either finishes within
 the drain timeout or gets an error event, so a client can tell a cut answer from a whole
-one.
+one. The process is gone at most :data:`EXIT_AFTER_ABORT` seconds after the drain timeout,
+so ``drain_timeout`` plus that is what to fit in a supervisor's grace period (Kubernetes:
+``terminationGracePeriodSeconds``, 30 s by default, then SIGKILL).
 
 Streams never wait on Nagle's algorithm: uvicorn writes the response head and each event
 in separate ``transport.write`` calls, and uvloop sets TCP_NODELAY on every accepted
@@ -24,7 +27,7 @@ import logging
 import math
 import signal
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import uvicorn
@@ -36,9 +39,16 @@ if TYPE_CHECKING:
 
     from .server import OpenAIApp
 
-__all__ = ("serve",)
+__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "serve")
 
 logger = logging.getLogger(__name__)
+
+#: the default drain: with :data:`EXIT_AFTER_ABORT`, under Kubernetes' default 30 s grace
+#: (the command line's ``--drain-timeout`` default is the same)
+DRAIN_TIMEOUT: Final = 25.0
+#: after the drain timeout's abort, how long the error events have to reach their clients
+#: before the exit is forced
+EXIT_AFTER_ABORT: Final = 3.0
 
 
 class _Server(uvicorn.Server):
@@ -65,7 +75,7 @@ async def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     on_ready: Callable[[str, int], object] = lambda host, port: None,
-    drain_timeout: float = 30.0,
+    drain_timeout: float = DRAIN_TIMEOUT,
     handle_signals: bool = True,
     log_level: str = "warning",
 ) -> None:
@@ -74,8 +84,9 @@ async def serve(
     ``on_ready(host, port)`` is called once the socket listens, with the real port (so
     ``port=0`` picks a free one). On the first signal the app drains (new requests get
     503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
-    finish, then :meth:`~.server.OpenAIApp.abort` ends the rest with an error. A second
-    signal forces the exit. Returns normally after a signal-initiated shutdown.
+    finish, then :meth:`~.server.OpenAIApp.abort` ends the rest with an error, and the
+    exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
+    A second signal forces the exit. Returns normally after a signal-initiated shutdown.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
@@ -104,6 +115,13 @@ async def serve(
                 app.inflight,
             )
             app.abort()
+            await anyio.sleep(EXIT_AFTER_ABORT)
+            if not server.force_exit:
+                logger.warning(
+                    "connections still open %g s after the drain: forcing the exit",
+                    EXIT_AFTER_ABORT,
+                )
+                server.force_exit = True
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

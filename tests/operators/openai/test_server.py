@@ -516,6 +516,41 @@ async def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error() 
         process.stop()
 
 
+async def test_a_client_that_stopped_reading_does_not_hold_the_exit() -> None:
+    # The client reads its first event, then nothing: the server's writes back up and the
+    # drain's error event can never be delivered. The exit is forced after the drain.
+    process = ServerProcess("--echo-cycle", "--drain-timeout", "0.3", "--model-name", "custom")
+    try:
+        host, port = process.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+        body = orjson.dumps(
+            {"model": "custom", "prompt": "again", "stream": True, "max_tokens": 2**31 - 1}
+        )
+        head = (
+            f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+        )
+        with anyio.fail_after(20):
+            async with await anyio.connect_tcp(host, int(port)) as stream:
+                await stream.send(head.encode() + body)
+                assert (await stream.receive()).startswith(b"HTTP/1.1 200")
+                code = await anyio.to_thread.run_sync(process.terminate, signal.SIGTERM)
+        assert code == 0
+        assert "forcing the exit" in process.stderr()
+    finally:
+        process.stop()
+
+
+def test_the_default_drain_fits_kubernetes_default_grace_period() -> None:
+    # SIGKILL comes 30 s after SIGTERM unless terminationGracePeriodSeconds says otherwise.
+    from operators.cli.defaults import DEFAULT_DRAIN_TIMEOUT
+    from operators.openai.runner import DRAIN_TIMEOUT, EXIT_AFTER_ABORT
+
+    assert DEFAULT_DRAIN_TIMEOUT == DRAIN_TIMEOUT
+    assert DRAIN_TIMEOUT + EXIT_AFTER_ABORT < 30
+    help_text = run_cli(["serve", "--help"]).stdout
+    assert "terminationGracePeriodSeconds" in " ".join(help_text.split())
+
+
 # ------------------------------------------------------------------ the CLI itself
 
 
