@@ -6,16 +6,22 @@ other.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-__all__ = ("Bool", "Count", "Float", "Model", "TokenId", "invalid")
+__all__ = ("MAX_INT", "Bool", "Count", "Float", "Model", "TokenId", "invalid")
+
+#: the largest count or token id a request may give: engines hold them in 32-bit integers
+#: (llama.cpp's ``llama_token`` and ``n_predict``), and a bound at the edge keeps a value
+#: no engine can hold (``max_tokens: 2**63``) a 400 naming its field instead of a 500 deep
+#: inside one
+MAX_INT: Final = 2**31 - 1
 
 # Integers and booleans are strict: JSON ``true`` is not a count, ``"yes"`` not a boolean.
-Count = Annotated[int, Field(strict=True, ge=1)]
-TokenId = Annotated[int, Field(strict=True, ge=0)]
+Count = Annotated[int, Field(strict=True, ge=1, le=MAX_INT)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_INT)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 

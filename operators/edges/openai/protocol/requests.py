@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from operators.contracts.llm import OutputOptions, SamplingOptions, StopConditions
 
-from .base import Bool, Count, Float, Model, TokenId, invalid
+from .base import MAX_INT, Bool, Count, Float, Model, TokenId, invalid
 from .messages import ChatMessage
 from .tools import (
     JsonObjectFormat,
@@ -98,7 +98,7 @@ class GenerationRequest(Model):
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # Extensions (vLLM's names), sent by OpenAI clients through ``extra_body``.
-    min_tokens: int = Field(default=0, strict=True, ge=0)
+    min_tokens: int = Field(default=0, strict=True, ge=0, le=MAX_INT)
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True

@@ -37,8 +37,15 @@ APP = OpenAIApp(
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 ERROR_KEYS = {"message", "type", "param", "code"}
 
+#: integers at the edges of the machine types an engine might hold a count or an id in
+EXTREME_INTS = [
+    *(sign * 2**bits + offset for bits in (31, 32, 53, 63, 64) for offset in (-1, 0, 1)
+      for sign in (1, -1)),
+    10**30,
+]  # fmt: skip
+integers = st.integers() | st.sampled_from(EXTREME_INTS)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    st.none() | st.booleans() | integers | st.floats(allow_nan=False) | st.text(max_size=8),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4)
     ),
@@ -142,6 +149,76 @@ async def test_no_body_gets_a_5xx_and_every_error_is_openai_shaped(case: tuple[s
     assert APP.inflight == 0
     ok, _ = await call(path, orjson.dumps(_valid(path)))
     assert ok == 200
+
+
+#: an app whose limits come from the request alone (no max_model_len to clamp max_tokens),
+#: in front of an echo engine that repeats the prompt up to max_tokens
+UNBOUNDED = OpenAIApp(
+    default_graph(EchoEngine.from_tokenizer(TOKENIZER, cycle=True), TOKENIZER, model_name="m"),
+    model_name="m",
+)
+APP_NO_LIMIT = OpenAIApp(
+    default_graph(EchoEngine.from_tokenizer(TOKENIZER), TOKENIZER, model_name="m"),
+    model_name="m",
+)
+#: every integer field of both endpoints: (endpoint, field, how a value is placed)
+INTEGER_FIELDS = [
+    ("/v1/chat/completions", "max_tokens", "value"),
+    ("/v1/chat/completions", "max_completion_tokens", "value"),
+    ("/v1/completions", "max_tokens", "value"),
+    ("/v1/chat/completions", "min_tokens", "value"),
+    ("/v1/chat/completions", "n", "value"),
+    ("/v1/chat/completions", "seed", "value"),
+    ("/v1/chat/completions", "top_logprobs", "value"),
+    ("/v1/completions", "logprobs", "value"),
+    ("/v1/chat/completions", "stop_token_ids", "item"),
+    ("/v1/completions", "prompt", "item"),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "placed"), INTEGER_FIELDS)
+@pytest.mark.parametrize("value", [2**31, 2**32, 2**63 - 1, 2**63, 2**64, 10**30, -(2**63) - 1])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_integer_no_engine_can_hold_is_a_400_naming_its_field(
+    path: str, field: str, placed: str, value: int, stream: bool
+) -> None:
+    # The echo engine once took max_tokens=2**63 to itertools.islice: a 500.
+    body = _valid(path) | {"stream": stream}
+    if field != "max_tokens":
+        body["max_tokens"] = 4
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    body[field] = [value] if placed == "item" else value
+    if field == "seed" and -(2**63) <= value < 2**64:
+        expected = 200  # any 64-bit seed, signed or not, is a seed
+    else:
+        expected = 400
+    response = await _post(UNBOUNDED, path, body)
+    assert response.status_code == expected, response.text
+    if expected == 400:
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == (f"{field}.0" if placed == "item" else field)
+    else:
+        assert "error" not in response.text
+
+
+async def test_the_largest_count_is_served() -> None:
+    # 2**31 - 1 is a count every engine can hold: the echo answers the prompt and stops.
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        body = _valid("/v1/chat/completions") | {field: 2**31 - 1}
+        if field == "min_tokens":
+            body["max_tokens"] = 2**31 - 1
+        response = await _post(APP_NO_LIMIT, "/v1/chat/completions", body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["message"]["content"]
+
+
+async def _post(app: OpenAIApp, path: str, body: dict[str, Any]) -> httpx.Response:
+    transport = httpx.ASGITransport(app=app)
+    with anyio.fail_after(10):
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return await http.post(path, json=body)
 
 
 @pytest.fixture(scope="module")
