@@ -18,7 +18,7 @@ Backward, every operator sees the engine's outputs on their way out:
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
 An engine that does not declare constrained decoding (``engine.features``) gets a
-:class:`~operators.constraint_guard.ConstraintGuard` in front of it: a request with
+:class:`~operators.contracts.constraint_guard.ConstraintGuard` in front of it: a request with
 ``response_format`` or a required tool call is then a 400, not an answer that ignored it.
 
 The graph is a value before it is an engine: :func:`default_stages` gives the six named
@@ -53,28 +53,28 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, 
 from pipeline import Engine, Operator, chain, link
 
 from .backend import Backend
-from .constraint_guard import ConstraintGuard
-from .encoder_router import EncoderRouter
-from .llm import (
+from .contracts.constraint_guard import ConstraintGuard
+from .contracts.llm import (
     CONSTRAINED_DECODING,
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
     engine_features,
 )
+from .edges.openai.events import OpenAIEvent
+from .edges.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from .migration import Migration, MigrationEvent
-from .openai.events import OpenAIEvent
-from .openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from .parsers import OutputParsers, ReasoningFormat, ToolCallFormat
 from .parsers import reasoning_parser as registered_reasoning
 from .parsers import tool_parser as registered_tools
-from .prefill_router import PrefillRouter
+from .routing.encoder_router import EncoderRouter
+from .routing.prefill_router import PrefillRouter
 
 if TYPE_CHECKING:
     from pipeline import RoutingPolicy, WorkerSet
 
-    from .openai.images import ImagePolicy
-    from .tokenizer import Tokenizer
+    from .edges.openai.images import ImagePolicy
+    from .text.tokenizer import Tokenizer
 
 __all__ = (
     "POINTS",

@@ -7,9 +7,9 @@ prompt extended by every token id generated so far, ``max_tokens``/``min_tokens`
 by that count, ``replayed_tokens`` telling the engine how much of the prompt is replayed
 output. The Backend's decoder state is in the request's Context state, so the new attempt
 resumes it: withheld text, detokenizer and counters carry over (see ``operators.backend``).
-Migration is the retrier of the contract in :mod:`operators.resumption`: it arms
-:data:`~operators.resumption.RESUMABLE` for each attempt, and must be linked upstream of
-the Backend (it raises :class:`~operators.resumption.ResumptionOrderError` below one).
+Migration is the retrier of the contract in :mod:`operators.contracts.resumption`: it arms
+:data:`~operators.contracts.resumption.RESUMABLE` for each attempt, and must be linked upstream of
+the Backend (it raises :class:`~operators.contracts.resumption.ResumptionOrderError` below one).
 
 It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
 request the client cancelled, or one that would exceed the maximum
@@ -26,8 +26,8 @@ from typing import Literal
 
 from pipeline import ConnectFailed, Context, Engine, Stream, WorkerLost
 
-from .llm import BackendOutput, PreprocessedRequest, StopConditions
-from .resumption import RESUMABLE, check_retrier
+from .contracts.llm import BackendOutput, PreprocessedRequest, StopConditions
+from .contracts.resumption import RESUMABLE, check_retrier
 
 __all__ = ("Migration", "MigrationEvent")
 

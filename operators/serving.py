@@ -4,7 +4,7 @@
 
     from operators.serving import build_app, serve
     from operators.engines import EchoEngine
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.default()
     app = build_app(EchoEngine.from_tokenizer(tokenizer), tokenizer, model_name="echo")
@@ -26,17 +26,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
+from .edges.openai.guard import Guard
+from .edges.openai.metrics import ServerMetrics
+from .edges.openai.runner import serve
+from .edges.openai.server import OpenAIApp
 from .graph import GraphOptions, Point, default_graph
-from .openai.guard import Guard
-from .openai.metrics import ServerMetrics
-from .openai.runner import serve
-from .openai.server import OpenAIApp
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
 
-    from .llm import EngineOutput, PreprocessedRequest
-    from .tokenizer import Tokenizer
+    from .contracts.llm import EngineOutput, PreprocessedRequest
+    from .text.tokenizer import Tokenizer
 
 __all__ = ("build_app", "serve")
 

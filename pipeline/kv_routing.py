@@ -71,7 +71,7 @@ class KvRouter:
         index: what each worker holds (fed by KV events, or by this router when
             ``approximate``).
         block_ids: the request's chained block ids, in order (the LLM layer passes
-            ``operators.kv_blocks.request_block_ids(block_size)``).
+            ``operators.routing.kv_blocks.request_block_ids(block_size)``).
         overlap_weight: the cost of one block to prefill, in ``load`` units.
         temperature: 0 picks the cheapest; above 0 samples ``exp(-cost / temperature)``.
         load: a worker's current load (default: its requests in flight).

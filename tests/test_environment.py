@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.tokenizer import find_smollm2_gguf
+from operators.text.tokenizer import find_smollm2_gguf
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CI", "").lower() != "true", reason="checks CI's install (CI=true)"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import anyio
 
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 from .args import build_parser, check_args
 from .config import ServeConfig, WorkerConfig

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.edges.openai.guard import Guard
+from operators.edges.openai.images import ImagePolicy
+from operators.edges.openai.metrics import ServerMetrics
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
-from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
-from operators.openai.guard import Guard
-from operators.openai.images import ImagePolicy
-from operators.openai.metrics import ServerMetrics
 from operators.serving import build_app, serve
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
@@ -33,11 +33,11 @@ from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
+    from operators.contracts.transport import WorkerSets
+    from operators.edges.openai.events import OpenAIEvent
+    from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.graph import GraphOptions
-    from operators.openai.events import OpenAIEvent
-    from operators.openai.preprocessor import OpenAIRequest
-    from operators.tokenizer import Tokenizer
-    from operators.transport import WorkerSets
+    from operators.text.tokenizer import Tokenizer
     from pipeline import RoutingPolicy
 
 __all__ = ("build_graph", "guard", "run_serve")
@@ -63,7 +63,7 @@ def _engine_and_options(
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
-    tried (:class:`~operators.transport.RetryElsewhere`) and that waits
+    tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
     ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
     (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
     (unfed ones when not given), and so does the PrefillRouter.
@@ -91,7 +91,7 @@ def _engine_and_options(
         if metrics is not None and engine_config.engine == "mocker":
             metrics.watch_prefill(_prefill_counts(decode, prefill))
     else:
-        from operators.transport import RetryElsewhere
+        from operators.contracts.transport import RetryElsewhere
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
@@ -194,7 +194,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         kv_indexes: list[PrefixIndex] | None = None
         via = ""
         if config.nats is not None:
-            from operators.transport import discover_workers
+            from operators.contracts.transport import discover_workers
 
             nc = await connect_nats(config.nats, name="llm-pipeline serve")
             if nc is None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
 from .config import WorkerConfig
@@ -48,7 +48,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
     A first signal deregisters the worker and lets its in-flight streams finish (up to
     ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
     """
-    from operators.transport import RequestLog, llm_codec
+    from operators.contracts.transport import RequestLog, llm_codec
     from pipeline.transports.nats import NatsTimeouts
     from pipeline.transports.nats import serve as serve_engine
 

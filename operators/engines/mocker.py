@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, fin
 
 import anyio
 
-from operators.llm import EngineOutput, FinishReason, PreprocessedRequest
+from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest
 from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected
 
 from ._mock_tokens import TokenSource, embeddings, top_logprobs
@@ -55,7 +55,7 @@ from ._transfer_handle import PROCESS_SECRET, handle_problem, issue_handle
 from .echo import echo_logprob
 
 if TYPE_CHECKING:
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
     from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_MAX_TOKENS", "IMAGE_TOKENS", "MockerEngine", "MockerStatistics", "Role")
@@ -132,7 +132,7 @@ class MockerEngine:
     )
 
     #: nothing beyond the base contract: its tokens are a function of the prompt, so a
-    #: constrained request is refused (:func:`operators.llm.engine_features`)
+    #: constrained request is refused (:func:`operators.contracts.llm.engine_features`)
     features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from operators.backend import RESUMABLE, Backend
-from operators.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
-from operators.stop_jail import find_stop
-from operators.tokenizer import Tokenizer
+from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
+from operators.text.stop_jail import find_stop
+from operators.text.tokenizer import Tokenizer
 from pipeline import EngineError, StreamDisconnected, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 

@@ -14,15 +14,15 @@ from collections.abc import Iterator, Sequence
 import anyio
 import pytest
 
-from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
-from operators.llm import (
+from operators.contracts.llm import (
     EngineOutput,
     OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
 )
-from operators.tokenizer import Tokenizer, find_smollm2_gguf
+from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
+from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, InvalidRequest, open_stream
 from pipeline.testing import collect, make_context
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from operators.backend import Backend
-from operators.llm import (
+from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,

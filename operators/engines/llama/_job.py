@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, final
 
 import anyio
 
-from operators.llm import EngineOutput, PreprocessedRequest
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
     from pipeline import Context

@@ -41,8 +41,8 @@ import time
 from collections import deque
 from typing import Final, final
 
+from operators.contracts.llm import EngineOutput
 from operators.engines.ngram import NgramSpeculation
-from operators.llm import EngineOutput
 from pipeline import EngineError
 
 from ._job import Job

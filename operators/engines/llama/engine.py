@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 import anyio
 from anyio.lowlevel import checkpoint
 
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
-from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
@@ -90,7 +90,7 @@ def _default_threads() -> int:
 
 
 def _find_default_model() -> Path:
-    from operators.tokenizer import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
+    from operators.text.tokenizer import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
 
     path = find_smollm2_gguf()
     if path is None:
@@ -131,7 +131,8 @@ class LlamaEngine:
         EngineError: llama.cpp could not load the model.
     """
 
-    #: what this engine honours beyond the base contract (:func:`operators.llm.engine_features`)
+    #: what this engine honours beyond the base contract
+    #: (:func:`operators.contracts.llm.engine_features`)
     features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
 
     def __init__(
