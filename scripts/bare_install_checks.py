@@ -41,7 +41,7 @@ NEEDS_EXTRA: dict[str, str] = {
     "pipeline.transports.codec": "nats",
     "pipeline.transports.nats": "nats",
     "pipeline.transports._": "nats",
-    "operators.transport": "nats",
+    "operators.contracts.transport": "nats",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)
