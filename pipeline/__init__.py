@@ -12,6 +12,8 @@ The parts:
   :class:`KvRouter` (:mod:`pipeline.kv_routing`) is the policy that prefers the worker
   caching a request's prefix, per a :class:`PrefixIndex` fed by KV events
   (:mod:`pipeline.prefix_index`).
+- :mod:`pipeline.kv_tier` — :class:`KvTier`: where an engine keeps KV blocks evicted from
+  its working cache (:class:`MemoryKvTier`, :class:`DiskKvTier`), by block id.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
 
@@ -43,6 +45,9 @@ from .kv_events import KvSnapshot as KvSnapshot
 from .kv_events import KvStored as KvStored
 from .kv_events import event_from_dict as event_from_dict
 from .kv_routing import KvRouter as KvRouter
+from .kv_tier import DiskKvTier as DiskKvTier
+from .kv_tier import KvTier as KvTier
+from .kv_tier import MemoryKvTier as MemoryKvTier
 from .link import chain as chain
 from .link import link as link
 from .operator import Engine as Engine
@@ -68,6 +73,7 @@ __all__ = (
     "ConnectFailed",
     "Context",
     "Direct",
+    "DiskKvTier",
     "Engine",
     "EngineError",
     "FunctionEngine",
@@ -79,8 +85,10 @@ __all__ = (
     "KvRouter",
     "KvSnapshot",
     "KvStored",
+    "KvTier",
     "LeastLoaded",
     "LinkError",
+    "MemoryKvTier",
     "MemoryDiscovery",
     "Operator",
     "PipelineError",
