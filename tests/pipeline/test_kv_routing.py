@@ -283,7 +283,8 @@ def test_bad_arguments_are_refused_by_name(arguments: dict[str, Any], message: s
 def test_repr_names_the_mode() -> None:
     policy = KvRouter(PrefixIndex(), prompt_ids, approximate=True, ttl=30)
     assert repr(policy) == (
-        "KvRouter(weight=1, temperature=0, approximate ttl=30s stride=8, PrefixIndex(0 blocks, {}))"
+        "KvRouter(weight=1, restore_cost=0.1, temperature=0, approximate ttl=30s stride=8, "
+        "PrefixIndex(0 blocks, {}))"
     )
 
 
