@@ -37,6 +37,7 @@ from .errors import RequestError as RequestError
 from .errors import ResponseTimeout as ResponseTimeout
 from .errors import StreamDisconnected as StreamDisconnected
 from .errors import WorkerLost as WorkerLost
+from .kv_events import DEVICE_TIER as DEVICE_TIER
 from .kv_events import KvCleared as KvCleared
 from .kv_events import KvEvent as KvEvent
 from .kv_events import KvEventSink as KvEventSink
@@ -45,6 +46,8 @@ from .kv_events import KvSnapshot as KvSnapshot
 from .kv_events import KvStored as KvStored
 from .kv_events import event_from_dict as event_from_dict
 from .kv_routing import KvRouter as KvRouter
+from .kv_tier import DISK_TIER as DISK_TIER
+from .kv_tier import HOST_TIER as HOST_TIER
 from .kv_tier import DiskKvTier as DiskKvTier
 from .kv_tier import KvTier as KvTier
 from .kv_tier import MemoryKvTier as MemoryKvTier
@@ -72,11 +75,14 @@ __all__ = (
     "CapacityExhausted",
     "ConnectFailed",
     "Context",
+    "DEVICE_TIER",
+    "DISK_TIER",
     "Direct",
     "DiskKvTier",
     "Engine",
     "EngineError",
     "FunctionEngine",
+    "HOST_TIER",
     "InvalidRequest",
     "KvCleared",
     "KvEvent",
@@ -88,8 +94,8 @@ __all__ = (
     "KvTier",
     "LeastLoaded",
     "LinkError",
-    "MemoryKvTier",
     "MemoryDiscovery",
+    "MemoryKvTier",
     "Operator",
     "PipelineError",
     "PrefixIndex",

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, TypeAlias, final
 
 __all__ = (
-    "DEVICE",
+    "DEVICE_TIER",
     "BlockId",
     "KvCleared",
     "KvEvent",
@@ -36,7 +36,7 @@ __all__ = (
 BlockId: TypeAlias = Hashable
 
 #: the tier of an engine's working KV cache (its slots, its GPU memory): the default
-DEVICE: Final = "device"
+DEVICE_TIER: Final = "device"
 
 
 class _Event:
@@ -50,8 +50,8 @@ class _Event:
         plain: dict[str, Any] = {"kind": self.kind, "seq": getattr(self, "seq", None)}
         if isinstance(self, KvStored | KvRemoved | KvSnapshot):
             plain["block_ids"] = list(self.block_ids)
-        tier = getattr(self, "tier", DEVICE)
-        if tier != DEVICE:  # the default stays off the wire: older peers read it unchanged
+        tier = getattr(self, "tier", DEVICE_TIER)
+        if tier != DEVICE_TIER:  # the default stays off the wire: older peers read it unchanged
             plain["tier"] = tier
         if isinstance(self, KvSnapshot) and self.tiers:
             plain["tiers"] = {name: list(ids) for name, ids in self.tiers}
@@ -67,8 +67,8 @@ class KvStored(_Event):
     block_ids: tuple[BlockId, ...]
     #: the worker's event number (1, 2, ...) for loss detection; None: not sequenced
     seq: int | None = None
-    #: where: :data:`DEVICE` (the working cache) or a lower tier ("host", "disk")
-    tier: str = DEVICE
+    #: where: :data:`DEVICE_TIER` (the working cache) or a lower tier ("host", "disk")
+    tier: str = DEVICE_TIER
 
 
 @final
@@ -79,7 +79,7 @@ class KvRemoved(_Event):
     kind: ClassVar[Literal["removed"]] = "removed"
     block_ids: tuple[BlockId, ...]
     seq: int | None = None
-    tier: str = DEVICE
+    tier: str = DEVICE_TIER
 
 
 @final
@@ -89,7 +89,7 @@ class KvCleared(_Event):
 
     kind: ClassVar[Literal["cleared"]] = "cleared"
     seq: int | None = None
-    tier: str = DEVICE
+    tier: str = DEVICE_TIER
 
 
 @final
@@ -124,7 +124,7 @@ def event_from_dict(data: Mapping[str, Any]) -> KvEvent:
     """
     kind = data.get("kind")
     seq = data.get("seq")
-    tier = str(data.get("tier", DEVICE))
+    tier = str(data.get("tier", DEVICE_TIER))
     if kind == "cleared":
         return KvCleared(seq, tier)
     ids = tuple(data.get("block_ids", ()))

@@ -34,14 +34,14 @@ from typing import Final, Protocol, final, runtime_checkable
 
 from .kv_events import BlockId, KvEvent, KvRemoved, KvStored
 
-__all__ = ("DISK", "HOST", "DiskKvTier", "KvTier", "MemoryKvTier")
+__all__ = ("DISK_TIER", "HOST_TIER", "DiskKvTier", "KvTier", "MemoryKvTier")
 
 logger = logging.getLogger(__name__)
 
 #: the tier name of host memory, the usual first tier below the device
-HOST: Final = "host"
+HOST_TIER: Final = "host"
 #: the tier name of local disk
-DISK: Final = "disk"
+DISK_TIER: Final = "disk"
 
 
 @runtime_checkable
@@ -104,7 +104,7 @@ class MemoryKvTier:
         self,
         capacity_bytes: int,
         *,
-        name: str = HOST,
+        name: str = HOST_TIER,
         below: KvTier | None = None,
         on_event: Callable[[KvEvent], None] | None = None,
     ) -> None:
@@ -242,7 +242,7 @@ class DiskKvTier:
         directory: str | os.PathLike[str],
         capacity_bytes: int,
         *,
-        name: str = DISK,
+        name: str = DISK_TIER,
         namespace: str = "default",
         on_event: Callable[[KvEvent], None] | None = None,
     ) -> None:

@@ -47,7 +47,7 @@ from itertools import repeat
 from typing import Final, final
 
 from .kv_events import (
-    DEVICE,
+    DEVICE_TIER,
     BlockId,
     KvCleared,
     KvEvent,
@@ -228,9 +228,9 @@ class PrefixIndex:
         mine = self._blocks.get(worker)
         return self._follow(mine, ids, depth) if mine else depth
 
-    def blocks(self, worker: str, tier: str = DEVICE) -> int:
+    def blocks(self, worker: str, tier: str = DEVICE_TIER) -> int:
         """How many blocks ``worker`` holds in ``tier``."""
-        if tier != DEVICE:
+        if tier != DEVICE_TIER:
             lower = self._lower.get(tier)
             return 0 if lower is None else lower.blocks(worker)
         return len(self._blocks.get(worker, ()))
@@ -239,9 +239,9 @@ class PrefixIndex:
         """The workers holding at least one block on the device."""
         return frozenset(worker for worker, held in self._blocks.items() if held)
 
-    def holders(self, block_id: BlockId, tier: str = DEVICE) -> frozenset[str]:
+    def holders(self, block_id: BlockId, tier: str = DEVICE_TIER) -> frozenset[str]:
         """The workers holding ``block_id`` in ``tier``."""
-        if tier != DEVICE:
+        if tier != DEVICE_TIER:
             lower = self._lower.get(tier)
             return _NOBODY if lower is None else lower.holders(block_id)
         return self._holders.get(block_id, _NOBODY)
@@ -457,7 +457,7 @@ class PrefixIndex:
                 self._tier(name).snapshot(worker, given.get(name, ()))
             self.snapshot(worker, event.block_ids)
             return
-        index = self if event.tier == DEVICE else self._tier(event.tier)
+        index = self if event.tier == DEVICE_TIER else self._tier(event.tier)
         if isinstance(event, KvStored):
             index.stored(worker, event.block_ids)
         elif isinstance(event, KvRemoved):

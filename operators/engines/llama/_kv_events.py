@@ -27,11 +27,18 @@ Two halves, because two threads are involved:
 Nothing is hashed or queued while no sink is set (the default): the scheduler checks one
 attribute per step. A sink set later gets everything already cached as one
 :class:`~pipeline.KvStored` at the next sync (after its consumer applied a snapshot).
+
+The engine's KV tiers (host memory, disk: :mod:`pipeline.kv_tier`) report their blocks
+too, with their tier's name: :class:`TierLedger` records what each tier reports (in the
+scheduler thread, where the tiers are used) and turns the net change since the last sync
+into events, so the reporter numbers the device's and the tiers' events as one sequence
+and its snapshot holds every tier.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections import deque
@@ -39,9 +46,18 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Final, final
 
 from operators.routing.kv_blocks import block_hashes
-from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
+from pipeline import (
+    DEVICE_TIER,
+    KvCleared,
+    KvEvent,
+    KvEventSink,
+    KvRemoved,
+    KvSnapshot,
+    KvStored,
+    KvTier,
+)
 
-__all__ = ("KvLedger", "KvReporter")
+__all__ = ("KvLedger", "KvReporter", "TierLedger")
 
 logger = logging.getLogger("operators.engines.llama")
 
@@ -149,6 +165,80 @@ class KvLedger:
         return list(self._ids[slot])
 
 
+#: blocks touched since the last sync beyond which a tier's next sync compares whole sets
+#: (while nobody listens, nothing syncs; the touched set must not grow without bound)
+_TOUCHED_LIMIT: Final = 1 << 16
+
+
+@final
+class TierLedger:
+    """What each KV tier holds, as its own events say, and what was reported of it.
+
+    The tiers call :meth:`record` (it is their ``on_event``) from the scheduler thread;
+    :meth:`sync` returns the events of the net change since the last sync, one
+    ``KvRemoved`` and one ``KvStored`` per tier at most. Blocks a tier held when it was
+    given (a disk tier's files from an earlier run) count as changes at the first sync.
+    """
+
+    __slots__ = ("_held", "_reported", "_touched", "_whole")
+
+    def __init__(self, tiers: Sequence[KvTier]) -> None:
+        self._held: dict[str, dict[Hashable, None]] = {}
+        self._reported: dict[str, set[Hashable]] = {}
+        self._touched: dict[str, dict[Hashable, None]] = {}
+        self._whole: set[str] = set()
+        for tier in tiers:
+            held = dict.fromkeys(tier.block_ids())
+            self._held[tier.name] = held
+            self._reported[tier.name] = set()
+            self._touched[tier.name] = dict(held)
+            tier.on_event = self.record
+
+    def record(self, event: KvEvent) -> None:
+        """A tier's event: a block came or went."""
+        if not isinstance(event, KvStored | KvRemoved):
+            return
+        tier = event.tier
+        held = self._held.setdefault(tier, {})
+        self._reported.setdefault(tier, set())
+        touched = self._touched.setdefault(tier, {})
+        for block in event.block_ids:
+            if isinstance(event, KvStored):
+                held[block] = None
+            else:
+                held.pop(block, None)
+            touched.pop(block, None)
+            touched[block] = None
+        if len(touched) > _TOUCHED_LIMIT:
+            touched.clear()
+            self._whole.add(tier)
+
+    def sync(self) -> list[KvEvent]:
+        """The events taking what was reported to what the tiers hold now."""
+        events: list[KvEvent] = []
+        for tier, held in self._held.items():
+            reported = self._reported[tier]
+            if tier in self._whole:
+                self._whole.discard(tier)
+                blocks: dict[Hashable, None] | set[Hashable] = {**held, **dict.fromkeys(reported)}
+            else:
+                blocks = self._touched[tier]
+            removed = [block for block in blocks if block in reported and block not in held]
+            stored = [block for block in blocks if block in held and block not in reported]
+            self._touched[tier] = {}
+            reported.difference_update(removed)
+            reported.update(stored)
+            if removed:
+                events.append(KvRemoved(tuple(removed), tier=tier))
+            if stored:
+                events.append(KvStored(tuple(stored), tier=tier))
+        return events
+
+    def held(self, tier: str) -> set[Hashable]:
+        """What ``tier`` holds as its events say (for tests)."""
+        return set(self._held.get(tier, ()))
+
+
 def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object] | None:
     """How another thread schedules a callback on the running event loop, if any.
 
@@ -185,17 +275,22 @@ class KvReporter:
         "_call_soon",
         "_draining",
         "_held",
+        "_lower",
         "_pending",
         "_scheduled",
         "_seq",
         "ledger",
         "sink",
+        "tiers",
     )
 
-    def __init__(self, ledger: KvLedger) -> None:
+    def __init__(self, ledger: KvLedger, tiers: TierLedger | None = None) -> None:
         self.ledger = ledger
+        #: the KV tiers' ledger (None: no tiers)
+        self.tiers = tiers
         self._pending: deque[KvEvent] = deque()  # synced, not delivered yet
         self._held: dict[Hashable, None] = {}  # as of the events delivered; parents first
+        self._lower: dict[str, dict[Hashable, None]] = {}  # the same, per lower tier
         self._seq = 0
         self._draining = False
         self._scheduled = False
@@ -235,16 +330,16 @@ class KvReporter:
             while pending:
                 event = pending.popleft()
                 self._seq += 1
+                event = dataclasses.replace(event, seq=self._seq)
+                tier = getattr(event, "tier", DEVICE_TIER)
+                blocks = held if tier == DEVICE_TIER else self._lower.setdefault(tier, {})
                 if isinstance(event, KvStored):
-                    event = KvStored(event.block_ids, self._seq)
-                    held.update(dict.fromkeys(event.block_ids))
+                    blocks.update(dict.fromkeys(event.block_ids))
                 elif isinstance(event, KvRemoved):
-                    event = KvRemoved(event.block_ids, self._seq)
                     for block in event.block_ids:
-                        held.pop(block, None)
+                        blocks.pop(block, None)
                 else:
-                    event = KvCleared(self._seq)
-                    held.clear()
+                    blocks.clear()
                 sink = self.sink
                 if sink is not None:
                     try:
@@ -258,7 +353,8 @@ class KvReporter:
         """Every block held as of the last event delivered (waiting ones are delivered
         first), parents before children."""
         self.drain()
-        return KvSnapshot(tuple(self._held), self._seq)
+        lower = tuple((tier, tuple(blocks)) for tier, blocks in self._lower.items() if blocks)
+        return KvSnapshot(tuple(self._held), self._seq, lower)
 
     # --------------------------------------------------------- the scheduler thread
 
@@ -266,6 +362,8 @@ class KvReporter:
         """Queue what changed in ``cached`` since the last sync, and have the event loop
         deliver it. Call it only while :attr:`sink` is set: it is what tracking costs."""
         events = self.ledger.sync(cached)
+        if self.tiers is not None:
+            events += self.tiers.sync()
         if not events:
             return
         self._pending.extend(events)

@@ -8,8 +8,10 @@ wait, and the job is cancelled on the way out.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 
@@ -23,8 +25,10 @@ from pipeline import EngineError
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
+from ._disagg import DEFAULT_TRANSFER_TIMEOUT, Disaggregation, Role
 from ._job import Job
-from ._kv_events import KvLedger, KvReporter
+from ._kv_events import KvLedger, KvReporter, TierLedger
+from ._kv_moves import KvMover
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._slots import Slots
@@ -40,7 +44,11 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from pipeline import Context, KvEventSink, KvSnapshot, Stream
+    from collections.abc import Sequence
+
+    from pipeline import Context, KvEventSink, KvSnapshot, KvTier, Stream
+
+    from ._kv_cells import KvLayout
 
 __all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
 
@@ -80,6 +88,16 @@ class LlamaStatistics(NamedTuple):
     decode_tokens: int = 0
     #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
     batch_sizes: tuple[int, ...] = ()
+    #: KV blocks restored from each tier (``{"host": 12}``), and the tokens they held
+    kv_tier_hits: dict[str, int] = {}  # noqa: RUF012 - a NamedTuple default, never mutated
+    kv_restored_tokens: dict[str, int] = {}  # noqa: RUF012
+    #: KV blocks saved to the first tier before their slot was overwritten
+    kv_saved_blocks: dict[str, int] = {}  # noqa: RUF012
+    #: prompt tokens (cells) pulled from prefill workers, and their bytes
+    transferred_tokens: int = 0
+    transferred_bytes: int = 0
+    #: transfer handles whose cells could not be pulled (the prompt was prefilled here)
+    transfer_recomputed: int = 0
 
 
 def _default_threads() -> int:
@@ -118,6 +136,23 @@ class LlamaEngine:
         speculative: prompt-lookup speculative decoding for greedy requests.
         block_size: tokens per KV block in the KV events (the KV router's block size).
         kv_events: receives the KV events of the slots' cells; see :attr:`kv_events`.
+        role: ``"aggregated"`` serves everything; ``"prefill"`` answers one token with a
+            transfer handle and keeps the prompt's KV for a decode worker to pull;
+            ``"decode"`` (and ``"aggregated"``) continue a request carrying a handle from
+            the pulled KV (docs/llama.md, "Disaggregated serving").
+        worker_id: this worker's name in the handles it issues.
+        transfer_secret: the key handles are signed and transfers authenticated with;
+            prefill and decode workers must share it (None: a secret of this process).
+        transfer_host: the address a prefill worker serves its KV on (port: any free).
+        transfer_timeout: how long a decode worker waits for KV before prefilling itself.
+        kv_tiers: where KV blocks go when their slot is overwritten, the first tier
+            first (:mod:`pipeline.kv_tier`); a new prompt's blocks found there are
+            restored instead of prefilled.
+        kv_host_cache_mb: a :class:`~pipeline.MemoryKvTier` of this many MiB in front of
+            ``kv_tiers`` (0: none).
+        kv_disk_cache: a directory for a :class:`~pipeline.DiskKvTier` of
+            ``kv_disk_cache_mb`` MiB below the host tier (its blocks are kept apart per
+            model and layout).
 
     Structured output: a request's ``constraint`` (``response_format``, a required tool
     call) is honoured by masking each choice's logits with llguidance (docs/llama.md,
@@ -146,6 +181,15 @@ class LlamaEngine:
         speculative: NgramSpeculation | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_events: KvEventSink | None = None,
+        role: Role = "aggregated",
+        worker_id: str = "llama",
+        transfer_secret: bytes | None = None,
+        transfer_host: str = "127.0.0.1",
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        kv_tiers: Sequence[KvTier] = (),
+        kv_host_cache_mb: int = 0,
+        kv_disk_cache: str | Path | None = None,
+        kv_disk_cache_mb: int = 1024,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise ImportError(
@@ -168,6 +212,15 @@ class LlamaEngine:
                 f"step_tokens must be >= parallel ({parallel}) and >= 16, got {step_tokens}: "
                 "every step carries a token of each running sequence"
             )
+        if kv_host_cache_mb < 0 or kv_disk_cache_mb < 0:
+            raise ValueError("kv_host_cache_mb and kv_disk_cache_mb must be >= 0")
+        disagg = Disaggregation(
+            role,
+            worker_id=worker_id,
+            secret=transfer_secret,
+            host=transfer_host,
+            timeout=transfer_timeout,
+        )  # validates the role and the timeout
         kv = KvReporter(KvLedger(parallel, block_size))  # validates block_size
         path = _find_default_model() if model_path is None else Path(model_path)
         if not path.is_file():
@@ -188,9 +241,11 @@ class LlamaEngine:
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
         self._grammars = Grammars(runtime)
-        # Every decode runs in the scheduler's thread, the probe included (see there).
+        moving = role != "aggregated" or bool(kv_tiers) or bool(kv_host_cache_mb)
+        moving = moving or kv_disk_cache is not None
+        # Every decode runs in the scheduler's thread, the probes included (see there).
         self._scheduler = Scheduler(
-            runtime, step_tokens=step_tokens, speculation=speculative, kv=kv
+            runtime, step_tokens=step_tokens, speculation=speculative, kv=kv, check_kv=moving
         )
         try:
             self._batch_invariant = self._scheduler.batch_invariant()
@@ -198,6 +253,34 @@ class LlamaEngine:
             self._scheduler.stop()
             runtime.close()
             raise
+        layout = runtime.layout if self._scheduler.kv_portable else None
+        if moving and layout is None:
+            logger.warning(
+                "this model's KV cells cannot be exported and loaded exactly: no KV tiers, "
+                "and disaggregated requests are prefilled again on the decode worker"
+            )
+        self._tiers: list[KvTier] = []
+        if layout is not None:
+            self._tiers = _tiers(
+                kv_tiers,
+                kv_host_cache_mb,
+                kv_disk_cache,
+                kv_disk_cache_mb,
+                path,
+                layout,
+                block_size,
+            )
+            kv.tiers = TierLedger(self._tiers)
+            self._scheduler.mover = KvMover(
+                runtime,
+                self._tiers,
+                block_size=block_size,
+                layout=layout,
+                counters=self._scheduler.counters,
+            )
+        self._disagg = disagg
+        disagg.start(layout)
+        self._scheduler.issuer = disagg.issuer(runtime)
         if not self._batch_invariant:
             logger.warning(
                 "this llama.cpp build computes a token's logits differently depending on the "
@@ -209,12 +292,14 @@ class LlamaEngine:
         self._slots = Slots(parallel)
         self._closing = False
         logger.info(
-            "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d)",
+            "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d, role=%s%s)",
             path.name,
             self._n_ctx,
             parallel,
             step_tokens,
             self._n_threads,
+            role,
+            "".join(f", {tier!r}" for tier in self._tiers),
         )
 
     # ------------------------------------------------------------------------ properties
@@ -259,6 +344,22 @@ class LlamaEngine:
         return self._speculation
 
     @property
+    def role(self) -> Role:
+        """What this worker does: ``"aggregated"``, ``"prefill"`` or ``"decode"``."""
+        return self._disagg.role
+
+    @property
+    def transfer_address(self) -> str | None:
+        """Where a prefill worker serves its KV (``host:port``); None for other roles."""
+        server = self._disagg.server
+        return None if server is None else server.address
+
+    @property
+    def kv_tiers(self) -> list[KvTier]:
+        """The KV tiers below the slots, the first first (empty: none)."""
+        return list(self._tiers)
+
+    @property
     def block_size(self) -> int:
         """Tokens per block in the KV events."""
         return self._kv.ledger.block_size
@@ -297,6 +398,12 @@ class LlamaEngine:
             cached_prompt_tokens=counters.cached,
             decode_tokens=counters.decode,
             batch_sizes=tuple(counters.batch_sizes),
+            kv_tier_hits=dict(counters.tier_hits),
+            kv_restored_tokens=dict(counters.restored),
+            kv_saved_blocks=dict(counters.saved),
+            transferred_tokens=counters.transferred_tokens,
+            transferred_bytes=counters.transferred_bytes,
+            transfer_recomputed=counters.recomputed,
         )
 
     def recent_steps(self) -> list[LlamaStep]:
@@ -322,8 +429,14 @@ class LlamaEngine:
                 be compiled (the message says why).
             EngineError: llama.cpp failed, or the engine is closed.
         """
-        request = ctx.data
+        disagg = self._disagg
+        request, handle = disagg.continuation(ctx)
+        if handle is not None and ctx.is_stopped:
+            await disagg.release(handle)  # stopped before it reached us: nothing to decode
+            return
         budget = token_budget(request, ctx.id, n_ctx=self._n_ctx, n_vocab=self._n_vocab)
+        if disagg.role == "prefill":
+            budget = min(budget, 1)
         if self._closing:
             raise EngineError("the llama engine is closed", request_id=ctx.id)
         matchers = None
@@ -336,6 +449,8 @@ class LlamaEngine:
                 raise EngineError("the llama engine is closed", request_id=ctx.id) from exc
         n = max(request.n, 1)
         if budget == 0:
+            if handle is not None:
+                await disagg.release(handle)
             for index in range(n):
                 yield EngineOutput([], None, None, "length", index)
             return
@@ -347,11 +462,28 @@ class LlamaEngine:
         try:
             if ctx.is_stopped:
                 return
-            job = Job(ctx, budget=budget, width=width, matchers=matchers)
+            transfer = handle if handle is not None and disagg.pullable(handle) else None
+            job = Job(
+                ctx,
+                budget=budget,
+                width=width,
+                matchers=matchers,
+                request=request,
+                resumed=handle is not None,
+                transfer=transfer,
+                rng_state=None if handle is None else handle.rng,
+            )
             try:
                 scheduler.submit(job)
                 waited = True
                 while True:
+                    if transfer is not None and job.pull_from is not None:
+                        start, job.pull_from = job.pull_from, None
+                        scheduler.arrive(job, await disagg.pull(transfer, start))
+                        continue
+                    if transfer is not None and job.release_transfer:
+                        job.release_transfer = False
+                        await disagg.release(transfer)
                     if not waited:
                         await checkpoint()  # outputs may be ready at once: let a kill in
                     output = job.take()
@@ -389,6 +521,7 @@ class LlamaEngine:
         self._closing = True
         runtime, self._runtime = self._runtime, None
         if runtime is not None:
+            self._disagg.close()
             self._scheduler.stop()
             runtime.close()
 
@@ -401,4 +534,38 @@ class LlamaEngine:
     def __repr__(self) -> str:
         state = "closed" if self._runtime is None else f"n_ctx={self._n_ctx}"
         speculative = f", speculative={self._speculation}" if self._speculation else ""
-        return f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{speculative})"
+        role = "" if self.role == "aggregated" else f", role={self.role!r}"
+        return (
+            f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{role}"
+            f"{speculative})"
+        )
+
+
+def _tiers(
+    given: Sequence[KvTier],
+    host_mb: int,
+    disk: str | Path | None,
+    disk_mb: int,
+    model: Path,
+    layout: KvLayout,
+    block_size: int,
+) -> list[KvTier]:
+    """The engine's tiers: a host tier of ``host_mb`` MiB, then ``given``, then a disk tier
+    in ``disk`` (named after the model, the layout and the block size: blocks of another
+    model, layout or block size never meet), each evicting into the next."""
+    from pipeline import DiskKvTier, MemoryKvTier
+
+    tiers = list(given)
+    if disk is not None:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:64]
+        try:
+            size = model.stat().st_size
+        except OSError:
+            size = 0
+        identity = hashlib.blake2b(f"{model.name}:{size}".encode(), digest_size=4).hexdigest()
+        namespace = f"{stem}-{identity}-{layout.fingerprint}-b{block_size}"
+        tiers.append(DiskKvTier(disk, disk_mb << 20, namespace=namespace))
+    if host_mb:
+        below = tiers[0] if tiers else None
+        tiers.insert(0, MemoryKvTier(host_mb << 20, below=below))
+    return tiers
