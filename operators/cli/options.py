@@ -24,6 +24,7 @@ from .defaults import (
 __all__ = (
     "add_engine_options",
     "add_log_level",
+    "fraction",
     "non_negative_float",
     "non_negative_int",
     "port",
@@ -67,6 +68,13 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
 
@@ -206,6 +214,50 @@ def add_engine_options(
         default=8,
         metavar="K",
         help="--speculative ngram: most tokens drafted per step",
+    )
+    llama.add_argument(
+        "--kv-host-cache-mb",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help=(
+            "keep the KV blocks of a slot about to be overwritten in N MiB of host memory "
+            "(LRU): a prompt starting with them gets them restored instead of prefilled "
+            "(0: no host tier)"
+        ),
+    )
+    llama.add_argument(
+        "--kv-disk-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "a disk tier below the host one: blocks it evicts are written to DIR (one "
+            "checksummed file per block, kept apart per model) and restored from there"
+        ),
+    )
+    llama.add_argument(
+        "--kv-disk-cache-mb",
+        type=non_negative_int,
+        default=1024,
+        metavar="N",
+        help="--kv-disk-cache: most MiB of blocks on disk (LRU)",
+    )
+    llama.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help=(
+            "a prefill worker serves its prompts' KV to decode workers on HOST (any free "
+            "port; the transfer handle says where): an address they can reach"
+        ),
+    )
+    llama.add_argument(
+        "--kv-transfer-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )
     mocker = parser.add_argument_group("mocker engine")
     mocker.add_argument(

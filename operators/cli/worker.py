@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> Any:
     """The engine a ``worker`` serves."""
     if config.engine.engine == "llama":
-        return await load_llama(config.engine)
+        return await load_llama(config.engine, config.role, config.id)
     assert tokenizer is not None
     return make_engine(config.engine, tokenizer, config.role, config.id)
 
