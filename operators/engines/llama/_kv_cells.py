@@ -137,7 +137,9 @@ class KvCells:
                 if found is not None:
                     raise KvFormatError("cells in more than one stream")
                 found, at = cls._parse_stream(buffer, at, count)
-        except struct.error as exc:
+        except KvFormatError:
+            raise
+        except (struct.error, ValueError) as exc:  # numpy: "buffer is smaller than requested"
             raise KvFormatError(f"truncated state: {exc}") from None
         if at != size:
             raise KvFormatError(f"{size - at} bytes left after the state")
