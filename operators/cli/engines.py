@@ -193,6 +193,7 @@ def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = 
             transferred_tokens=sum(s.transferred_tokens for s in stats),
             transferred_bytes=sum(s.transferred_bytes for s in stats),
             transfer_recomputed=sum(s.transfer_recomputed for s in stats),
+            transfer_seconds=sum(s.transfer_seconds for s in stats),
         )
 
     metrics.watch_speculation(speculation)

@@ -29,6 +29,7 @@ Series::
     llm_pipeline_kv_transferred_tokens_total         counter, prompt tokens pulled (decode)
     llm_pipeline_kv_transferred_bytes_total          counter, their bytes
     llm_pipeline_kv_transfer_recomputed_total        counter, handles prefilled again instead
+    llm_pipeline_kv_transfer_seconds_total           counter, time spent pulling KV (decode)
     llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
@@ -210,6 +211,8 @@ class KvCounts(NamedTuple):
     transferred_bytes: int
     #: transfer handles whose KV could not be pulled (the decode worker prefilled)
     transfer_recomputed: int
+    #: seconds decode workers spent pulling KV
+    transfer_seconds: float = 0.0
 
 
 #: the tiers shown (at 0) before their first count
@@ -257,6 +260,11 @@ class _KvCollector(Collector):
             "llm_pipeline_kv_transfer_recomputed",
             "Transfer handles whose KV could not be pulled: the decode worker prefilled.",
             value=counts.transfer_recomputed,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_kv_transfer_seconds",
+            "Seconds decode workers spent pulling KV from prefill workers.",
+            value=counts.transfer_seconds,
         )
 
 

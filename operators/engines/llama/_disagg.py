@@ -22,6 +22,7 @@ prefilled here instead: the client sees the same tokens, later.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import anyio
@@ -86,6 +87,8 @@ class Disaggregation:
         self._ttl, self._capacity = ttl, capacity_bytes
         self.store: TransferStore | None = None
         self.server: TransferServer | None = None
+        #: seconds spent pulling cells (written by request tasks, on one event loop)
+        self.pull_seconds = 0.0
         self._layout: KvLayout | None = None
 
     def start(self, layout: KvLayout | None) -> None:
@@ -175,8 +178,9 @@ class Disaggregation:
         """The cells of ``handle`` from position ``start`` on; None (logged) if they cannot
         be had within the timeout."""
         assert self._layout is not None
+        started = time.perf_counter()
         try:
-            return await pull(
+            cells = await pull(
                 handle.address,
                 handle.transfer_id,
                 start,
@@ -187,6 +191,17 @@ class Disaggregation:
         except TransferError as exc:
             logger.warning("KV transfer %s failed, prefilling instead: %s", handle.transfer_id, exc)
             return None
+        seconds = time.perf_counter() - started
+        self.pull_seconds += seconds
+        logger.info(
+            "KV transfer %s: %d cells (%d bytes) pulled from %s in %.1f ms",
+            handle.transfer_id,
+            cells.count,
+            cells.nbytes,
+            handle.address,
+            seconds * 1000,
+        )
+        return cells
 
     async def release(self, handle: Handle) -> None:
         """Tell the prefill worker its cells are not needed (best effort, bounded)."""

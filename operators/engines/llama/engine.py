@@ -98,6 +98,8 @@ class LlamaStatistics(NamedTuple):
     transferred_bytes: int = 0
     #: transfer handles whose cells could not be pulled (the prompt was prefilled here)
     transfer_recomputed: int = 0
+    #: seconds spent pulling cells from prefill workers
+    transfer_seconds: float = 0.0
 
 
 def _default_threads() -> int:
@@ -404,6 +406,7 @@ class LlamaEngine:
             transferred_tokens=counters.transferred_tokens,
             transferred_bytes=counters.transferred_bytes,
             transfer_recomputed=counters.recomputed,
+            transfer_seconds=self._disagg.pull_seconds,
         )
 
     def recent_steps(self) -> list[LlamaStep]:
