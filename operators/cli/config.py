@@ -59,6 +59,7 @@ class EngineConfig:
     n_ctx: int = 2048
     parallel: int = DEFAULT_LLAMA_PARALLEL
     step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
+    step_ms: float = 0.0
     threads: int | None = None
     speculative: Literal["ngram"] | None = None
     ngram_size: int = 3

@@ -124,6 +124,7 @@ async def load_llama(
             n_threads=config.threads,
             parallel=config.parallel,
             step_tokens=config.step_tokens,
+            step_ms=config.step_ms,
             speculative=speculative,
             block_size=config.kv_block_size,
             role=role,

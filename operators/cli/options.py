@@ -181,8 +181,20 @@ def add_engine_options(
         default=DEFAULT_LLAMA_STEP_TOKENS,
         metavar="N",
         help=(
-            "most tokens one engine step evaluates (a token of every running sequence, "
-            "then prompt chunks): bounds the pause a long prompt causes the others"
+            "most tokens one engine step evaluates while sequences decode (a token of every "
+            "running sequence, then prompt chunks): bounds the pause a long prompt causes "
+            "the others; while none decodes, a step takes up to 512 prompt tokens"
+        ),
+    )
+    llama.add_argument(
+        "--step-ms",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help=(
+            "while sequences decode, cut prompts into chunks that keep a step near MS "
+            "milliseconds (learnt from the steps run; 0: --step-tokens alone): bounds the "
+            "inter-token latency a new prompt causes"
         ),
     )
     llama.add_argument(

@@ -56,6 +56,7 @@ from pipeline import EngineError
 from ._job import Job
 from ._kv_events import KvReporter
 from ._kv_moves import KvMover
+from ._pacing import Pacer
 from ._placement import choose_slot
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
@@ -74,6 +75,9 @@ logger = logging.getLogger("operators.engines.llama")
 
 #: steps kept for :meth:`Scheduler.recent_steps`
 _HISTORY: Final = 1024
+#: a decoding sequence is moved down into a free slot only if it has at least this many
+#: tokens to go: the split batches it would cause must cost more than the move
+_COMPACT_REMAINING: Final = 8
 
 
 @final
@@ -93,9 +97,11 @@ class Scheduler:
         speculation: NgramSpeculation | None,
         kv: KvReporter | None = None,
         check_kv: bool = False,
+        step_ms: float = 0.0,
     ) -> None:
         self._runtime = runtime
         self._check_kv = check_kv
+        self._pacer = Pacer(step_ms)
         self._kv = kv
         self._step_tokens = step_tokens
         self._speculation = speculation
@@ -204,6 +210,7 @@ class Scheduler:
                 self._receive()
                 self._retire()
                 self._admit()
+                self._compact()
                 stepped = self._step()
                 self._report_kv()
                 if not stepped:
@@ -337,25 +344,63 @@ class Scheduler:
         if self._awaiting.get(seq.job) is seq:
             del self._awaiting[seq.job]
 
+    def _compact(self) -> None:
+        """Move decoding sequences down into free slots below them.
+
+        Why: llama.cpp puts only consecutive sequence ids into one micro-batch, so a free
+        slot between running ones (a sequence in the middle finished) splits every step in
+        two until a new request fills it. A move copies the sequence's cells (the whole
+        stream with ``Runtime.copy``, the used cells with a mover), a few ms, once; the
+        split costs a micro-batch per step for the rest of the sequence's output."""
+        slots = self._slots
+        while True:
+            free = next((i for i, seq in enumerate(slots) if seq is None), None)
+            if free is None:
+                return
+            above = [
+                seq
+                for seq in slots[free + 1 :]
+                if seq is not None
+                and seq.pending is not None
+                and seq.leader is None
+                and not seq.followers
+                and seq.budget - seq.generated >= _COMPACT_REMAINING
+            ]
+            if not above:
+                return
+            seq = above[-1]  # the highest: the gap it leaves is at the top
+            source = seq.slot
+            assert source is not None
+            runtime = self._runtime
+            length = len(runtime.cached[source])
+            if self.mover is None or not self.mover.transplant(source, free, length):
+                runtime.copy(source, free)
+            slots[source], slots[free] = None, seq
+            seq.slot = free
+            self.counters.compactions += 1
+
     def _step(self) -> bool:
         """Plan and run one step; False when there is nothing to do."""
         runtime = self._runtime
         cached = runtime.cached
-        budget = self._step_tokens
         decoding = [
             seq
             for seq in self._slots
             if seq is not None and seq.pending is not None and seq.behind <= 1
         ]  # in slot order; a sequence whose consumer is two outputs behind waits
-        budget -= len(decoding)
+        # While nobody waits for a token, a step takes as much prompt as the batch holds.
+        waiting = any(seq is not None and seq.pending is not None for seq in self._slots)
+        budget = (self._step_tokens if waiting else runtime.n_batch) - len(decoding)
+        prompt_budget = self._pacer.prefill_budget(len(decoding), budget)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._prefilling:
-            if budget <= 0:
+            if prompt_budget <= 0:
                 break
             assert seq.slot is not None
-            size = min(len(seq.prompt) - len(cached[seq.slot]), budget)
+            size = min(len(seq.prompt) - len(cached[seq.slot]), prompt_budget)
             chunks.append((seq, size))
             budget -= size
+            prompt_budget -= size
         if not decoding and not chunks:
             return False
         work: list[tuple[Sequence, Feed]] = []
@@ -426,6 +471,7 @@ class Scheduler:
         self._unrung.clear()
 
     def _record(self, step: LlamaStep) -> None:
+        self._pacer.record(step)
         counters = self.counters
         counters.steps += 1
         counters.decode += step.decode_tokens

@@ -42,6 +42,7 @@ class Counters:
         "accepted",
         "batch_sizes",
         "cached",
+        "compactions",
         "decode",
         "generated",
         "prefill",
@@ -67,6 +68,8 @@ class Counters:
         self.prefill = 0
         self.cached = 0
         self.decode = 0
+        #: running sequences moved down into a free slot (see ``Scheduler._compact``)
+        self.compactions = 0
         #: steps by batch size (index: sequences in the step)
         self.batch_sizes = [0] * (parallel + 1)
         #: KV blocks saved to the top tier, by tier; blocks and tokens restored, by tier

@@ -59,6 +59,9 @@ DEFAULT_PARALLEL: Final = 4
 #: tokens one step evaluates at most, by default: ~0.4 s of prefill on two cores for
 #: SmolLM2, so running sequences never wait longer than that for their next token
 DEFAULT_STEP_TOKENS: Final = 128
+#: tokens a step may evaluate while no sequence waits for its next token (prompts that
+#: arrive together are prefilled together, and their answers then run in step)
+IDLE_STEP_TOKENS: Final = 512
 
 
 class LlamaStatistics(NamedTuple):
@@ -100,6 +103,8 @@ class LlamaStatistics(NamedTuple):
     transfer_recomputed: int = 0
     #: seconds spent pulling cells from prefill workers
     transfer_seconds: float = 0.0
+    #: running sequences moved down into a free slot (one batch serves them all again)
+    compactions: int = 0
 
 
 def _default_threads() -> int:
@@ -133,8 +138,12 @@ class LlamaEngine:
         n_threads: CPU threads for llama.cpp (default: every CPU this process may use).
         parallel: sequences decoded together (slots); more requests wait for a slot, in
             arrival order.
-        step_tokens: most tokens one step evaluates: a token of every decoding sequence,
-            then chunks of pending prompts, then drafts. At least ``parallel`` and 16.
+        step_tokens: most tokens one step evaluates while sequences decode: a token of
+            every decoding sequence, then chunks of pending prompts, then drafts. At least
+            ``parallel`` and 16. While none decodes, a step takes up to 512 prompt tokens.
+        step_ms: while sequences decode, size prompt chunks so that a step takes about
+            this long (learnt from the steps run; 0: by ``step_tokens`` alone): bounds
+            the inter-token latency a new prompt causes the running sequences.
         speculative: prompt-lookup speculative decoding for greedy requests.
         block_size: tokens per KV block in the KV events (the KV router's block size).
         kv_events: receives the KV events of the slots' cells; see :attr:`kv_events`.
@@ -180,6 +189,7 @@ class LlamaEngine:
         n_threads: int | None = None,
         parallel: int = DEFAULT_PARALLEL,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        step_ms: float = 0.0,
         speculative: NgramSpeculation | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_events: KvEventSink | None = None,
@@ -204,6 +214,8 @@ class LlamaEngine:
             ) from _GRAMMAR_IMPORT_ERROR
         if n_ctx < 16:
             raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
+        if not step_ms >= 0:
+            raise ValueError(f"step_ms must be >= 0, got {step_ms}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         most = int(llama_cpp.llama_max_parallel_sequences())
@@ -233,7 +245,11 @@ class LlamaEngine:
         self._step_tokens = step_tokens
         self._n_threads = n_threads or _default_threads()
         runtime = Runtime(
-            path, n_ctx=n_ctx, n_threads=self._n_threads, parallel=parallel, n_batch=step_tokens
+            path,
+            n_ctx=n_ctx,
+            n_threads=self._n_threads,
+            parallel=parallel,
+            n_batch=max(step_tokens, IDLE_STEP_TOKENS),
         )
         self._runtime: Runtime | None = runtime
         runtime.ledger = kv.ledger
@@ -247,7 +263,12 @@ class LlamaEngine:
         moving = moving or kv_disk_cache is not None
         # Every decode runs in the scheduler's thread, the probes included (see there).
         self._scheduler = Scheduler(
-            runtime, step_tokens=step_tokens, speculation=speculative, kv=kv, check_kv=moving
+            runtime,
+            step_tokens=step_tokens,
+            speculation=speculative,
+            kv=kv,
+            check_kv=moving,
+            step_ms=step_ms,
         )
         try:
             self._batch_invariant = self._scheduler.batch_invariant()
@@ -407,6 +428,7 @@ class LlamaEngine:
             transferred_bytes=counters.transferred_bytes,
             transfer_recomputed=counters.recomputed,
             transfer_seconds=self._disagg.pull_seconds,
+            compactions=counters.compactions,
         )
 
     def recent_steps(self) -> list[LlamaStep]:
