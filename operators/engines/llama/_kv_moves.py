@@ -18,8 +18,11 @@ token.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, final
 
 from operators.routing.kv_blocks import block_hashes
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
     from ._steps import Counters
 
-__all__ = ("KvMover",)
+__all__ = ("KvMover", "build_tiers")
 
 logger = logging.getLogger("operators.engines.llama")
 
@@ -188,3 +191,33 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def build_tiers(
+    given: Sequence[KvTier],
+    host_mb: int,
+    disk: str | Path | None,
+    disk_mb: int,
+    model: Path,
+    layout: KvLayout,
+    block_size: int,
+) -> list[KvTier]:
+    """The engine's tiers: a host tier of ``host_mb`` MiB, then ``given``, then a disk tier
+    in ``disk`` (named after the model, the layout and the block size: blocks of another
+    model, layout or block size never meet), each evicting into the next."""
+    from pipeline import DiskKvTier, MemoryKvTier
+
+    tiers = list(given)
+    if disk is not None:
+        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:64]
+        try:
+            size = model.stat().st_size
+        except OSError:
+            size = 0
+        identity = hashlib.blake2b(f"{model.name}:{size}".encode(), digest_size=4).hexdigest()
+        namespace = f"{stem}-{identity}-{layout.fingerprint}-b{block_size}"
+        tiers.append(DiskKvTier(disk, disk_mb << 20, namespace=namespace))
+    if host_mb:
+        below = tiers[0] if tiers else None
+        tiers.insert(0, MemoryKvTier(host_mb << 20, below=below))
+    return tiers

@@ -57,7 +57,7 @@ from ._job import Job
 from ._kv_events import KvReporter
 from ._kv_moves import KvMover
 from ._pacing import Pacer
-from ._placement import choose_slot
+from ._placement import choose_slot, compaction
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
 from ._steps import Counters, LlamaStep
@@ -345,38 +345,16 @@ class Scheduler:
             del self._awaiting[seq.job]
 
     def _compact(self) -> None:
-        """Move decoding sequences down into free slots below them.
-
-        Why: llama.cpp puts only consecutive sequence ids into one micro-batch, so a free
-        slot between running ones (a sequence in the middle finished) splits every step in
-        two until a new request fills it. A move copies the sequence's cells (the whole
-        stream with ``Runtime.copy``, the used cells with a mover), a few ms, once; the
-        split costs a micro-batch per step for the rest of the sequence's output."""
-        slots = self._slots
-        while True:
-            free = next((i for i, seq in enumerate(slots) if seq is None), None)
-            if free is None:
-                return
-            above = [
-                seq
-                for seq in slots[free + 1 :]
-                if seq is not None
-                and seq.pending is not None
-                and seq.leader is None
-                and not seq.followers
-                and seq.budget - seq.generated >= _COMPACT_REMAINING
-            ]
-            if not above:
-                return
-            seq = above[-1]  # the highest: the gap it leaves is at the top
-            source = seq.slot
-            assert source is not None
-            runtime = self._runtime
+        """Move decoding sequences down into the free slots below them (see
+        :func:`~._placement.compaction`)."""
+        runtime = self._runtime
+        while (move := compaction(self._slots, _COMPACT_REMAINING)) is not None:
+            seq, source, target = move
             length = len(runtime.cached[source])
-            if self.mover is None or not self.mover.transplant(source, free, length):
-                runtime.copy(source, free)
-            slots[source], slots[free] = None, seq
-            seq.slot = free
+            if self.mover is None or not self.mover.transplant(source, target, length):
+                runtime.copy(source, target)
+            self._slots[source], self._slots[target] = None, seq
+            seq.slot = target
             self.counters.compactions += 1
 
     def _step(self) -> bool:

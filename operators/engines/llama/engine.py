@@ -8,12 +8,10 @@ wait, and the job is cancelled on the way out.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import re
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
+from typing import TYPE_CHECKING, ClassVar, Final, final
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -28,10 +26,11 @@ from ._constraint import Grammars
 from ._disagg import DEFAULT_TRANSFER_TIMEOUT, Disaggregation, Role
 from ._job import Job
 from ._kv_events import KvLedger, KvReporter, TierLedger
-from ._kv_moves import KvMover
+from ._kv_moves import KvMover, build_tiers
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._slots import Slots
+from ._statistics import LlamaStatistics, statistics
 from ._steps import LlamaStep
 from ._validation import token_budget
 
@@ -48,9 +47,14 @@ if TYPE_CHECKING:
 
     from pipeline import Context, KvEventSink, KvSnapshot, KvTier, Stream
 
-    from ._kv_cells import KvLayout
 
-__all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
+__all__ = (
+    "DEFAULT_PARALLEL",
+    "DEFAULT_STEP_TOKENS",
+    "IDLE_STEP_TOKENS",
+    "LlamaEngine",
+    "LlamaStatistics",
+)
 
 logger = logging.getLogger("operators.engines.llama")
 
@@ -62,49 +66,6 @@ DEFAULT_STEP_TOKENS: Final = 128
 #: tokens a step may evaluate while no sequence waits for its next token (prompts that
 #: arrive together are prefilled together, and their answers then run in step)
 IDLE_STEP_TOKENS: Final = 512
-
-
-class LlamaStatistics(NamedTuple):
-    """Counters and gauges of a :class:`LlamaEngine` (counters since it was created)."""
-
-    #: requests that reached the scheduler (rejected ones are not counted)
-    requests: int
-    #: prompt tokens of those requests (once per request, also for n > 1)
-    prompt_tokens: int
-    #: tokens generated, over all choices
-    generated_tokens: int
-    #: draft tokens proposed by speculation and verified
-    speculative_proposed: int
-    #: draft tokens that matched the model's choice
-    speculative_accepted: int
-    #: sequences (choices) in a slot now
-    running_sequences: int = 0
-    #: sequences waiting for a slot now
-    waiting_sequences: int = 0
-    #: steps run (llama_decode calls)
-    steps: int = 0
-    #: prompt tokens evaluated (those not found in the cache)
-    prefill_tokens: int = 0
-    #: prompt tokens found in the cache (a slot's own, copied from another, or a sibling's)
-    cached_prompt_tokens: int = 0
-    #: tokens fed for decoding: one per sequence and step, plus speculative drafts
-    decode_tokens: int = 0
-    #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
-    batch_sizes: tuple[int, ...] = ()
-    #: KV blocks restored from each tier (``{"host": 12}``), and the tokens they held
-    kv_tier_hits: dict[str, int] = {}  # noqa: RUF012 - a NamedTuple default, never mutated
-    kv_restored_tokens: dict[str, int] = {}  # noqa: RUF012
-    #: KV blocks saved to the first tier before their slot was overwritten
-    kv_saved_blocks: dict[str, int] = {}  # noqa: RUF012
-    #: prompt tokens (cells) pulled from prefill workers, and their bytes
-    transferred_tokens: int = 0
-    transferred_bytes: int = 0
-    #: transfer handles whose cells could not be pulled (the prompt was prefilled here)
-    transfer_recomputed: int = 0
-    #: seconds spent pulling cells from prefill workers
-    transfer_seconds: float = 0.0
-    #: running sequences moved down into a free slot (one batch serves them all again)
-    compactions: int = 0
 
 
 def _default_threads() -> int:
@@ -284,7 +245,7 @@ class LlamaEngine:
             )
         self._tiers: list[KvTier] = []
         if layout is not None:
-            self._tiers = _tiers(
+            self._tiers = build_tiers(
                 kv_tiers,
                 kv_host_cache_mb,
                 kv_disk_cache,
@@ -406,30 +367,7 @@ class LlamaEngine:
 
     def statistics(self) -> LlamaStatistics:
         """Counters since the engine was created, and the current load."""
-        scheduler = self._scheduler
-        counters = scheduler.counters
-        return LlamaStatistics(
-            requests=counters.requests,
-            prompt_tokens=counters.prompt,
-            generated_tokens=counters.generated,
-            speculative_proposed=counters.proposed,
-            speculative_accepted=counters.accepted,
-            running_sequences=scheduler.running,
-            waiting_sequences=self._slots.waiting + scheduler.queued,
-            steps=counters.steps,
-            prefill_tokens=counters.prefill,
-            cached_prompt_tokens=counters.cached,
-            decode_tokens=counters.decode,
-            batch_sizes=tuple(counters.batch_sizes),
-            kv_tier_hits=dict(counters.tier_hits),
-            kv_restored_tokens=dict(counters.restored),
-            kv_saved_blocks=dict(counters.saved),
-            transferred_tokens=counters.transferred_tokens,
-            transferred_bytes=counters.transferred_bytes,
-            transfer_recomputed=counters.recomputed,
-            transfer_seconds=self._disagg.pull_seconds,
-            compactions=counters.compactions,
-        )
+        return statistics(self._scheduler, self._slots.waiting, self._disagg.pull_seconds)
 
     def recent_steps(self) -> list[LlamaStep]:
         """What the last steps did, oldest first (at most 1024 are kept)."""
@@ -564,33 +502,3 @@ class LlamaEngine:
             f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{role}"
             f"{speculative})"
         )
-
-
-def _tiers(
-    given: Sequence[KvTier],
-    host_mb: int,
-    disk: str | Path | None,
-    disk_mb: int,
-    model: Path,
-    layout: KvLayout,
-    block_size: int,
-) -> list[KvTier]:
-    """The engine's tiers: a host tier of ``host_mb`` MiB, then ``given``, then a disk tier
-    in ``disk`` (named after the model, the layout and the block size: blocks of another
-    model, layout or block size never meet), each evicting into the next."""
-    from pipeline import DiskKvTier, MemoryKvTier
-
-    tiers = list(given)
-    if disk is not None:
-        stem = re.sub(r"[^A-Za-z0-9._-]", "_", model.stem)[:64]
-        try:
-            size = model.stat().st_size
-        except OSError:
-            size = 0
-        identity = hashlib.blake2b(f"{model.name}:{size}".encode(), digest_size=4).hexdigest()
-        namespace = f"{stem}-{identity}-{layout.fingerprint}-b{block_size}"
-        tiers.append(DiskKvTier(disk, disk_mb << 20, namespace=namespace))
-    if host_mb:
-        below = tiers[0] if tiers else None
-        tiers.insert(0, MemoryKvTier(host_mb << 20, below=below))
-    return tiers
