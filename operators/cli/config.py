@@ -22,6 +22,7 @@ from .defaults import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     TRANSFER_SECRET_ENV,
@@ -59,7 +60,7 @@ class EngineConfig:
     n_ctx: int = 2048
     parallel: int = DEFAULT_LLAMA_PARALLEL
     step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
-    step_ms: float = 0.0
+    step_ms: float = DEFAULT_LLAMA_STEP_MS
     threads: int | None = None
     speculative: Literal["ngram"] | None = None
     ngram_size: int = 3

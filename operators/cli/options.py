@@ -16,6 +16,7 @@ from operators.engines import DEFAULT_CYCLE_TOKENS
 from .defaults import (
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     TRANSFER_SECRET_ENV,
@@ -189,7 +190,7 @@ def add_engine_options(
     llama.add_argument(
         "--step-ms",
         type=non_negative_float,
-        default=0.0,
+        default=DEFAULT_LLAMA_STEP_MS,
         metavar="MS",
         help=(
             "while sequences decode, cut prompts into chunks that keep a step near MS "

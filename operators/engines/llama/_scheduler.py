@@ -75,6 +75,10 @@ logger = logging.getLogger("operators.engines.llama")
 
 #: steps kept for :meth:`Scheduler.recent_steps`
 _HISTORY: Final = 1024
+#: a burst of prompts is gathered while they come within this many seconds of each other,
+#: for at most the second
+_GATHER: Final = 0.004
+_GATHER_MAX: Final = 0.02
 #: a decoding sequence is moved down into a free slot only if it has at least this many
 #: tokens to go: the split batches it would cause must cost more than the move
 _COMPACT_REMAINING: Final = 8
@@ -124,6 +128,7 @@ class Scheduler:
         self._arrivals: deque[tuple[Job, KvCells | None]] = deque()
         self._probed = threading.Event()
         self._probe: bool | Exception = False
+        self._gathered = False  # this burst's prompts were gathered already
         #: whether KV cells survive an export and a load (checked when asked at start)
         self.kv_portable = False
         self._thread = threading.Thread(target=self._run, name="llama-scheduler", daemon=True)
@@ -210,6 +215,7 @@ class Scheduler:
                 self._receive()
                 self._retire()
                 self._admit()
+                self._gather()
                 self._compact()
                 stepped = self._step()
                 self._report_kv()
@@ -343,6 +349,33 @@ class Scheduler:
             self._prefilling.remove(seq)
         if self._awaiting.get(seq.job) is seq:
             del self._awaiting[seq.job]
+
+    def _gather(self) -> None:
+        """Before the first step of a burst that only prefills, wait a moment for more
+        prompts (at most 20 ms, while they keep coming within 4 ms of each other).
+
+        Why: requests that arrive together (a closed loop's clients, whose previous answers
+        ended in one step) are then prefilled in one step and answer in step; admitted a
+        few ms apart, each later prompt's prefill would stall the answers already started,
+        once per request, for as long as a prompt takes.
+        """
+        slots = self._slots
+        if any(seq is not None and seq.pending is not None for seq in slots):
+            self._gathered = False  # a new burst may come once these are done
+            return
+        if self._gathered or not self._prefilling or None not in slots:
+            return
+        self._gathered = True
+        deadline = time.perf_counter() + _GATHER_MAX
+        while time.perf_counter() < deadline:
+            self._wake.clear()
+            if not self._wake.wait(_GATHER) or self._stopping:
+                return
+            self._receive()
+            self._retire()
+            self._admit()
+            if None not in slots:
+                return
 
     def _compact(self) -> None:
         """Move decoding sequences down into the free slots below them (see

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "DEFAULT_PARALLEL",
+    "DEFAULT_STEP_MS",
     "DEFAULT_STEP_TOKENS",
     "IDLE_STEP_TOKENS",
     "LlamaEngine",
@@ -63,6 +64,10 @@ DEFAULT_PARALLEL: Final = 4
 #: tokens one step evaluates at most, by default: ~0.4 s of prefill on two cores for
 #: SmolLM2, so running sequences never wait longer than that for their next token
 DEFAULT_STEP_TOKENS: Final = 128
+#: milliseconds a step beside decoding sequences should take, by default (prompt chunks are
+#: sized to it): on two cores about three decode steps, so a new prompt delays the running
+#: answers by tens of ms per token instead of a 128-token chunk's ~0.4 s
+DEFAULT_STEP_MS: Final = 60.0
 #: tokens a step may evaluate while no sequence waits for its next token (prompts that
 #: arrive together are prefilled together, and their answers then run in step)
 IDLE_STEP_TOKENS: Final = 512
@@ -104,7 +109,8 @@ class LlamaEngine:
             ``parallel`` and 16. While none decodes, a step takes up to 512 prompt tokens.
         step_ms: while sequences decode, size prompt chunks so that a step takes about
             this long (learnt from the steps run; 0: by ``step_tokens`` alone): bounds
-            the inter-token latency a new prompt causes the running sequences.
+            the inter-token latency a new prompt causes the running sequences
+            (docs/llama.md, "Concurrency").
         speculative: prompt-lookup speculative decoding for greedy requests.
         block_size: tokens per KV block in the KV events (the KV router's block size).
         kv_events: receives the KV events of the slots' cells; see :attr:`kv_events`.
@@ -150,7 +156,7 @@ class LlamaEngine:
         n_threads: int | None = None,
         parallel: int = DEFAULT_PARALLEL,
         step_tokens: int = DEFAULT_STEP_TOKENS,
-        step_ms: float = 0.0,
+        step_ms: float = DEFAULT_STEP_MS,
         speculative: NgramSpeculation | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_events: KvEventSink | None = None,
