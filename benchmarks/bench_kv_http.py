@@ -330,7 +330,11 @@ def median_summary(summaries: list[dict[str, float | None]]) -> dict[str, float 
     keys = {key for summary in summaries for key in summary}
     out: dict[str, float | None] = {}
     for key in keys:
-        values = [v for s in summaries if (v := s.get(key)) is not None and v == v]
+        values = [
+            v
+            for s in summaries
+            if isinstance(v := s.get(key), int | float) and v == v  # not labels, not NaN
+        ]
         out[key] = statistics.median(values) if values else None
     return out
 
