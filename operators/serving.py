@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
-from .edges.openai.guard import Guard
-from .edges.openai.metrics import ServerMetrics
-from .edges.openai.runner import serve
+from .edges.http.guard import Guard
+from .edges.http.metrics import ServerMetrics
+from .edges.http.runner import serve
 from .edges.openai.server import OpenAIApp
 from .graph import GraphOptions, Point, default_graph
 

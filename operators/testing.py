@@ -40,12 +40,12 @@ if TYPE_CHECKING:
 
     from pipeline import Engine
 
-    from .edges.openai.server import OpenAIApp
+    from .edges.http.app import EdgeApp
 
 __all__ = ("EngineFactory", "check_engine", "openai_client")
 
 
-def openai_client(app: OpenAIApp, *, api_key: str = "test", **options: Any) -> openai.AsyncOpenAI:
+def openai_client(app: EdgeApp, *, api_key: str = "test", **options: Any) -> openai.AsyncOpenAI:
     """An ``openai.AsyncOpenAI`` client for ``app``, in-process; close it (``async with``).
 
     ``options`` go to the client (``max_retries`` is 0 unless given: a test sees the first

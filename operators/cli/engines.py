@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.openai.metrics import BatchingCounts, ServerMetrics
+from operators.edges.http.metrics import BatchingCounts, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
-from operators.edges.openai.guard import Guard
+from operators.edges.http.guard import Guard
+from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.images import ImagePolicy
-from operators.edges.openai.metrics import ServerMetrics
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
 from operators.serving import build_app, serve

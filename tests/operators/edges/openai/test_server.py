@@ -543,7 +543,7 @@ async def test_a_client_that_stopped_reading_does_not_hold_the_exit() -> None:
 def test_the_default_drain_fits_kubernetes_default_grace_period() -> None:
     # SIGKILL comes 30 s after SIGTERM unless terminationGracePeriodSeconds says otherwise.
     from operators.cli.defaults import DEFAULT_DRAIN_TIMEOUT
-    from operators.edges.openai.runner import DRAIN_TIMEOUT, EXIT_AFTER_ABORT
+    from operators.edges.http.runner import DRAIN_TIMEOUT, EXIT_AFTER_ABORT
 
     assert DEFAULT_DRAIN_TIMEOUT == DRAIN_TIMEOUT
     assert DRAIN_TIMEOUT + EXIT_AFTER_ABORT < 30
