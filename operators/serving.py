@@ -26,16 +26,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
+from .edges.anthropic import AnthropicEdge
 from .edges.http.guard import Guard
 from .edges.http.metrics import ServerMetrics
 from .edges.http.runner import serve
+from .edges.openai.preprocessor import OpenAIPreprocessor
 from .edges.openai.server import OpenAIApp
-from .graph import GraphOptions, Point, default_graph
+from .edges.responses import ResponsesEdge
+from .graph import GraphOptions, Point, default_stages
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
 
     from .contracts.llm import EngineOutput, PreprocessedRequest
+    from .edges.http.routes import Edge
+    from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
 
 __all__ = ("build_app", "serve")
@@ -49,6 +54,8 @@ def build_app(
     guard: Guard | None = None,
     metrics: ServerMetrics | None = None,
     before: Mapping[Point, Sequence[Operator[Any, Any, Any, Any]]] | None = None,
+    responses_store: ResponseStore | None = None,
+    edges: Sequence[Edge] = (),
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
@@ -65,5 +72,13 @@ def build_app(
     """
     metrics = metrics if metrics is not None else ServerMetrics()
     graph_options.setdefault("on_migration", metrics.count_migration)
-    graph = default_graph(engine, tokenizer, model_name=model_name, before=before, **graph_options)
-    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard)
+    stages = default_stages(tokenizer, model_name=model_name, **graph_options)
+    graph = stages.insert(before or {}).link(engine)
+    reasoning = graph_options.get("reasoning_parser") is not None
+    preprocessor = stages.preprocessor
+    served: list[Edge] = [
+        ResponsesEdge(responses_store, reasoning=reasoning),
+        AnthropicEdge(preprocessor if isinstance(preprocessor, OpenAIPreprocessor) else None),
+        *edges,
+    ]
+    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard, edges=served)

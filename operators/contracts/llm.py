@@ -66,6 +66,8 @@ class SamplingOptions:
 
     temperature: float | None = None
     top_p: float | None = None
+    #: sample among the k most likely tokens only (None or 0: no limit)
+    top_k: int | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

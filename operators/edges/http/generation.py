@@ -215,10 +215,10 @@ class Generations:
             return CLIENT_GONE
         try:
             exchange = await prepare(body)
-        except InvalidRequest as exc:
-            return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
         except Refusal as exc:
             return await refuse(exc.error)
+        except Exception as exc:  # InvalidRequest, or a store failing under the edge
+            return await refuse(describe_failure(exc, "(not started)"))
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             return await refuse(draining())

@@ -42,6 +42,7 @@ __all__ = (
     "WriteFailed",
     "keep_alive",
     "stream_response",
+    "stream_start",
 )
 
 #: the status recorded when the client went away (nginx's "client closed request")

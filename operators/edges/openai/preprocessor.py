@@ -139,6 +139,16 @@ class OpenAIPreprocessor:
 
     # ------------------------------------------------------------------ forward edge
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length prompts (plus their output) must fit (None: unbounded)."""
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> TokenizerLike:
+        """The tokenizer prompts are encoded with."""
+        return self._tokenizer
+
     def render_chat(self, request: ChatCompletionRequest) -> str:
         """The prompt text of a chat request: its messages through the chat template.
 
@@ -149,7 +159,12 @@ class OpenAIPreprocessor:
         """
         return self._render(request, [])
 
-    def _render(self, request: ChatCompletionRequest, images: list[ImageRef]) -> str:
+    def _render(
+        self,
+        request: ChatCompletionRequest,
+        images: list[ImageRef],
+        add_generation_prompt: bool = True,
+    ) -> str:
         template = self._tool_template if involves_tools(request) else self._template
         if template is None:
             raise InvalidRequest(
@@ -159,7 +174,11 @@ class OpenAIPreprocessor:
         tools = None
         if request.effective_tool_choice != "none":
             tools = [tool.as_template_dict() for tool in request.tools or ()]
-        return template.render(_template_messages(request.messages, images), tools=tools)
+        return template.render(
+            _template_messages(request.messages, images),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
         """The tokenized request: one per prompt (several for a completions batch).
@@ -172,7 +191,21 @@ class OpenAIPreprocessor:
         self._refuse_unfittable(request)
         return [leg.request for leg in self._legs(request)]
 
-    def _legs(self, request: OpenAIRequest) -> list[_Leg]:
+    async def prepare(
+        self, request: OpenAIRequest, *, add_generation_prompt: bool = True
+    ) -> list[PreprocessedRequest]:
+        """:meth:`preprocess`, in a worker thread when the prompts are large: exactly the
+        token ids a request of the graph gets (``count_tokens`` and ``/tokenize`` count
+        them); ``add_generation_prompt=False`` renders a chat without the assistant's
+        opening.
+
+        Raises:
+            InvalidRequest: as :meth:`preprocess`.
+        """
+        legs = await self._prepare(request, add_generation_prompt)
+        return [leg.request for leg in legs]
+
+    def _legs(self, request: OpenAIRequest, add_generation_prompt: bool = True) -> list[_Leg]:
         """The legs of ``request``, which :meth:`_refuse_unfittable` has let through."""
         if isinstance(request, ChatCompletionRequest):
             # The rendered text is encoded with special tokens parsed, because the template's
@@ -181,7 +214,7 @@ class OpenAIPreprocessor:
             # user text plain would mean encoding the template's pieces separately. vLLM and
             # llama.cpp's server behave the same way.
             images: list[ImageRef] = []
-            text = self._render(request, images)
+            text = self._render(request, images, add_generation_prompt)
             ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
             tools, constraint = output_structure(request, self._tool_format)
             leg = self._leg(request, ids, "messages", "")
@@ -258,7 +291,9 @@ class OpenAIPreprocessor:
         )
         return sum(size.size for size in sizes)
 
-    async def _prepare(self, request: OpenAIRequest) -> list[_Leg]:
+    async def _prepare(
+        self, request: OpenAIRequest, add_generation_prompt: bool = True
+    ) -> list[_Leg]:
         """:meth:`_legs`, in a worker thread when the prompts are large.
 
         Rendering and encoding a large prompt take long enough to stall every other request
@@ -267,10 +302,12 @@ class OpenAIPreprocessor:
         is cancelled). Those that cannot fit the context are refused first, on the loop.
         """
         if self._refuse_unfittable(request) <= OFF_LOOP_CHARS:
-            return self._legs(request)
+            return self._legs(request, add_generation_prompt)
         if self._large is None:
             self._large = anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(self._legs, request, limiter=self._large)
+        return await anyio.to_thread.run_sync(
+            self._legs, request, add_generation_prompt, limiter=self._large
+        )
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab_size = self._vocab_size
@@ -300,21 +337,15 @@ class OpenAIPreprocessor:
         request = ctx.data
         legs = await self._prepare(request)
         model = request.model or self._model_name
-        chunks: ChatChunks | CompletionChunks
-        if isinstance(request, ChatCompletionRequest):
-            chunks = ChatChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                texts=self._token_texts,
-                request_id=ctx.id,
-            )
-        else:
-            chunks = CompletionChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                texts=self._token_texts,
-                request_id=ctx.id,
-            )
+        prompt_tokens = sum(leg.request.prompt_tokens for leg in legs)
+        kind = ChatChunks if isinstance(request, ChatCompletionRequest) else CompletionChunks
+        chunks = kind(
+            model=model,
+            logprobs=request.logprobs_count,
+            texts=self._token_texts,
+            request_id=ctx.id,
+            prompt_tokens=prompt_tokens,
+        )
         n = request.n
         for leg in legs:
             if leg.images:
@@ -336,7 +367,7 @@ class OpenAIPreprocessor:
             hits = leg_ctx.state.get(CACHED_TOKENS, None)
             if hits is not None:  # (a retry's prompt includes replayed output: clamp)
                 cached = (cached or 0) + min(hits, leg.request.prompt_tokens)
-        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs), cached)
+        yield chunks.usage(prompt_tokens, cached)
 
 
 @dataclass(slots=True)

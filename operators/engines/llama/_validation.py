@@ -57,6 +57,12 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             param="top_p",
             request_id=request_id,
         )
+    if sampling.top_k is not None and sampling.top_k < 0:
+        raise InvalidRequest(
+            f"top_k must be >= 0, got {sampling.top_k}",
+            param="top_k",
+            request_id=request_id,
+        )
     max_tokens = request.stop.max_tokens
     if max_tokens is None:
         return room

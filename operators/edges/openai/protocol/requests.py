@@ -93,6 +93,8 @@ class GenerationRequest(Model):
     stop: _Stop | None = None
     temperature: Float | None = Field(default=None, ge=0, le=2)
     top_p: Float | None = Field(default=None, gt=0, le=1)
+    #: vLLM's extension (and Anthropic's field): the k most likely tokens only (0: all)
+    top_k: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT)
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)
     presence_penalty: Float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: Float | None = Field(default=None, ge=-2, le=2)
@@ -178,6 +180,7 @@ class GenerationRequest(Model):
         return SamplingOptions(
             temperature=self.temperature,
             top_p=self.top_p,
+            top_k=self.top_k or None,
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
