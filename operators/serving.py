@@ -26,19 +26,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
+from .contracts.llm import embedder_of
 from .edges.anthropic import AnthropicEdge
 from .edges.http.guard import Guard
 from .edges.http.metrics import ServerMetrics
 from .edges.http.runner import serve
+from .edges.openai.embeddings import embedding_routes
 from .edges.openai.preprocessor import OpenAIPreprocessor
 from .edges.openai.server import OpenAIApp
+from .edges.openai.tokenize import tokenize_routes
 from .edges.responses import ResponsesEdge
 from .graph import GraphOptions, Point, default_stages
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
 
-    from .contracts.llm import EngineOutput, PreprocessedRequest
+    from .contracts.llm import Embedder, EngineOutput, PreprocessedRequest
     from .edges.http.routes import Edge
     from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
@@ -55,6 +58,7 @@ def build_app(
     metrics: ServerMetrics | None = None,
     before: Mapping[Point, Sequence[Operator[Any, Any, Any, Any]]] | None = None,
     responses_store: ResponseStore | None = None,
+    embedder: Embedder | None = None,
     edges: Sequence[Edge] = (),
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
@@ -67,6 +71,12 @@ def build_app(
     ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
     ``app.metrics`` unless ``on_migration`` is given.
 
+    Besides chat completions and completions the app serves the Responses API (its
+    responses kept in ``responses_store``: a bounded in-memory store by default), Anthropic's
+    Messages API, ``/v1/embeddings`` (through ``embedder``, by default the engine itself if
+    it has ``embed``), ``/tokenize`` and ``/detokenize``; ``edges`` adds APIs of your own
+    (:class:`operators.edges.http.routes.Edge`).
+
     Raises:
         ValueError: a key of ``before`` names no stage of the default graph.
     """
@@ -76,9 +86,16 @@ def build_app(
     graph = stages.insert(before or {}).link(engine)
     reasoning = graph_options.get("reasoning_parser") is not None
     preprocessor = stages.preprocessor
-    served: list[Edge] = [
-        ResponsesEdge(responses_store, reasoning=reasoning),
-        AnthropicEdge(preprocessor if isinstance(preprocessor, OpenAIPreprocessor) else None),
-        *edges,
-    ]
-    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard, edges=served)
+    own = preprocessor if isinstance(preprocessor, OpenAIPreprocessor) else None
+    served: list[Edge] = [ResponsesEdge(responses_store, reasoning=reasoning), AnthropicEdge(own)]
+    routes = [embedding_routes(embedder or embedder_of(engine), tokenizer)]
+    if own is not None:
+        routes.append(tokenize_routes(own))
+    return OpenAIApp(
+        graph,
+        model_name=model_name,
+        metrics=metrics,
+        guard=guard,
+        edges=[*served, *edges],
+        openai_routes=routes,
+    )

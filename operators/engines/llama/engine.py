@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 
@@ -19,10 +20,11 @@ from anyio.lowlevel import checkpoint
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
-from pipeline import EngineError
+from pipeline import EngineError, InvalidRequest
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
+from ._embed import Embeddings
 from ._job import Job
 from ._kv_events import KvLedger, KvReporter
 from ._runtime import LlamaFailure, Runtime
@@ -42,7 +44,13 @@ else:
 if TYPE_CHECKING:
     from pipeline import Context, KvEventSink, KvSnapshot, Stream
 
-__all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
+__all__ = (
+    "DEFAULT_PARALLEL",
+    "DEFAULT_STEP_TOKENS",
+    "EMBED_MAX_TOKENS",
+    "LlamaEngine",
+    "LlamaStatistics",
+)
 
 logger = logging.getLogger("operators.engines.llama")
 
@@ -51,6 +59,9 @@ DEFAULT_PARALLEL: Final = 4
 #: tokens one step evaluates at most, by default: ~0.4 s of prefill on two cores for
 #: SmolLM2, so running sequences never wait longer than that for their next token
 DEFAULT_STEP_TOKENS: Final = 128
+#: the most tokens one input to :meth:`LlamaEngine.embed` may hold (at most n_ctx): the
+#: embedding context keeps four inputs' KV streams of this size
+EMBED_MAX_TOKENS: Final = 512
 
 
 class LlamaStatistics(NamedTuple):
@@ -208,6 +219,8 @@ class LlamaEngine:
             )
         self._slots = Slots(parallel)
         self._closing = False
+        self._embeddings: Embeddings | None = None  # created by the first embed()
+        self._embedding = anyio.Lock()
         logger.info(
             "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d)",
             path.name,
@@ -372,6 +385,50 @@ class LlamaEngine:
         finally:
             self._slots.release(width)
 
+    # ------------------------------------------------------------------------ embeddings
+
+    async def embed(self, token_ids: Sequence[Sequence[int]], /) -> list[list[float]]:
+        """One embedding per input: the mean of its tokens' last hidden states (the model's
+        pooled "mean" embedding; 576 numbers for SmolLM2-135M). Deterministic, and the
+        same vector alone or in any batch. Runs in a worker thread, one call at a time; the
+        first call creates the embedding context (a second, memory-mapped use of the file).
+
+        Raises:
+            InvalidRequest: an empty input, one longer than :data:`EMBED_MAX_TOKENS` (or
+                the context), ids outside the vocabulary; ``param`` is ``input.<i>``.
+            EngineError: llama.cpp failed, or the engine is closed.
+        """
+        limit = min(EMBED_MAX_TOKENS, self._n_ctx)
+        inputs = [list(tokens) for tokens in token_ids]
+        for position, tokens in enumerate(inputs):
+            param = f"input.{position}" if len(inputs) > 1 else "input"
+            if not tokens:
+                raise InvalidRequest("an input to embed is empty (no tokens)", param=param)
+            if len(tokens) > limit:
+                raise InvalidRequest(
+                    f"an input to embed has {len(tokens)} tokens; at most {limit} are allowed",
+                    param=param,
+                )
+            bad = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (size {self._n_vocab})",
+                    param=param,
+                )
+        if not inputs:
+            return []
+        async with self._embedding:
+            if self._closing:
+                raise EngineError("the llama engine is closed")
+            try:
+                if self._embeddings is None:
+                    self._embeddings = await anyio.to_thread.run_sync(
+                        lambda: Embeddings(self._path, n_ctx=limit, n_threads=self._n_threads)
+                    )
+                return await anyio.to_thread.run_sync(self._embeddings.embed, inputs)
+            except LlamaFailure as exc:
+                raise EngineError(str(exc)) from exc
+
     # --------------------------------------------------------------------------- closing
 
     async def aclose(self) -> None:
@@ -387,6 +444,9 @@ class LlamaEngine:
         """Free the model now; requests still running fail with EngineError (use
         :meth:`aclose` to wait for them)."""
         self._closing = True
+        embeddings, self._embeddings = self._embeddings, None
+        if embeddings is not None:
+            embeddings.close()
         runtime, self._runtime = self._runtime, None
         if runtime is not None:
             self._scheduler.stop()
