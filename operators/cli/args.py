@@ -12,6 +12,8 @@ from pathlib import Path
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_RESPONSES_STORE_MB,
+    DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
     NATS_CONNECT_TIMEOUT,
     ROLES,
@@ -270,6 +272,27 @@ def build_parser() -> argparse.ArgumentParser:
             "SIGTERM, Kubernetes' default grace period: under a longer "
             "terminationGracePeriodSeconds, set it to that minus 5"
         ),
+    )
+    responses = serve_parser.add_argument_group(
+        "the Responses API's store",
+        "Responses created with store (the default) are kept for GET /v1/responses/{id}, "
+        "input_items and previous_response_id, scoped to the API key that created them: in "
+        "this process (least recently used leave first), or with --nats in a NATS JetStream "
+        "bucket every frontend shares (oldest leave first), which outlives a restart.",
+    )
+    responses.add_argument(
+        "--responses-store-mb",
+        type=positive_int,
+        default=DEFAULT_RESPONSES_STORE_MB,
+        metavar="MB",
+        help="the most megabytes of stored responses",
+    )
+    responses.add_argument(
+        "--responses-store-ttl",
+        type=positive_float,
+        default=DEFAULT_RESPONSES_STORE_TTL,
+        metavar="SECONDS",
+        help="how long a stored response is kept",
     )
     add_log_level(serve_parser, "server")
 

@@ -24,6 +24,8 @@ from .defaults import (
     DEFAULT_LLAMA_PARALLEL,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_RESPONSES_STORE_MB,
+    DEFAULT_RESPONSES_STORE_TTL,
     TRANSFER_SECRET_ENV,
     EngineName,
     Role,
@@ -136,6 +138,9 @@ class ServeConfig:
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
     reasoning_parser: str | None = None
+    #: the Responses API's store: megabytes kept, and seconds each response is kept
+    responses_store_mb: int = DEFAULT_RESPONSES_STORE_MB
+    responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
 
     @property
     def model_name(self) -> str:

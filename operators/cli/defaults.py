@@ -15,6 +15,8 @@ __all__ = (
     "DEFAULT_LLAMA_PARALLEL",
     "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_RESPONSES_STORE_MB",
+    "DEFAULT_RESPONSES_STORE_TTL",
     "ENGINES",
     "NATS_CONNECT_TIMEOUT",
     "ROLES",
@@ -42,6 +44,10 @@ TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: cut at the drain timeout still needs its error event written and the process to exit;
 #: 5 s is that margin (set ``--drain-timeout`` to the grace period minus 5)
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
+#: the Responses API's store: megabytes kept (in memory, or in the NATS bucket) ...
+DEFAULT_RESPONSES_STORE_MB: Final = 256
+#: ... and seconds a stored response is kept
+DEFAULT_RESPONSES_STORE_TTL: Final = 24 * 3600.0
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
 

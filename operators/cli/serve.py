@@ -20,6 +20,7 @@ from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, Preproce
 from operators.edges.http.guard import Guard
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.images import ImagePolicy
+from operators.edges.responses import MemoryResponseStore
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
 from operators.serving import build_app, serve
@@ -33,9 +34,11 @@ from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
+    from operators.contracts.llm import Embedder
     from operators.contracts.transport import WorkerSets
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
+    from operators.edges.responses import ResponseStore
     from operators.graph import GraphOptions
     from operators.text.tokenizer import Tokenizer
     from pipeline import RoutingPolicy
@@ -193,6 +196,9 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         workers = None
         kv_indexes: list[PrefixIndex] | None = None
         via = ""
+        megabytes = config.responses_store_mb * 1024 * 1024
+        store: ResponseStore = MemoryResponseStore(megabytes, config.responses_store_ttl)
+        embedder: Embedder | None = None
         if config.nats is not None:
             from operators.contracts.transport import discover_workers
 
@@ -208,6 +214,17 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
                 return 1
             via = f" with workers via {config.nats}"
+            from operators.contracts.remote_embed import RemoteEmbedder
+            from operators.edges.responses.nats_store import NatsResponseStore
+
+            try:
+                store = await NatsResponseStore.open(
+                    nc, ttl=config.responses_store_ttl, max_bytes=megabytes
+                )
+            except Exception as exc:  # nats-py's errors, a server without JetStream
+                print(f"llm-pipeline: cannot open the responses store: {exc}", file=sys.stderr)
+                return 1
+            embedder = RemoteEmbedder(nc, model=config.model_name, workers=workers.decode)
             if config.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
@@ -233,6 +250,8 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             guard=guard(config),
             metrics=metrics,
             before=before,
+            responses_store=store,
+            embedder=embedder,
             **options,
         )
 

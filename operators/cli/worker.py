@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.llm import embedder_of
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
@@ -48,6 +49,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
     A first signal deregisters the worker and lets its in-flight streams finish (up to
     ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
     """
+    from operators.contracts.remote_embed import serve_embeddings
     from operators.contracts.transport import RequestLog, llm_codec
     from pipeline.transports.nats import NatsTimeouts
     from pipeline.transports.nats import serve as serve_engine
@@ -106,6 +108,8 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         await publish_kv_events(
                             tg, nc, engine, model=config.model_name, worker_id=worker_id
                         )
+                        if embedder_of(engine) is not None:
+                            await serve_embeddings(nc, engine, model=config.model_name)
                         async with served:
                             worker = served
                             print(

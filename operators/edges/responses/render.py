@@ -9,9 +9,10 @@ module folds them into the Responses API's *output items*, in the order they hap
     content text     -> a "message" item        (response.output_text.delta ...)
     a tool call      -> a "function_call" item  (response.function_call_arguments.delta ...)
 
-A new kind of payload closes the open item and opens the next; the finish closes the
-last (``incomplete`` when ``max_output_tokens`` cut it). Streamed, every step is a server-
-sent event with an increasing ``sequence_number``: ``response.created``,
+Text and reasoning follow each other: a new one closes the open one. A call's item stays
+open until the answer ends (its arguments may come after other text), and the finish
+closes them all (``incomplete`` when ``max_output_tokens`` cut the answer). Streamed, every
+step is a server-sent event with an increasing ``sequence_number``: ``response.created``,
 ``response.in_progress``, per item ``response.output_item.added``,
 ``response.content_part.added``, the deltas, ``response.output_text.done``,
 ``response.content_part.done``, ``response.output_item.done``, and at the end
@@ -76,6 +77,17 @@ def failed_code(error: ApiError) -> str:
     return "server_error"
 
 
+class _Call:
+    """An open function_call item: its place, and its arguments so far."""
+
+    __slots__ = ("index", "item", "parts")
+
+    def __init__(self, index: int, item: dict[str, Any]) -> None:
+        self.index = index
+        self.item = item
+        self.parts: list[str] = []
+
+
 class ResponseRenderer:
     """One response's output items, and (streamed) its server-sent events.
 
@@ -87,8 +99,10 @@ class ResponseRenderer:
     """
 
     __slots__ = (
+        "_calls",
         "_finish",
         "_hex",
+        "_index",
         "_item",
         "_kind",
         "_logprobs",
@@ -112,11 +126,13 @@ class ResponseRenderer:
         self._stream = stream
         self._logprobs = logprobs
         self._seq = 0
-        self._kind: _Kind | None = None  # the open item's kind
-        self._item: dict[str, Any] = {}  # the open item
-        self._parts: list[str] = []  # the open item's text (or arguments) so far
+        self._kind: _Kind | None = None  # the open text or reasoning item's kind
+        self._item: dict[str, Any] = {}  # ... the item
+        self._index = 0  # ... its output index
+        self._parts: list[str] = []  # ... its text so far
         self._token_logprobs: list[Any] = []
         self._text_template = b""
+        self._calls: dict[int, _Call] = {}  # open calls, by the choice's call index
         self._finish: str | None = None
 
     # ------------------------------------------------------------------------ results
@@ -127,8 +143,8 @@ class ResponseRenderer:
         return "incomplete" if self._finish == "length" else "completed"
 
     def finished(self) -> dict[str, Any]:
-        """The whole response, once every event went by (the open item closed)."""
-        self._close()
+        """The whole response, once every event went by (the open items closed)."""
+        self._close_all()
         incomplete = self.status == "incomplete"
         return {
             **self.response,
@@ -145,9 +161,9 @@ class ResponseRenderer:
         return self._event(kind, {"response": response})
 
     def failure(self, error: ApiError) -> bytes:
-        """``response.failed``: the output so far (the open item ``incomplete``), and what
-        went wrong."""
-        closing = self._close("incomplete")
+        """``response.failed``: the output so far (the open items ``incomplete``), and
+        what went wrong."""
+        closing = self._close_all("incomplete")
         response = {
             **self.response,
             "status": "failed",
@@ -176,7 +192,7 @@ class ResponseRenderer:
             return self._delta(event)  # type: ignore[arg-type]
         if kind is Usage:
             self.usage = event  # type: ignore[assignment]
-            return self._close()
+            return self._close_all()
         if kind is ResponseHead:
             snapshot = {**self.response, "status": "in_progress", "output": [], "usage": None}
             return self._event("response.created", {"response": snapshot}) + self._event(
@@ -191,12 +207,11 @@ class ResponseRenderer:
             return b""
         out: list[bytes] = []
         rich = delta if isinstance(delta, RichDelta) else None
-        if rich is not None:
-            if rich.reasoning:
-                if self._kind != "reasoning":
-                    out.append(self._open("reasoning"))
-                self._parts.append(rich.reasoning)
-                out.append(self._event("response.reasoning_text.delta", self._at(rich.reasoning)))
+        if rich is not None and rich.reasoning:
+            if self._kind != "reasoning":
+                out.append(self._open("reasoning"))
+            self._parts.append(rich.reasoning)
+            out.append(self._event("response.reasoning_text.delta", self._at(rich.reasoning)))
         if delta.text:
             if self._kind != "message":
                 out.append(self._open("message"))
@@ -208,37 +223,36 @@ class ResponseRenderer:
                 self._token_logprobs.extend(entries)
             fields["logprobs"] = entries
             out.append(self._event("response.output_text.delta", fields))
-        if rich is not None:
-            call = rich.tool_call
-            if call is not None:
-                if call.id is not None or call.name is not None:
-                    out.append(self._open("function_call", call_id=call.id, name=call.name))
-                if call.arguments and self._kind == "function_call":
-                    self._parts.append(call.arguments)
-                    fields = {
-                        "item_id": self._item["id"],
-                        "output_index": len(self.output) - 1,
-                        "delta": call.arguments,
-                    }
-                    out.append(self._event("response.function_call_arguments.delta", fields))
+        call = rich.tool_call if rich is not None else None
+        if call is not None:
+            if call.id is not None or call.name is not None:
+                out.append(self._open_call(call.index, call.id, call.name))
+            opened = self._calls.get(call.index)
+            if call.arguments and opened is not None:
+                opened.parts.append(call.arguments)
+                fields = {
+                    "item_id": opened.item["id"],
+                    "output_index": opened.index,
+                    "delta": call.arguments,
+                }
+                out.append(self._event("response.function_call_arguments.delta", fields))
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
-            out.append(self._close())
+            out.append(self._close_all())
         return b"".join(out)
 
     def _at(self, delta: str) -> dict[str, Any]:
         return {
             "item_id": self._item["id"],
-            "output_index": len(self.output) - 1,
+            "output_index": self._index,
             "content_index": 0,
             "delta": delta,
         }
 
     # ------------------------------------------------------------------------ items
 
-    def _open(self, kind: _Kind, **fields: Any) -> bytes:
-        """Close the open item; open one of ``kind`` (its added events)."""
-        closed = self._close()
+    def _added(self, kind: _Kind, **fields: Any) -> tuple[int, dict[str, Any], bytes]:
+        """A new item of ``kind`` at the end of the output: (index, item, added event)."""
         index = len(self.output)
         item_id = f"{_PREFIX[kind]}_{self._hex}{index:04x}"
         item: dict[str, Any]
@@ -250,15 +264,8 @@ class ResponseRenderer:
                 "status": "in_progress",
                 "content": [],
             }
-            part: dict[str, Any] | None = {
-                "type": "output_text",
-                "text": "",
-                "annotations": [],
-                "logprobs": [],
-            }
         elif kind == "reasoning":
             item = {"id": item_id, "type": "reasoning", "summary": [], "content": []}
-            part = {"type": "reasoning_text", "text": ""}
         else:
             item = {
                 "id": item_id,
@@ -268,81 +275,93 @@ class ResponseRenderer:
                 "name": fields["name"],
                 "arguments": "",
             }
-            part = None
         self.output.append(item)
-        self._kind, self._item = kind, item
+        added = self._event("response.output_item.added", {"output_index": index, "item": item})
+        return index, item, added
+
+    def _open(self, kind: Literal["message", "reasoning"]) -> bytes:
+        """Close the open text or reasoning item; open one of ``kind`` (its added events)."""
+        closed = self._close()
+        index, item, added = self._added(kind)
+        self._kind, self._item, self._index = kind, item, index
         self._parts = []
         self._token_logprobs = []
         if not self._stream:
             return closed
-        out = [
-            closed,
-            self._event("response.output_item.added", {"output_index": index, "item": item}),
-        ]
-        if part is not None:
-            fields = {"item_id": item_id, "output_index": index, "content_index": 0, "part": part}
-            out.append(self._event("response.content_part.added", fields))
+        part: dict[str, Any]
         if kind == "message":
-            head = (
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            self._text_template = (
                 b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
                 b'"sequence_number":%d,"item_id":'
-                + _dumps(item_id).replace(b"%", b"%%")
+                + _dumps(item["id"]).replace(b"%", b"%%")
                 + b',"output_index":%d,' % index
                 + b'"content_index":0,"delta":%s,"logprobs":[]}\n\n'
             )
-            self._text_template = head
-        return b"".join(out)
+        else:
+            part = {"type": "reasoning_text", "text": ""}
+        fields = {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part}
+        return closed + added + self._event("response.content_part.added", fields)
+
+    def _open_call(self, call_index: int, call_id: str | None, name: str | None) -> bytes:
+        """Close the open text or reasoning item (what was said before the call); open the
+        call's item, which stays open until the answer ends."""
+        closed = self._close()
+        index, item, added = self._added("function_call", call_id=call_id, name=name)
+        self._calls[call_index] = _Call(index, item)
+        return closed + added
 
     def _close(self, status: str | None = None) -> bytes:
-        """Close the open item (its done events); b"" when none is open. Its ``status``
-        is ``incomplete`` when the answer was cut, ``completed`` otherwise."""
+        """Close the open text or reasoning item (its done events); b"" when none is."""
         kind = self._kind
         if kind is None:
             return b""
-        item = self._item
-        index = len(self.output) - 1
-        text = "".join(self._parts)
         self._kind = None
-        if status is None:
-            status = "incomplete" if self._finish == "length" else "completed"
-        out: list[bytes] = []
-        if kind == "function_call":
-            item["arguments"] = text
-            item["status"] = status
+        item = self._item
+        index = self._index
+        text = "".join(self._parts)
+        item["status"] = status or self._status()
+        if kind == "message":
+            logprobs = self._token_logprobs
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+            done = {"text": text, "logprobs": logprobs}
+            name = "response.output_text.done"
+        else:
+            part = {"type": "reasoning_text", "text": text}
+            done = {"text": text}
+            name = "response.reasoning_text.done"
+        item["content"] = [part]
+        if not self._stream:
+            return b""
+        at = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return (
+            self._event(name, {**at, **done})
+            + self._event("response.content_part.done", {**at, "part": part})
+            + self._event("response.output_item.done", {"output_index": index, "item": item})
+        )
+
+    def _close_all(self, status: str | None = None) -> bytes:
+        """Close the open text or reasoning item, then every open call, in order."""
+        out = [self._close(status)]
+        for call in sorted(self._calls.values(), key=lambda call: call.index):
+            item = call.item
+            item["arguments"] = "".join(call.parts)
+            item["status"] = status or self._status()
             if self._stream:
                 fields = {
                     "item_id": item["id"],
-                    "output_index": index,
+                    "output_index": call.index,
                     "name": item["name"],
-                    "arguments": text,
+                    "arguments": item["arguments"],
                 }
                 out.append(self._event("response.function_call_arguments.done", fields))
-        else:
-            if kind == "message":
-                part = {
-                    "type": "output_text",
-                    "text": text,
-                    "annotations": [],
-                    "logprobs": self._token_logprobs,
-                }
-                item["status"] = status
-                done = {"text": text, "logprobs": self._token_logprobs}
-                name = "response.output_text.done"
-            else:
-                part = {"type": "reasoning_text", "text": text}
-                item["status"] = status
-                done = {"text": text}
-                name = "response.reasoning_text.done"
-            item["content"] = [part]
-            if self._stream:
-                at = {"item_id": item["id"], "output_index": index, "content_index": 0}
-                out.append(self._event(name, {**at, **done}))
-                out.append(self._event("response.content_part.done", {**at, "part": part}))
-        if self._stream:
-            out.append(
-                self._event("response.output_item.done", {"output_index": index, "item": item})
-            )
+                done = {"output_index": call.index, "item": item}
+                out.append(self._event("response.output_item.done", done))
+        self._calls.clear()
         return b"".join(out)
+
+    def _status(self) -> str:
+        return "incomplete" if self._finish == "length" else "completed"
 
     def _event(self, name: str, fields: dict[str, Any]) -> bytes:
         """One server-sent event: ``event:`` its type, ``data:`` the object."""
