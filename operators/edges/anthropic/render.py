@@ -10,8 +10,10 @@ The backward half of the Anthropic edge: the graph's chat-shaped events
 Streamed: ``message_start`` (with the prompt's tokens as ``input_tokens``), ``ping``, per
 block ``content_block_start`` / ``content_block_delta`` ... / ``content_block_stop``, then
 ``message_delta`` (``stop_reason``, ``stop_sequence``, the final ``usage``) and
-``message_stop``. Whole, the same transitions give the same blocks (one code path), so a
-stream assembles to exactly the non-streamed message.
+``message_stop``. Text and thinking follow each other (a new one stops the open one); a
+tool_use block stays open until the answer ends, since its arguments may follow other
+text. Whole, the same transitions give the same blocks (one code path), so a stream
+assembles to exactly the non-streamed message.
 
 ``stop_reason``: ``max_tokens`` when the output limit cut the answer, ``tool_use`` when it
 called a tool, ``stop_sequence`` (with ``stop_sequence`` set) when one of the request's
@@ -38,7 +40,7 @@ from operators.edges.openai.events import (
 __all__ = ("PING", "MessageRenderer", "tool_use_id")
 
 _dumps = orjson.dumps
-_Kind = Literal["text", "thinking", "tool_use"]
+_Kind = Literal["text", "thinking"]
 #: what a quiet stream writes to show it is alive (Anthropic's own keep-alive event)
 PING: Final = b'event: ping\ndata: {"type":"ping"}\n\n'
 
@@ -65,6 +67,7 @@ class MessageRenderer:
 
     __slots__ = (
         "_block",
+        "_calls",
         "_finish",
         "_kind",
         "_parts",
@@ -89,9 +92,11 @@ class MessageRenderer:
         self.usage: Usage | None = None
         self._stops = stop_sequences
         self._stream = stream
-        self._kind: _Kind | None = None
-        self._block: dict[str, Any] = {}
-        self._parts: list[str] = []
+        self._kind: _Kind | None = None  # the open text or thinking block's kind
+        self._block: dict[str, Any] = {}  # ... the block
+        self._parts: list[str] = []  # ... its text so far
+        #: open tool_use blocks by the choice's call index: (block index, block, arguments)
+        self._calls: dict[int, tuple[int, dict[str, Any], list[str]]] = {}
         self._text_template = b""
         self._finish: str | None = None
         self._stop_reason: str | int | None = None
@@ -125,7 +130,7 @@ class MessageRenderer:
 
     def finished(self) -> dict[str, Any]:
         """The whole message, once every event went by."""
-        self._close()
+        self._close_all()
         stop_reason, stop_sequence = self.stop
         return {
             "id": self.message_id,
@@ -140,7 +145,7 @@ class MessageRenderer:
 
     def tail(self) -> bytes:
         """The stream's last events: ``message_delta`` and ``message_stop``."""
-        closing = self._close()
+        closing = self._close_all()
         stop_reason, stop_sequence = self.stop
         delta = {
             "type": "message_delta",
@@ -209,39 +214,38 @@ class MessageRenderer:
         call = rich.tool_call if rich is not None else None
         if call is not None:
             if call.id is not None or call.name is not None:
-                out.append(self._open("tool_use", id=tool_use_id(call.id or ""), name=call.name))
-            if call.arguments and self._kind == "tool_use":
-                self._parts.append(call.arguments)
-                out.append(
-                    self._piece({"type": "input_json_delta", "partial_json": call.arguments})
-                )
+                out.append(self._open_call(call.index, tool_use_id(call.id or ""), call.name))
+            opened = self._calls.get(call.index)
+            if call.arguments and opened is not None:
+                opened[2].append(call.arguments)
+                piece = {"type": "input_json_delta", "partial_json": call.arguments}
+                out.append(self._piece(piece, opened[0]))
         if delta.finish_reason is not None:
             self._finish = delta.finish_reason
             self._stop_reason = delta.stop_reason
-            out.append(self._close())
+            out.append(self._close_all())
         return b"".join(out)
 
-    def _piece(self, delta: dict[str, Any]) -> bytes:
+    def _piece(self, delta: dict[str, Any], index: int | None = None) -> bytes:
+        """A content_block_delta of the open text or thinking block (the last block), or
+        of block ``index``."""
         if not self._stream:
             return b""
-        index = len(self.content) - 1
-        return _sse(
-            "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
-        )
+        at = len(self.content) - 1 if index is None else index
+        event = {"type": "content_block_delta", "index": at, "delta": delta}
+        return _sse("content_block_delta", event)
 
     # ------------------------------------------------------------------------ blocks
 
-    def _open(self, kind: _Kind, **fields: Any) -> bytes:
-        """Close the open block; open one of ``kind``."""
+    def _open(self, kind: Literal["text", "thinking"]) -> bytes:
+        """Stop the open text or thinking block; open one of ``kind`` (the last block)."""
         closed = self._close()
         index = len(self.content)
         block: dict[str, Any]
         if kind == "text":
             block = {"type": "text", "text": ""}
-        elif kind == "thinking":
-            block = {"type": "thinking", "thinking": "", "signature": ""}
         else:
-            block = {"type": "tool_use", "id": fields["id"], "name": fields["name"], "input": {}}
+            block = {"type": "thinking", "thinking": "", "signature": ""}
         self.content.append(block)
         self._kind, self._block, self._parts = kind, block, []
         if not self._stream:
@@ -252,26 +256,43 @@ class MessageRenderer:
                 + b"%d" % index
                 + b',"delta":{"type":"text_delta","text":%s}}\n\n'
             )
+        return closed + self._start(index, block)
+
+    def _open_call(self, call_index: int, block_id: str, name: str | None) -> bytes:
+        """Stop the open text or thinking block (what was said before the call); start a
+        tool_use block, open until the answer ends."""
+        closed = self._close()
+        index = len(self.content)
+        block: dict[str, Any] = {"type": "tool_use", "id": block_id, "name": name, "input": {}}
+        self.content.append(block)
+        self._calls[call_index] = (index, block, [])
+        return closed + self._start(index, block) if self._stream else closed
+
+    def _start(self, index: int, block: dict[str, Any]) -> bytes:
         start = {"type": "content_block_start", "index": index, "content_block": dict(block)}
-        return closed + _sse("content_block_start", start)
+        return _sse("content_block_start", start)
 
     def _close(self) -> bytes:
-        """Close the open block (``content_block_stop``); b"" when none is open."""
+        """Stop the open text or thinking block; b"" when none is open."""
         kind = self._kind
         if kind is None:
             return b""
-        block = self._block
-        text = "".join(self._parts)
         self._kind = None
-        if kind == "text":
-            block["text"] = text
-        elif kind == "thinking":
-            block["thinking"] = text
-        else:
-            block["input"] = _arguments(text)
+        self._block[kind] = "".join(self._parts)
+        return self._stop(len(self.content) - 1)
+
+    def _close_all(self) -> bytes:
+        """Stop the open text or thinking block, then every open tool_use block, in order."""
+        out = [self._close()]
+        for index, block, parts in sorted(self._calls.values(), key=lambda call: call[0]):
+            block["input"] = _arguments("".join(parts))
+            out.append(self._stop(index))
+        self._calls.clear()
+        return b"".join(out)
+
+    def _stop(self, index: int) -> bytes:
         if not self._stream:
             return b""
-        index = len(self.content) - 1
         return _sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
 
