@@ -1,8 +1,8 @@
 """What goes wrong, as Anthropic says it: :data:`ANTHROPIC_ERRORS`.
 
 Anthropic's shape is ``{"type": "error", "error": {"type": ..., "message": ...},
-"request_id": ...}``; a field to blame is named at the start of the message
-(``max_tokens: Field required``), as Anthropic's own messages do. The statuses are
+"request_id": ...}``; a field to blame is named in the message (prefixed, ``stop_sequences:
+...``, when the message does not name it), as Anthropic's own messages do. The statuses are
 Anthropic's (its SDK maps each to its error class: ``BadRequestError``,
 ``AuthenticationError``, ``NotFoundError``, ``RateLimitError``, ``OverloadedError``...)::
 
@@ -68,7 +68,7 @@ def translate(error: ApiError) -> ApiError:
 
 def _object(error: ApiError, request_id: str | None) -> dict[str, object]:
     message = error.message
-    if error.param is not None and not message.startswith(error.param):
+    if error.param is not None and error.param not in message:
         message = f"{error.param}: {message}"
     body: dict[str, object] = {
         "type": "error",
