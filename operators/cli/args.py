@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KEY",
         help=(
-            f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; or set "
+            f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, /tokenize "
+            f"and /detokenize (repeatable; or set "
             f"{API_KEY_ENV}; the command line is visible to other users, the environment "
             "is not)"
         ),
@@ -249,7 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="most generation requests in flight; more get 503 with Retry-After (None: no limit)",
+        help=(
+            "most generation requests in flight; more get 503 with Retry-After (Anthropic's "
+            "API: 529) (None: no limit)"
+        ),
     )
     guard.add_argument(
         "--request-timeout",
