@@ -43,7 +43,13 @@ if TYPE_CHECKING:
 
     from .preprocessor import TokenizerLike
 
-__all__ = ("EMBEDDINGS", "MAX_INPUTS", "EmbeddingRequest", "embedding_routes")
+__all__ = (
+    "EMBEDDINGS",
+    "MAX_INPUTS",
+    "EmbeddingRequest",
+    "embedding_routes",
+    "parse_embedding_request",
+)
 
 EMBEDDINGS: Final = "/v1/embeddings"
 #: most inputs one request may hold (OpenAI's limit)
