@@ -22,7 +22,7 @@ from pipeline import link
 
 from .config import WorkerConfig
 from .engines import load_llama, make_engine
-from .nats import close_nats, connect_nats, publish_kv_events
+from .nats import close_nats, connect_nats, one_line, publish_kv_events
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -116,7 +116,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                             await served.serve_forever()
                     except Exception as exc:  # nats-py's errors, a server without JetStream
                         print(
-                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            f"llm-pipeline: worker {worker_id} cannot serve: {one_line(exc)}",
                             file=sys.stderr,
                         )
                         code = 1

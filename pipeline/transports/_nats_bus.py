@@ -28,6 +28,7 @@ import weakref
 from typing import TYPE_CHECKING, Final, final
 
 import anyio
+import nats.errors
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -40,6 +41,13 @@ logger = logging.getLogger("pipeline.transports.nats")
 POLL: Final = 0.05
 
 _BUSES: weakref.WeakKeyDictionary[Client, Bus] = weakref.WeakKeyDictionary()
+#: what nats-py reports when the connection itself is lost (before it says disconnected)
+_CONNECTION_LOST = (
+    nats.errors.UnexpectedEOF,
+    nats.errors.StaleConnectionError,
+    nats.errors.ConnectionClosedError,
+    OSError,
+)
 
 
 def bus_of(nc: Client) -> Bus:
@@ -66,6 +74,7 @@ class Bus:
         "_nc",
         "_reconnects",
         "_up_since",
+        "last_error",
     )
 
     def __init__(self, nc: Client) -> None:
@@ -75,6 +84,9 @@ class Bus:
         self._up_since = -float("inf")  # when last seen back (never: settled from the start)
         self._lost_at = 0.0  # when nats-py last reported the connection lost
         self._connected_once = nc.is_connected
+        #: what nats-py last reported through the error callback :func:`.connect` installs
+        #: (a permissions violation arrives only there, apart from what it made fail)
+        self.last_error: str | None = None
 
     def _observe(self) -> None:
         nc = self._nc
@@ -142,9 +154,11 @@ class Bus:
         logger.warning("the NATS connection is back after %.1fs", time.monotonic() - self._lost_at)
 
     async def on_error(self, exc: Exception) -> None:
-        # One per failed reconnection attempt while the server is away: the outage was
-        # logged once when it began and will be once when it ends.
-        if self._nc.is_connected:
+        self.last_error = str(exc) or type(exc).__name__
+        # One per failed reconnection attempt while the server is away, and the lost
+        # connection itself: the outage is logged once when it begins and once when it
+        # ends.
+        if self._nc.is_connected and not isinstance(exc, _CONNECTION_LOST):
             logger.warning("NATS: %r", exc)
         else:
             logger.debug("NATS: %r", exc)

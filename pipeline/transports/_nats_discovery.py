@@ -110,14 +110,18 @@ class NatsDiscovery(Generic[In, Out]):
         """Feed ``worker_set`` while the block runs; entering waits for the first sync.
 
         Raises:
-            nats.errors.Error: when the bucket cannot be reached at first.
+            JetStreamUnavailable: when the bucket cannot be watched at first.
         """
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run, worker_set)
-            try:
-                yield worker_set
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.run, worker_set)
+                try:
+                    yield worker_set
+                finally:
+                    tg.cancel_scope.cancel()
+        except* _wire.JetStreamUnavailable as group:
+            # It failed before it started: the one error, not a group of one.
+            raise group.exceptions[0] from None
 
     async def run(
         self,
@@ -130,19 +134,19 @@ class NatsDiscovery(Generic[In, Out]):
         Only the workers this call added are ever removed; when it ends they stay.
 
         Raises:
-            nats.errors.Error: when the bucket cannot be reached at first (later failures,
-                like a server restart, are retried).
+            JetStreamUnavailable: when the bucket cannot be watched at first (later
+                failures, like a server restart, are retried).
         """
         registry: _Registry[In, Out] = _Registry(worker_set)
         started = False
         while True:
             reconnects = self._nc.stats["reconnects"]
             try:
-                kv = await open_bucket(self._nc.jetstream(), self._bucket)
+                kv = await open_bucket(self._nc.jetstream(), self._bucket, nc=self._nc)
                 watcher = await kv.watch(self._filter)
             except Exception as exc:  # nats and JetStream API errors
                 if not started:
-                    raise
+                    raise _wire.jetstream_unavailable("watch", self._bucket, exc, self._nc) from exc
                 if self._bus.connected:
                     logger.warning(
                         "discovery of %s: cannot watch the bucket yet: %r", self.model, exc

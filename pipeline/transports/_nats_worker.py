@@ -209,7 +209,7 @@ class NatsWorker(Generic[In, Out]):
         subscriptions: list[Subscription] = []
         try:
             js = nc.jetstream()
-            kv = await open_bucket(js, self._bucket) if self._register else None
+            kv = await open_bucket(js, self._bucket, nc=nc) if self._register else None
             self._gone_prefix = nc.new_inbox()
             async with anyio.create_task_group() as tg:
                 # The task group exists before the first request can arrive.
@@ -225,7 +225,12 @@ class NatsWorker(Generic[In, Out]):
                     await settle(nc)  # subscribed for real before anyone hears of us
                     refresh = anyio.CancelScope()
                     if kv is not None:
-                        await self._registration.announce(js)
+                        try:
+                            await self._registration.announce(js)
+                        except Exception as exc:  # nats and JetStream API errors
+                            raise _wire.jetstream_unavailable(
+                                "register in", self._bucket, exc, nc
+                            ) from exc
                         tg.start_soon(self._registration.refresh, js, nc, refresh)
                     tg.start_soon(self._heartbeats)
                     logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)

@@ -89,6 +89,7 @@ __all__ = (
     "ERR",
     "HB",
     "HEARTBEAT",
+    "JetStreamUnavailable",
     "KILL",
     "KNOWN",
     "MARKER_TTL",
@@ -107,6 +108,7 @@ __all__ = (
     "error_body",
     "error_from_body",
     "escape_token",
+    "jetstream_unavailable",
     "open_bucket",
     "quietly",
     "settle",
@@ -377,19 +379,52 @@ async def quietly(call: Callable[..., Any], *args: Any) -> None:
         logger.debug("ignored during cleanup: %r", exc)
 
 
-async def open_bucket(js: JetStreamContext, bucket: str = DEFAULT_BUCKET) -> KeyValue:
-    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on)."""
+class JetStreamUnavailable(RuntimeError):
+    """Discovery's JetStream KV bucket cannot be used: the server has no JetStream, or this
+    connection may not create, read or write the bucket. A mistake in the deployment, said
+    once at start (the message names the bucket and what the server answered)."""
+
+
+def jetstream_unavailable(
+    what: str, bucket: str, exc: BaseException, nc: Client | None = None
+) -> JetStreamUnavailable:
+    """The error for ``exc`` while doing ``what`` with ``bucket``, with the server's last
+    complaint on ``nc`` (a permissions violation is reported apart from the request it
+    made fail, which only times out)."""
+    if isinstance(exc, JetStreamUnavailable):
+        return exc
+    reason = str(exc) or type(exc).__name__
+    told = bus_of(nc).last_error if nc is not None else None
+    if told is not None:
+        reason += f"; the server said: {told}"
+    return JetStreamUnavailable(
+        f"cannot {what} the JetStream KV bucket {bucket!r} (workers register there): {reason}"
+    )
+
+
+async def open_bucket(
+    js: JetStreamContext, bucket: str = DEFAULT_BUCKET, *, nc: Client | None = None
+) -> KeyValue:
+    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on).
+
+    Raises:
+        JetStreamUnavailable: when the server has no JetStream, or the bucket cannot be
+            opened or created (permissions; JetStream's own timeout bounds the wait).
+    """
     try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
+        try:
+            return await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.APIError:
+            return await js.key_value(bucket)  # another process created it first
     except nats.js.errors.ServiceUnavailableError as exc:
-        raise RuntimeError(
+        raise JetStreamUnavailable(
             "the NATS server has no JetStream, which discovery needs: start nats-server "
-            "with -js, or serve with register=False (load-balanced requests only)"
+            "with -js (from Python, NatsWorker(register=False) serves without discovery)"
         ) from exc
-    config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
-    try:
-        return await js.create_key_value(config)
-    except nats.js.errors.APIError:
-        return await js.key_value(bucket)  # another process created it first
+    except (nats.errors.Error, OSError) as exc:
+        raise jetstream_unavailable("open", bucket, exc, nc) from exc
