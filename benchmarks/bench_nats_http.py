@@ -49,12 +49,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextmanager
-def process(command: Sequence[str], *, ready: str | None = None) -> Iterator[tuple[int, str]]:
-    """Run ``command``; yields (pid, its first stdout line) once that line is printed."""
+def process(
+    command: Sequence[str], *, ready: str | None = None, stderr: str | None = None
+) -> Iterator[tuple[int, str]]:
+    """Run ``command``; yields (pid, its first stdout line) once that line is printed.
+
+    Its stderr goes to the file ``stderr`` (None: nowhere)."""
     popen = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if stderr is None else open(stderr, "wb"),  # noqa: SIM115
         stdin=subprocess.DEVNULL,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.constraint_guard import guarded
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
@@ -94,7 +95,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     if nc is None:
                         return 1
                     served = serve_engine(
-                        link(RequestLog(worker_id), engine),
+                        link(RequestLog(worker_id), guarded(engine)),
                         nc=nc,
                         model=config.model_name,
                         role=config.role,
