@@ -55,13 +55,15 @@ def process(
     """Run ``command``; yields (pid, its first stdout line) once that line is printed.
 
     Its stderr goes to the file ``stderr`` (None: nowhere)."""
-    popen = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL if stderr is None else open(stderr, "wb"),  # noqa: SIM115
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    with ExitStack() as files:
+        log = subprocess.DEVNULL if stderr is None else files.enter_context(open(stderr, "wb"))
+        popen = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         line = ""
         if ready is not None:
