@@ -35,6 +35,7 @@ PUBLIC_MODULES = frozenset(
         "pipeline.errors",
         "pipeline.routers",
         "pipeline.testing",
+        "pipeline.tracing",
         "pipeline.transports",
         "pipeline.transports.codec",
         "pipeline.transports.nats",
