@@ -153,7 +153,8 @@ class OpenAIApp:
         self._graph = graph
         #: what traces the requests (None: untraced)
         self.tracer = tracer
-        self._pages = pages
+        #: what answers the GET paths the API does not (the web UI), or None
+        self.pages = pages
         self._guard = guard if guard is not None else Guard()
         #: in-flight requests ended by :meth:`abort` (they get a 503 error, not a 499)
         self._aborted: set[Context[Any]] = set()
@@ -250,8 +251,8 @@ class OpenAIApp:
             status = 200
         else:
             found = None
-            if self._pages is not None and method in ("GET", "HEAD"):
-                found = await self._pages(scope, receive, send)
+            if self.pages is not None and method in ("GET", "HEAD"):
+                found = await self.pages(scope, receive, send)
             if found is None:
                 await send_json(send, 404, unknown_path_body(path))
                 status = 404
