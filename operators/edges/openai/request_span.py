@@ -70,6 +70,9 @@ def start_request(tracer: Tracer, scope: Scope, route: str) -> Span:
     agent = _header(scope, b"user-agent")
     if agent is not None:
         span.set("user_agent.original", agent)
+    request_id = _header(scope, b"x-request-id")
+    if request_id is not None:  # (a request refused before it has a Context keeps it too)
+        span.set(REQUEST_ID, request_id[:128])
     operation = _OPERATIONS.get(route)
     if operation is not None:
         span.set("gen_ai.operation.name", operation)
