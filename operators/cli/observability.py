@@ -3,7 +3,7 @@ log format, the web UI; and the logging set-up they imply.
 
 ::
 
-    --otlp-traces-endpoint URL   export spans over OTLP/HTTP (the [otel] extra); also
+    --otlp-traces-endpoint URL   export spans over OTLP/HTTP (protobuf); also
                                  OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_SERVICE_NAME
     --log-format text|json       json: every log record as a JSON line, and (serve) one
                                  line per request
@@ -21,7 +21,7 @@ from operators.telemetry import JsonFormatter
 from operators.telemetry.setup import (
     OTEL_SERVICE_NAME_ENV,
     OTEL_TRACES_ENDPOINT_ENV,
-    otel_missing,
+    check_endpoint,
 )
 
 __all__ = (
@@ -61,7 +61,7 @@ def add_observability_options(parser: argparse.ArgumentParser, *, ui: bool) -> N
         metavar="URL",
         help=(
             "export spans over OTLP/HTTP (protobuf) to URL, e.g. "
-            "http://127.0.0.1:4318/v1/traces (needs the otel extra; also "
+            "http://127.0.0.1:4318/v1/traces (also "
             f"{OTEL_TRACES_ENDPOINT_ENV}; the service name is {OTEL_SERVICE_NAME_ENV}, "
             "else llm-pipeline / llm-pipeline-worker)"
         ),
@@ -93,19 +93,13 @@ def add_observability_options(parser: argparse.ArgumentParser, *, ui: bool) -> N
         )
 
 
-def check_otel(args: argparse.Namespace) -> None:
-    """``--otlp-traces-endpoint`` without the ``[otel]`` extra: one line naming the
-    install command, exit code 2 (an endpoint from the environment only warns later)."""
-    if getattr(args, "otlp_traces_endpoint", None) is None:
-        return
-    missing = otel_missing()
-    if missing:
-        print(
-            f"llm-pipeline: --otlp-traces-endpoint needs the otel extra "
-            f"({', '.join(missing)} missing): pip install 'llm-pipeline[otel]'",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+def check_otel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--otlp-traces-endpoint`` must be an http(s) URL (exits with code 2)."""
+    endpoint = getattr(args, "otlp_traces_endpoint", None)
+    if endpoint is not None:
+        problem = check_endpoint(endpoint)
+        if problem is not None:
+            parser.error(f"--otlp-traces-endpoint: {problem}")
 
 
 def configure_logging(level: str, log_format: LogFormat) -> None:

@@ -7,16 +7,15 @@ the operators record (see :mod:`pipeline.tracing`):
 
 - :class:`~.buffer.SpanBuffer` keeps the last requests with their stages' spans, for the
   web UI's status view (no extra needed);
-- :mod:`.otlp` (the ``[otel]`` extra: ``pip install 'llm-pipeline[otel]'``) exports them
-  over OTLP/HTTP, converting and sending in a thread of its own;
+- :mod:`.otlp` exports them over OTLP/HTTP (protobuf, written by :mod:`.otlp_wire`),
+  encoding and sending in a thread of its own, with the standard library only;
 - :class:`~.request_log.RequestLog` writes one JSON line per request (``--log-format
   json``), with :class:`~.request_log.JsonFormatter` for every other log record.
 
 :func:`~.setup.tracing_options` reads the command line and the standard
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_SERVICE_NAME`` variables;
 :func:`~.setup.make_tracer` builds the tracer they ask for, or None when nothing would
-listen (then nothing is recorded at all). Importing this package imports no OpenTelemetry
-package: only :mod:`.otlp` does, when an endpoint is configured.
+listen (then nothing is recorded at all). Nothing here imports an OpenTelemetry package.
 """
 
 from __future__ import annotations

@@ -1,38 +1,40 @@
-"""Exporting spans over OTLP/HTTP (protobuf) with OpenTelemetry's own exporter.
+"""Exporting spans over OTLP/HTTP (protobuf): :class:`OtlpExporter`.
 
-Needs the ``[otel]`` extra (``opentelemetry-sdk``, ``opentelemetry-exporter-otlp-proto-http``):
-this module imports them, and only the process that exports imports it.
+A :class:`~pipeline.tracing.SpanSink` whose ``on_end``, on the event loop, only appends the
+finished span to a queue. A thread of its own encodes spans (:mod:`.otlp_wire`) and posts
+them in batches to the collector's ``/v1/traces`` (every :data:`EXPORT_INTERVAL` seconds,
+or sooner once :data:`MAX_BATCH` are waiting), over one kept-alive HTTP connection, so the
+loop never encodes or waits for the collector. It needs no package beyond the standard
+library, and honours OpenTelemetry's exporter variables: ``OTEL_EXPORTER_OTLP_HEADERS``
+and ``..._TRACES_HEADERS`` (``key=value,...``, e.g. a collector's API key),
+``..._COMPRESSION`` (``gzip``), ``..._TIMEOUT`` (milliseconds, as the specification has
+it; 10 s by default), ``..._CERTIFICATE`` (a CA file for https), and
+``OTEL_RESOURCE_ATTRIBUTES``.
 
-:class:`OtlpExporter` is a :class:`~pipeline.tracing.SpanSink`. Its ``on_end``, on the event
-loop, only appends the finished span to a queue; a thread of its own converts spans to
-the SDK's ``ReadableSpan`` and sends them in batches (every :data:`EXPORT_INTERVAL`
-seconds, or sooner once :data:`MAX_BATCH` are waiting), so the loop never encodes
-protobuf or waits for the collector. Spans a ``traceparent`` marked as not sampled are
-not exported. A collector that is down loses the spans of that moment (logged once),
-never a request. :meth:`OtlpExporter.shutdown` sends what is left (the CLI calls it on
-its way out).
+Spans that a ``traceparent`` marked as not sampled are not exported. A collector that is
+down loses the spans of that moment (logged once until it works again), never a request.
+:meth:`OtlpExporter.shutdown` sends what is left; the command line calls it on its way out.
 """
 
 from __future__ import annotations
 
+import gzip
+import http.client
 import logging
+import os
+import ssl
 import threading
+import urllib.parse
 from collections import deque
-from typing import TYPE_CHECKING, Any, Final, final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final, final
 
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from .otlp_wire import encode_request
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from pipeline.tracing import AttributeValue, Span
 
-    from pipeline.tracing import Span
-
-__all__ = ("EXPORT_INTERVAL", "MAX_BATCH", "MAX_QUEUE", "OtlpExporter")
+__all__ = ("EXPORT_INTERVAL", "MAX_BATCH", "MAX_QUEUE", "OtlpExporter", "otlp_environment")
 
 logger = logging.getLogger(__name__)
 
@@ -42,24 +44,129 @@ EXPORT_INTERVAL: Final = 1.0
 MAX_BATCH: Final = 512
 #: spans waiting, at most: beyond, new ones are dropped (a collector far behind)
 MAX_QUEUE: Final = 65536
+_DEFAULT_TIMEOUT: Final = 10.0
 
-_KINDS: Final = {
-    "internal": SpanKind.INTERNAL,
-    "server": SpanKind.SERVER,
-    "client": SpanKind.CLIENT,
-}
-_SAMPLED: Final = TraceFlags(TraceFlags.SAMPLED)
-_SCOPE: Final = InstrumentationScope("llm-pipeline")
+
+def _env(name: str, environ: Mapping[str, str]) -> str:
+    """``OTEL_EXPORTER_OTLP_TRACES_<name>``, else ``OTEL_EXPORTER_OTLP_<name>``."""
+    return (
+        environ.get(f"OTEL_EXPORTER_OTLP_TRACES_{name}")
+        or environ.get(f"OTEL_EXPORTER_OTLP_{name}")
+        or ""
+    ).strip()
+
+
+def _pairs(text: str) -> dict[str, str]:
+    """``key=value,key2=value2`` (values percent-decoded), as W3C baggage and OTel write it."""
+    pairs = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            pairs[key.strip()] = urllib.parse.unquote(value.strip())
+    return pairs
+
+
+def otlp_environment(
+    environ: Mapping[str, str] | None = None,
+) -> tuple[dict[str, str], bool, float, str | None, dict[str, str]]:
+    """What OpenTelemetry's exporter variables ask for: (headers, gzip, timeout in seconds,
+    CA file, resource attributes)."""
+    env = os.environ if environ is None else environ
+    headers = _pairs(_env("HEADERS", env))
+    compress = _env("COMPRESSION", env).lower() == "gzip"
+    timeout = _DEFAULT_TIMEOUT
+    raw = _env("TIMEOUT", env)
+    if raw:
+        try:
+            timeout = max(0.001, float(raw) / 1000)
+        except ValueError:
+            logger.warning("ignoring OTEL_EXPORTER_OTLP_TIMEOUT=%r (not milliseconds)", raw)
+    certificate = _env("CERTIFICATE", env) or None
+    resource = _pairs(env.get("OTEL_RESOURCE_ATTRIBUTES", ""))
+    return headers, compress, timeout, certificate, resource
+
+
+@final
+class _Poster:
+    """POSTs bodies to one URL over a kept-alive connection (reopened after an error)."""
+
+    def __init__(
+        self,
+        url: str,
+        headers: Mapping[str, str],
+        *,
+        compress: bool,
+        timeout: float,
+        certificate: str | None,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self._https = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port
+        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._headers = {
+            **headers,
+            "Content-Type": "application/x-protobuf",
+            "User-Agent": "llm-pipeline",
+        }
+        if compress:
+            self._headers["Content-Encoding"] = "gzip"
+        self._compress = compress
+        self._timeout = timeout
+        self._context = ssl.create_default_context(cafile=certificate) if self._https else None
+        self._connection: http.client.HTTPConnection | None = None
+
+    def _connect(self) -> http.client.HTTPConnection:
+        if self._connection is None:
+            if self._https:
+                self._connection = http.client.HTTPSConnection(
+                    self._host, self._port, timeout=self._timeout, context=self._context
+                )
+            else:
+                self._connection = http.client.HTTPConnection(
+                    self._host, self._port, timeout=self._timeout
+                )
+        return self._connection
+
+    def post(self, body: bytes) -> int:
+        """Send ``body``; the collector's HTTP status.
+
+        Raises:
+            OSError, http.client.HTTPException: the collector cannot be reached.
+        """
+        if self._compress:
+            body = gzip.compress(body)
+        for attempt in (1, 2):  # a kept-alive connection the collector closed: once more
+            connection = self._connect()
+            try:
+                connection.request("POST", self._path, body, self._headers)
+                response = connection.getresponse()
+                response.read()
+                return response.status
+            except (OSError, http.client.HTTPException):
+                self.close()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
 
 @final
 class OtlpExporter:
     """Send finished spans to the OTLP/HTTP ``endpoint`` (a collector's ``/v1/traces``).
 
-    ``service_name`` is the ``service.name`` resource attribute unless ``OTEL_SERVICE_NAME``
-    says otherwise (``OTEL_RESOURCE_ATTRIBUTES`` is honoured too, as the SDK does);
-    ``resource`` adds attributes (a worker's id). ``exporter`` replaces the OTLP/HTTP
-    exporter (tests).
+    ``service_name`` is the ``service.name`` resource attribute; ``resource`` adds others
+    (a worker's id); ``OTEL_RESOURCE_ATTRIBUTES`` adds more, without overriding these.
+    ``environ`` replaces the process's environment (tests).
+
+    Raises:
+        ValueError: ``endpoint`` is not an http(s) URL.
     """
 
     def __init__(
@@ -68,29 +175,35 @@ class OtlpExporter:
         *,
         service_name: str = "llm-pipeline",
         resource: Mapping[str, str] | None = None,
-        exporter: SpanExporter | None = None,
         interval: float = EXPORT_INTERVAL,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
+        headers, compress, timeout, certificate, extra = otlp_environment(environ)
         #: where spans go
         self.endpoint = endpoint
-        attributes: dict[str, Any] = {"service.name": service_name, **(resource or {})}
-        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME over these.
-        self._resource = Resource({"service.name": service_name}).merge(Resource.create(attributes))
-        self._exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=endpoint)
+        self._poster = _Poster(
+            endpoint, headers, compress=compress, timeout=timeout, certificate=certificate
+        )
+        attributes: dict[str, AttributeValue] = {**extra}
+        attributes.update(resource or {})
+        attributes["service.name"] = service_name
+        self._resource = attributes
         self._interval = interval
         self._queue: deque[Span] = deque()
         self._wake = threading.Event()
+        self._flushes: deque[threading.Event] = deque()
         self._closing = False
         self._failing = False
         self._dropped = 0
-        self._flushes: deque[threading.Event] = deque()
+        #: spans sent so far (accepted by the collector)
+        self.exported = 0
         self._thread = threading.Thread(target=self._run, name="otlp-exporter", daemon=True)
         self._thread.start()
 
     @property
     def service_name(self) -> str:
         """The ``service.name`` the spans are exported under."""
-        return str(self._resource.attributes.get("service.name", ""))
+        return str(self._resource["service.name"])
 
     def on_end(self, span: Span, /) -> None:
         """Queue ``span`` for the exporting thread (a sampled one)."""
@@ -104,89 +217,72 @@ class OtlpExporter:
         if len(queue) >= MAX_BATCH:
             self._wake.set()
 
-    def force_flush(self, timeout: float = 10.0) -> None:
-        """Export every queued span now (blocks this thread until done or ``timeout``)."""
+    def force_flush(self, timeout: float = 10.0) -> bool:
+        """Export every span queued now; False when that took longer than ``timeout``."""
+        if self._closing:
+            return True
         done = threading.Event()
         self._flushes.append(done)
         self._wake.set()
-        done.wait(timeout)
+        return done.wait(timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Export what is queued, then stop the thread and the exporter. Idempotent."""
+        """Export what is queued, then stop the thread. Idempotent."""
         if self._closing:
             return
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
-        self._exporter.shutdown()
 
     # ------------------------------------------------------------------ the thread
 
     def _run(self) -> None:
-        while True:
-            self._wake.wait(self._interval)
-            self._wake.clear()
-            flushes = list(self._flushes)
-            self._flushes.clear()
-            self._export_queued()
-            for done in flushes:
-                done.set()
-            if self._closing:
+        try:
+            while True:
+                self._wake.wait(self._interval)
+                self._wake.clear()
+                flushes = list(self._flushes)
+                self._flushes.clear()
                 self._export_queued()
-                return
+                for done in flushes:
+                    done.set()
+                if self._closing:
+                    self._export_queued()
+                    return
+        finally:
+            self._poster.close()
+            for done in self._flushes:
+                done.set()
 
     def _export_queued(self) -> None:
         queue = self._queue
         while queue:
             batch = [queue.popleft() for _ in range(min(len(queue), MAX_BATCH))]
             try:
-                result = self._exporter.export([self._convert(span) for span in batch])
-            except Exception:
-                result = SpanExportResult.FAILURE
-                logger.debug("OTLP export raised", exc_info=True)
-            self._report(result, len(batch))
+                status = self._poster.post(encode_request(batch, self._resource))
+                problem = None if 200 <= status < 300 else f"HTTP {status}"
+            except Exception as exc:  # the collector is down, slow, unreachable
+                problem = repr(exc)
+            self._report(problem, len(batch))
 
-    def _report(self, result: SpanExportResult, count: int) -> None:
-        if result is SpanExportResult.SUCCESS:
+    def _report(self, problem: str | None, count: int) -> None:
+        if problem is None:
+            self.exported += count
             if self._failing:
                 logger.warning("OTLP export to %s works again", self.endpoint)
             self._failing = False
         elif not self._failing:
             self._failing = True
             logger.warning(
-                "OTLP export to %s failed: %d spans lost (further failures are not logged)",
+                "OTLP export to %s failed (%s): %d spans lost (until it works again, "
+                "further losses are not logged)",
                 self.endpoint,
+                problem,
                 count,
             )
         if self._dropped:
             logger.warning("OTLP export queue full: %d spans dropped", self._dropped)
             self._dropped = 0
-
-    def _convert(self, span: Span) -> ReadableSpan:
-        trace_id = span.trace_id
-        parent = None
-        if span.parent_id is not None:
-            remote = span.root is span  # a request's first span here: its parent is elsewhere
-            parent = SpanContext(trace_id, span.parent_id, is_remote=remote, trace_flags=_SAMPLED)
-        status = Status(StatusCode.UNSET)
-        if span.error is not None:
-            status = Status(StatusCode.ERROR, span.error)
-        return ReadableSpan(
-            name=span.name,
-            context=SpanContext(trace_id, span.span_id, is_remote=False, trace_flags=_SAMPLED),
-            parent=parent,
-            resource=self._resource,
-            attributes=dict(span.attributes),
-            events=[
-                Event(name, attributes=dict(attributes), timestamp=time_ns)
-                for name, time_ns, attributes in span.events
-            ],
-            kind=_KINDS[span.kind],
-            status=status,
-            start_time=span.start_ns,
-            end_time=span.end_ns,
-            instrumentation_scope=_SCOPE,
-        )
 
     def __repr__(self) -> str:
         return f"OtlpExporter({self.endpoint!r}, service={self.service_name!r})"

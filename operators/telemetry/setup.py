@@ -13,9 +13,9 @@ alone needs only the request's own span.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
@@ -30,12 +30,11 @@ if TYPE_CHECKING:
 
 __all__ = (
     "OTEL_ENDPOINT_ENV",
-    "OTEL_MODULES",
     "OTEL_SERVICE_NAME_ENV",
     "OTEL_TRACES_ENDPOINT_ENV",
     "TracingOptions",
+    "check_endpoint",
     "make_tracer",
-    "otel_missing",
     "tracing_options",
 )
 
@@ -44,11 +43,6 @@ logger = logging.getLogger(__name__)
 OTEL_TRACES_ENDPOINT_ENV: Final = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 OTEL_ENDPOINT_ENV: Final = "OTEL_EXPORTER_OTLP_ENDPOINT"
 OTEL_SERVICE_NAME_ENV: Final = "OTEL_SERVICE_NAME"
-#: what exporting imports: the ``[otel]`` extra
-OTEL_MODULES: Final = (
-    "opentelemetry.sdk",
-    "opentelemetry.exporter.otlp.proto.http",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,17 +76,12 @@ def tracing_options(
     return TracingOptions(endpoint or None, name)
 
 
-def otel_missing() -> list[str]:
-    """The modules of the ``[otel]`` extra that cannot be imported."""
-    missing = []
-    for name in OTEL_MODULES:
-        try:
-            found = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            missing.append(name)
-    return missing
+def check_endpoint(endpoint: str) -> str | None:
+    """What is wrong with ``endpoint`` as an OTLP/HTTP URL, or None."""
+    parts = urllib.parse.urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{endpoint!r} is not an http(s) URL (e.g. http://127.0.0.1:4318/v1/traces)"
+    return None
 
 
 def make_tracer(
@@ -106,22 +95,17 @@ def make_tracer(
     ``buffer``, to an OTLP exporter when ``options`` has an endpoint, and a JSON line per
     request when ``request_log``. (None, None) when none of them is wanted.
 
-    An endpoint from the environment without the ``[otel]`` extra installed is a warning
-    (tracing stays off); from the command line the CLI refuses it before this runs.
+    An endpoint that is not an http(s) URL is a warning (from the environment; the command
+    line refuses one before this runs) and exports nothing.
     """
     sinks: list[SpanSink] = []
     if buffer is not None:
         sinks.append(buffer)
     exporter = None
     if options.endpoint is not None:
-        missing = otel_missing()
-        if missing:
-            logger.warning(
-                "%s is set, but the otel extra is not installed (%s missing): no traces "
-                "are exported (pip install 'llm-pipeline[otel]')",
-                OTEL_TRACES_ENDPOINT_ENV,
-                ", ".join(missing),
-            )
+        problem = check_endpoint(options.endpoint)
+        if problem is not None:
+            logger.warning("no traces are exported: the OTLP endpoint %s", problem)
         else:
             from .otlp import OtlpExporter
 

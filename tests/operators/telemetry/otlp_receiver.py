@@ -64,6 +64,8 @@ class OtlpReceiver:
         self.spans: list[ReceivedSpan] = []
         self.requests = 0
         self.content_types: set[str] = set()
+        #: the headers of every export request received
+        self.headers: list[dict[str, str]] = []
         self._changed = threading.Condition()
         receiver = self
 
@@ -79,6 +81,7 @@ class OtlpReceiver:
                     return
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
+                receiver.headers.append({k.lower(): v for k, v in self.headers.items()})
                 receiver._store(request, self.headers.get("content-type", ""))
                 reply = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)

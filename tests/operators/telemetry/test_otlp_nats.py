@@ -15,7 +15,6 @@ import openai
 import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
-pytest.importorskip("opentelemetry.sdk", reason="exporting needs the otel extra")
 
 HERE = Path(__file__).resolve().parent
 OPERATORS = HERE.parent

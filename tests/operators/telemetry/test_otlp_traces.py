@@ -20,8 +20,6 @@ from typing import Any
 import openai
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="exporting needs the otel extra")
-
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "edges" / "openai")]
 
