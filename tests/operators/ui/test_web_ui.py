@@ -172,6 +172,39 @@ def test_a_message_is_answered_token_by_token_with_its_ttft(
         server.stop()
 
 
+def test_reasoning_and_tool_calls_are_shown_as_such(page: Any) -> None:
+    # The echo engine repeats the prompt: a prompt with a reasoning block and a tool call
+    # in the model's markup comes back as reasoning and a call, parsed by the server.
+    server = ServerProcess("--reasoning-parser", "think")
+    tools = (
+        '[{"type": "function", "function": {"name": "get_weather", "parameters": '
+        '{"type": "object", "properties": {"city": {"type": "string"}}}}}]'
+    )
+    try:
+        page.goto(server.url + "/")
+        sync_api.expect(page.get_by_label("Model").locator("option")).to_have_text(["echo"])
+        page.get_by_label("Tools").fill(tools)
+        page.get_by_label("Message").fill(
+            '<think>pondering the weather</think>Sure. <tool_call>{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}</tool_call>'
+        )
+        page.get_by_role("button", name="Send").click()
+        reply = answer(page)
+        sync_api.expect(reply.locator(".meta")).to_contain_text("finish: tool_calls")
+        reasoning = reply.locator(".reasoning")
+        sync_api.expect(reasoning).to_be_visible()
+        sync_api.expect(reasoning.locator("summary")).to_have_text("Reasoning")
+        sync_api.expect(reasoning).to_contain_text("pondering the weather")
+        calls = reply.get_by_role("list", name="Tool calls").locator("li")
+        sync_api.expect(calls).to_have_count(1)
+        sync_api.expect(calls.first).to_contain_text("get_weather")
+        sync_api.expect(calls.first.locator(".tool-arguments")).to_have_text('{"city": "Paris"}')
+        assert "pondering" not in reply.locator(".content").inner_text()
+        assert "<tool_call>{" not in reply.locator(".content").inner_text()
+    finally:
+        server.stop()
+
+
 def test_stop_aborts_the_answer_and_the_request_leaves_the_server(page: Any) -> None:
     server = ServerProcess("--echo-delay-ms", "50", "--echo-cycle")
     try:
