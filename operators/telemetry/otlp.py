@@ -105,7 +105,9 @@ class _Poster:
         self._https = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port
-        self._path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        # a bare collector address gets OTLP's traces path, as OTEL_EXPORTER_OTLP_ENDPOINT does
+        path = parts.path if parts.path not in ("", "/") else "/v1/traces"
+        self._path = path + (f"?{parts.query}" if parts.query else "")
         self._headers = {
             **headers,
             "Content-Type": "application/x-protobuf",
@@ -159,7 +161,8 @@ class _Poster:
 
 @final
 class OtlpExporter:
-    """Send finished spans to the OTLP/HTTP ``endpoint`` (a collector's ``/v1/traces``).
+    """Send finished spans to the OTLP/HTTP ``endpoint`` (a collector's ``/v1/traces``;
+    an endpoint with no path, ``http://collector:4318``, gets that path).
 
     ``service_name`` is the ``service.name`` resource attribute; ``resource`` adds others
     (a worker's id); ``OTEL_RESOURCE_ATTRIBUTES`` adds more, without overriding these.

@@ -147,6 +147,14 @@ def test_unsampled_spans_are_not_exported() -> None:
         assert [span.name for span in receiver.spans] == ["yes"]
 
 
+def test_a_collectors_address_alone_gets_the_traces_path() -> None:
+    with OtlpReceiver() as receiver:
+        exporter = OtlpExporter(receiver.endpoint.removesuffix("/v1/traces"))
+        Tracer(exporter).start("a").end()
+        exporter.shutdown()
+        assert [span.name for span in receiver.spans] == ["a"]
+
+
 def test_a_bad_endpoint_is_refused() -> None:
     with pytest.raises(ValueError, match="http"):
         OtlpExporter("localhost:4318")
