@@ -24,6 +24,7 @@ import logging
 import os
 import ssl
 import threading
+import time
 import urllib.parse
 from collections import deque
 from collections.abc import Mapping
@@ -200,6 +201,8 @@ class OtlpExporter:
         self._dropped = 0
         #: spans sent so far (accepted by the collector)
         self.exported = 0
+        #: CPU seconds the exporting thread spent encoding and sending
+        self.cpu_seconds = 0.0
         self._thread = threading.Thread(target=self._run, name="otlp-exporter", daemon=True)
         self._thread.start()
 
@@ -246,7 +249,9 @@ class OtlpExporter:
                 self._wake.clear()
                 flushes = list(self._flushes)
                 self._flushes.clear()
+                started = time.thread_time()
                 self._export_queued()
+                self.cpu_seconds += time.thread_time() - started
                 for done in flushes:
                     done.set()
                 if self._closing:
