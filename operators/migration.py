@@ -15,9 +15,10 @@ Traced, each attempt is a child span of Migration's (``attempt``, with
 ``llm_pipeline.attempt``, and for a lost worker the error, an event ``retry`` and
 ``llm_pipeline.retry_reason``); the stages below hang under their attempt.
 
-It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
-request the client cancelled, or one that would exceed the maximum
-sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
+It never migrates an n>1 request once an output of it has gone out (its choices' engine
+state cannot be rebuilt from one prompt; lost before its first output, it is simply sent
+again), a request the client cancelled, or one that would exceed the maximum sequence
+length; and it lets every error that is not ``WorkerLost`` through unchanged.
 """
 
 from __future__ import annotations
@@ -77,14 +78,20 @@ class Migration:
         """
         check_retrier(ctx, self)
         original = ctx.data
-        retries_left = self.limit if self._migratable(original) else 0
+        migratable = self._migratable(original)
+        retries_left = self.limit
         generated: list[int] = []
+        produced = False  # an output has gone out (an n>1 request is retried only before)
         attempt = original
         bounded = self._max_seq_len is not None  # else no per-output length check
         span = ctx.span
         number = 0
         while True:
-            armed = retries_left > 0 and self._fits(original, generated)
+            armed = (
+                retries_left > 0
+                and (migratable or not produced)
+                and self._fits(original, generated)
+            )
             ctx.state.set(RESUMABLE, armed)
             started = False
             number += 1
@@ -99,10 +106,12 @@ class Migration:
                     leg = leg.with_span(attempt_span)
                 async with aclosing(downstream.generate(leg)) as stream:
                     async for output in stream:
-                        started = True
+                        started = produced = True
                         generated.extend(output.token_ids)
-                        if bounded and armed and not self._fits(original, generated):
-                            armed = False  # too long to replay: this attempt is the last
+                        if armed and not (
+                            migratable and (not bounded or self._fits(original, generated))
+                        ):
+                            armed = False  # too long to replay, or n>1: the last attempt
                             ctx.state.set(RESUMABLE, False)
                         yield output
                 return
@@ -113,7 +122,7 @@ class Migration:
                 if attempt_span is not None:
                     attempt_span.set_error(f"worker lost at {where}: {exc}")
                 if not armed or ctx.is_stopped:
-                    if self._on_event is not None and self._migratable(original):
+                    if self._on_event is not None and (migratable or not produced):
                         self._on_event(where, "exhausted")
                     raise
                 retries_left -= 1

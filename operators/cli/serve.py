@@ -30,7 +30,7 @@ from pipeline import Engine, PrefixIndex, Router, WorkerSet
 from .config import ServeConfig
 from .engines import load_llama, watch_llama, worker_set
 from .insertions import load_insertions
-from .nats import close_nats, connect_nats, follow_kv_events
+from .nats import close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy
@@ -212,7 +212,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                     discover_workers(nc, model=config.model_name)
                 )
             except Exception as exc:  # nats-py's errors, a server without JetStream
-                print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
+                print(f"llm-pipeline: cannot discover workers: {one_line(exc)}", file=sys.stderr)
                 return 1
             via = f" with workers via {config.nats}"
             if config.router == "kv":  # fed by the KV events the workers publish

@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.constraint_guard import guarded
 from operators.telemetry import make_tracer, tracing_options
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
 from .config import WorkerConfig
 from .engines import load_llama, make_engine
-from .nats import close_nats, connect_nats, publish_kv_events
+from .nats import close_nats, connect_nats, one_line, publish_kv_events
 from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     if nc is None:
                         return 1
                     served = serve_engine(
-                        link(RequestLog(worker_id), engine),
+                        link(RequestLog(worker_id), guarded(engine)),
                         nc=nc,
                         model=config.model_name,
                         role=config.role,
@@ -124,7 +125,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                             await served.serve_forever()
                     except Exception as exc:  # nats-py's errors, a server without JetStream
                         print(
-                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            f"llm-pipeline: worker {worker_id} cannot serve: {one_line(exc)}",
                             file=sys.stderr,
                         )
                         code = 1
