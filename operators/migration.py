@@ -11,6 +11,10 @@ Migration is the retrier of the contract in :mod:`operators.contracts.resumption
 :data:`~operators.contracts.resumption.RESUMABLE` for each attempt, and must be linked upstream of
 the Backend (it raises :class:`~operators.contracts.resumption.ResumptionOrderError` below one).
 
+Traced, each attempt is a child span of Migration's (``attempt``, with
+``llm_pipeline.attempt``, and for a lost worker the error, an event ``retry`` and
+``llm_pipeline.retry_reason``); the stages below hang under their attempt.
+
 It never migrates an n>1 request once an output of it has gone out (its choices' engine
 state cannot be rebuilt from one prompt; lost before its first output, it is simply sent
 again), a request the client cancelled, or one that would exceed the maximum sequence
@@ -80,6 +84,8 @@ class Migration:
         produced = False  # an output has gone out (an n>1 request is retried only before)
         attempt = original
         bounded = self._max_seq_len is not None  # else no per-output length check
+        span = ctx.span
+        number = 0
         while True:
             armed = (
                 retries_left > 0
@@ -88,8 +94,16 @@ class Migration:
             )
             ctx.state.set(RESUMABLE, armed)
             started = False
+            number += 1
+            attempt_span = None
+            if span is not None:
+                attempt_span = span.child("attempt")
+                attempt_span.set("llm_pipeline.attempt", number)
+                attempt_span.set("llm_pipeline.replayed_tokens", len(generated))
             try:
                 leg = ctx.child(attempt)
+                if attempt_span is not None:
+                    leg = leg.with_span(attempt_span)
                 async with aclosing(downstream.generate(leg)) as stream:
                     async for output in stream:
                         started = produced = True
@@ -105,11 +119,17 @@ class Migration:
                 where: Literal["connect", "stream"] = (
                     "connect" if isinstance(exc, ConnectFailed) or not started else "stream"
                 )
+                if attempt_span is not None:
+                    attempt_span.set_error(f"worker lost at {where}: {exc}")
                 if not armed or ctx.is_stopped:
                     if self._on_event is not None and (migratable or not produced):
                         self._on_event(where, "exhausted")
                     raise
                 retries_left -= 1
+                if attempt_span is not None:
+                    reason = f"{type(exc).__name__} at {where}: {exc}"
+                    attempt_span.set("llm_pipeline.retry_reason", reason)
+                    attempt_span.add_event("retry", {"llm_pipeline.retry_reason": reason})
                 logger.info(
                     "request %s: worker lost at %s after %d tokens (%s); retrying, %d left",
                     ctx.id,
@@ -121,8 +141,14 @@ class Migration:
                 if self._on_event is not None:
                     self._on_event(where, "retried")
                 attempt = _continuation(original, generated)
+            except Exception as exc:
+                if attempt_span is not None:
+                    attempt_span.set_error(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 ctx.state.set(RESUMABLE, False)
+                if attempt_span is not None:
+                    attempt_span.end()
 
     def _fits(self, request: PreprocessedRequest, generated: list[int]) -> bool:
         if self._max_seq_len is None:

@@ -29,6 +29,7 @@ from .defaults import (
     Role,
     RouterName,
 )
+from .observability import LogFormat
 
 if TYPE_CHECKING:
     from operators.graph import Point
@@ -136,6 +137,12 @@ class ServeConfig:
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
     reasoning_parser: str | None = None
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines, and one line per request
+    log_format: LogFormat = "text"
+    #: serve the web UI at / (and /status)
+    ui: bool = True
 
     @property
     def model_name(self) -> str:
@@ -175,6 +182,10 @@ class WorkerConfig:
     worker_id: str | None = None
     drain_timeout: float = 10.0
     log_level: LogLevel = "warning"
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines
+    log_format: LogFormat = "text"
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -18,12 +18,14 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.constraint_guard import guarded
+from operators.telemetry import make_tracer, tracing_options
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
 from .config import WorkerConfig
 from .engines import load_llama, make_engine
 from .nats import close_nats, connect_nats, one_line, publish_kv_events
+from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -81,6 +83,11 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
 
     engine: Any = None
     nc: Client | None = None
+    tracing = tracing_options(config.otlp_traces_endpoint, service_name=WORKER_SERVICE_NAME)
+    tracer, exporter = make_tracer(
+        tracing,
+        resource={"service.instance.id": worker_id, "llm_pipeline.worker.role": config.role},
+    )
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
             tg.start_soon(on_signals, signals)
@@ -102,6 +109,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         worker_id=worker_id,
                         codec=llm_codec(),
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
+                        tracer=tracer,
                     )
                     try:
                         await publish_kv_events(
@@ -129,4 +137,6 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
                         await aclose()
+                if exporter is not None:
+                    exporter.shutdown()  # what the drained requests recorded goes out
     return code

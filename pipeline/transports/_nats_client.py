@@ -53,6 +53,9 @@ class RemoteEngine(Generic[In, Out]):
     that worker (what :class:`NatsDiscovery` puts in a WorkerSet). ``codec`` must match the
     worker's. ``subject``/``control_subject`` override the names derived from ``namespace``.
 
+    A traced request (``ctx.span``) carries its span's W3C ``traceparent`` in its
+    metadata, so that a worker that traces hangs its spans under it.
+
     The stream raises what the remote engine raised (the same :mod:`pipeline.errors`
     type; anything else as :class:`~pipeline.EngineError`), or:
 
@@ -162,13 +165,19 @@ class RemoteEngine(Generic[In, Out]):
         nc = self._nc
         codec = self._codec
         deadline = ctx.deadline
+        metadata = dict(ctx.metadata)
+        span = ctx.span
+        if span is not None:  # the worker's spans join the trace, under this one
+            metadata["traceparent"] = span.traceparent
+            if self.worker_id is not None:
+                span.set("llm_pipeline.remote.worker.id", self.worker_id)
         try:
             request = codec.encode(
                 {
                     "id": ctx.id,
                     "data": ctx.data,
                     "timeout": None if deadline is None else deadline - anyio.current_time(),
-                    "metadata": dict(ctx.metadata),
+                    "metadata": metadata,
                     "wire": _wire.WIRE_VERSION,
                     "window": self._window,
                 }

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
     from pipeline.operator import Engine
+    from pipeline.tracing import Span, Tracer
 
     from .codec import Codec
 
@@ -100,6 +101,7 @@ class Served:
         "limit",
         "parked",
         "parked_at",
+        "received_ns",
         "reply",
         "resuming",
         "retained",
@@ -111,6 +113,7 @@ class Served:
     def __init__(self, inbox: str, reply: str) -> None:
         self.inbox = inbox  # the client's reply inbox: the stream's identity
         self.reply = reply  # where NATS reports "no responders" on that inbox
+        self.received_ns = time.time_ns()  # when the request arrived (a traced one's start)
         self.ctx: Context[Any] | None = None
         self.seq = 0  # messages sent
         self.beat = 0  # ``seq`` at the previous heartbeat round
@@ -172,6 +175,7 @@ class StreamServer(Generic[In, Out]):
     __slots__ = (
         "_codec",
         "_engine",
+        "_tracer",
         "clients_gone",
         "messages",
         "nc",
@@ -181,10 +185,17 @@ class StreamServer(Generic[In, Out]):
         "worker_id",
     )
 
-    def __init__(self, engine: Engine[In, Out], codec: Codec, worker_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine[In, Out],
+        codec: Codec,
+        worker_id: str,
+        tracer: Tracer | None = None,
+    ) -> None:
         self._engine = engine
         self._codec = codec
         self.worker_id = worker_id
+        self._tracer = tracer
         #: the worker's connection, set while it serves
         self.nc: Client | None = None
         #: stream messages published (every frame kind)
@@ -227,8 +238,36 @@ class StreamServer(Generic[In, Out]):
             undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
             await self.send(served, _wire.ERR, _wire.error_body(undecodable, ""))
             return
-        request_id = ctx.id
+        tracer = self._tracer
+        span = None
+        if tracer is not None:
+            span = self._worker_span(served, ctx)
+            if tracer.stages:
+                ctx = ctx.with_span(span)
         served.ctx = ctx
+        try:
+            await self._serve(served, ctx, batching, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _worker_span(self, served: Served, ctx: Context[Any]) -> Span:
+        """A traced request's first span here: from its arrival, under the client's span
+        (the ``traceparent`` its metadata carries)."""
+        assert self._tracer is not None
+        span = self._tracer.start("worker", traceparent=ctx.metadata.get("traceparent"))
+        span.start_ns = served.received_ns
+        span.set("llm_pipeline.worker.id", self.worker_id)
+        span.set("llm_pipeline.request.id", ctx.id)
+        span.add_event("dequeued")  # the request's task started: the queue wait ends
+        return span
+
+    async def _serve(
+        self, served: Served, ctx: Context[Any], batching: bool, span: Span | None
+    ) -> None:
+        """Stream ``ctx``'s outputs to ``served``'s client; END or ERR at the end (a
+        failure also marks the request's ``span``)."""
+        request_id = ctx.id
         if served.kill_early:
             ctx.kill()
         elif served.stop_early:
@@ -251,6 +290,8 @@ class StreamServer(Generic[In, Out]):
         except Exception as exc:  # an output that cannot be encoded or is too large
             error = error or exc
         if error is not None:
+            if span is not None:
+                span.set_error(f"{type(error).__name__}: {error}")
             await self.send(served, _wire.ERR, _wire.error_body(error, request_id))
         elif served.shutdown:
             lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)

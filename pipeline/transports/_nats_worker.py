@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
     from pipeline.operator import Engine
+    from pipeline.tracing import Tracer
 
 __all__ = ("NatsWorker", "NatsWorkerStatistics", "serve")
 
@@ -80,7 +81,9 @@ class NatsWorker(Generic[In, Out]):
     cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
     instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected
     client, left open) or ``url`` (connected and closed here). ``register=False`` serves
-    without discovery (no JetStream needed).
+    without discovery (no JetStream needed). ``tracer`` traces every request served
+    (:mod:`pipeline.tracing`): a span ``worker`` from its arrival, under the client's span
+    when the request carries a ``traceparent``, and the engine's below it.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class NatsWorker(Generic[In, Out]):
         bucket: str = DEFAULT_BUCKET,
         timeouts: NatsTimeouts | None = None,
         register: bool = True,
+        tracer: Tracer | None = None,
     ) -> None:
         if (nc is None) == (url is None):
             raise ValueError("pass exactly one of nc= (a connected client) or url=")
@@ -115,7 +119,7 @@ class NatsWorker(Generic[In, Out]):
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
         self._streams: StreamServer[In, Out] = StreamServer(
-            engine, codec if codec is not None else MsgpackCodec(), self.worker_id
+            engine, codec if codec is not None else MsgpackCodec(), self.worker_id, tracer
         )
         self._bucket = bucket
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
@@ -419,6 +423,7 @@ def serve(
     bucket: str = DEFAULT_BUCKET,
     timeouts: NatsTimeouts | None = None,
     register: bool = True,
+    tracer: Tracer | None = None,
 ) -> NatsWorker[In, Out]:
     """Expose ``engine`` as a NATS worker for ``model`` in ``role``.
 
@@ -437,4 +442,5 @@ def serve(
         bucket=bucket,
         timeouts=timeouts,
         register=register,
+        tracer=tracer,
     )

@@ -90,8 +90,13 @@ class _Chunks:
         self._echo = echo
 
     def usage(self, prompt_tokens: int, cached_tokens: int | None = None) -> Usage:
-        """The last event: the response's token counts."""
-        return Usage(prompt_tokens, self.completion_tokens, cached_tokens)
+        """The last event: the response's token counts (and its choices' finish reasons)."""
+        reasons = tuple(
+            choice.finish_reason
+            for _, choice in sorted(self._choices.items())
+            if choice.finish_reason is not None
+        )
+        return Usage(prompt_tokens, self.completion_tokens, cached_tokens, reasons)
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         raw = self._texts.get(token_id)[1]
@@ -135,6 +140,7 @@ class ChatChunks(_Chunks):
         if text or logprobs is not None or finish is not None:
             if finish is not None:
                 choice.finished = True
+                choice.finish_reason = finish
             events.append(ChoiceDelta(index, text, logprobs, finish))
         return events
 
@@ -179,6 +185,7 @@ def _rich(
     finish = output.finish_reason
     if finish is not None:
         choice.finished = True
+        choice.finish_reason = finish
     if not calls and not text:  # a reasoning model's thinking: a delta per token
         events.append(RichDelta(index, "", logprobs, finish, reasoning))
         return events
@@ -224,6 +231,7 @@ class CompletionChunks(_Chunks):
             return []
         if finish is not None:
             choice.finished = True
+            choice.finish_reason = finish
         return [ChoiceDelta(index, text, logprobs, finish)]
 
     def _logprobs_of(self, choice: ChoiceState, entries: list[Entry]) -> dict[str, Any] | None:

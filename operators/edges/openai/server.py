@@ -23,6 +23,10 @@ code, and the finish chunk, usage and ``[DONE]`` leave in one write. The graph a
 with a :class:`~.events.Usage` (the server's token count); the renderer writes it only when
 the client asked for it. :mod:`.asgi` has the plumbing every endpoint shares.
 
+With a :class:`~pipeline.tracing.Tracer` every generation request gets a span
+(:mod:`.request_span`: HTTP and GenAI attributes) that the graph's stages hang under; a
+``pages`` handler (the web UI, :mod:`operators.ui`) answers the GET paths the API does not.
+
 A client that disconnects kills its request down to the engine (``ctx.kill()``), noticed
 by a watcher task waiting on ``http.disconnect``. A request's deadline (:mod:`.guard`) is a
 kill too, answered with the timeout error. For shutdown, :meth:`OpenAIApp.drain` refuses
@@ -70,10 +74,25 @@ from .guard import Guard, timeout_error_body, unauthorized_body
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .preprocessor import OpenAIRequest
 from .protocol import ChatCompletionRequest, parse_chat_request, parse_completion_request
+from .request_span import (
+    finish_request,
+    record_first_token,
+    record_request,
+    record_usage,
+    start_request,
+)
+from .sse import is_visible
 from .sse_writer import CLIENT_GONE, WriteFailed, stream_response
 
 if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Awaitable, Callable
+
     from pipeline import Engine
+    from pipeline.tracing import Span, Tracer
+
+    #: a handler of GET paths the API does not serve: the status it answered with, or
+    #: None when the path is not its either (a 404 follows)
+    Pages = Callable[[Scope, Receive, Send], Awaitable[int | None]]
 
 __all__ = (
     "CHAT_COMPLETIONS",
@@ -115,6 +134,9 @@ class OpenAIApp:
         max_body_bytes: larger request bodies get 413.
         guard: API keys, admission control and deadlines (:class:`~.guard.Guard`; none of
             them by default).
+        tracer: traces every generation request (None: none is traced, nothing is done).
+        pages: answers the GET and HEAD paths the API does not know (the web UI), before
+            they become 404s.
     """
 
     def __init__(
@@ -125,8 +147,14 @@ class OpenAIApp:
         metrics: ServerMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         guard: Guard | None = None,
+        tracer: Tracer | None = None,
+        pages: Pages | None = None,
     ) -> None:
         self._graph = graph
+        #: what traces the requests (None: untraced)
+        self.tracer = tracer
+        #: what answers the GET paths the API does not (the web UI), or None
+        self.pages = pages
         self._guard = guard if guard is not None else Guard()
         #: in-flight requests ended by :meth:`abort` (they get a 503 error, not a 499)
         self._aborted: set[Context[Any]] = set()
@@ -147,6 +175,16 @@ class OpenAIApp:
     def model_name(self) -> str:
         """The model this app serves."""
         return self._model_name
+
+    @property
+    def guard(self) -> Guard:
+        """The API keys, admission control and deadlines this app applies."""
+        return self._guard
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` was called."""
+        return self._draining
 
     @property
     def inflight(self) -> int:
@@ -212,8 +250,14 @@ class OpenAIApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         else:
-            await send_json(send, 404, unknown_path_body(path))
-            status = 404
+            found = None
+            if self.pages is not None and method in ("GET", "HEAD"):
+                found = await self.pages(scope, receive, send)
+            if found is None:
+                await send_json(send, 404, unknown_path_body(path))
+                status = 404
+            else:
+                status = found
             path = "other"  # a label per unknown path would let clients grow the registry
         self.metrics.count_request(path, status)
 
@@ -241,15 +285,29 @@ class OpenAIApp:
         metrics = self.metrics
         metrics.inflight.inc()
         status = 500
+        tracer = self.tracer
+        span = None if tracer is None else start_request(tracer, scope, endpoint)
+        error: BaseException | None = None
         try:
-            status = await self._serve_generation(endpoint, scope, receive, send, started)
+            status = await self._serve_generation(endpoint, scope, receive, send, started, span)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             metrics.inflight.dec()
             metrics.count_request(endpoint, status)
             metrics.request_duration.observe(perf_counter() - started)
+            if span is not None:
+                finish_request(span, status, error)
 
     async def _serve_generation(
-        self, endpoint: str, scope: Scope, receive: Receive, send: Send, started: float
+        self,
+        endpoint: str,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        started: float,
+        span: Span | None,
     ) -> int:
         try:
             body = await read_body(receive, self._max_body_bytes)
@@ -295,7 +353,10 @@ class OpenAIApp:
             id=request_id,
             metadata=metadata,
             deadline=None if time_limit is None else anyio.current_time() + time_limit,
+            span=span if self.tracer is not None and self.tracer.stages else None,
         )
+        if span is not None:
+            record_request(span, request, ctx.id, self._model_name)
         self._contexts.add(ctx)
         status = CLIENT_GONE
         failed: BaseException | None = None
@@ -312,9 +373,10 @@ class OpenAIApp:
                             include_usage=request.include_usage,
                             metrics=self.metrics,
                             ended_by_server=lambda ctx: self._ended_by_server(ctx, time_limit),
+                            span=span,
                         )
                     else:
-                        status = await self._complete(ctx, send, time_limit)
+                        status = await self._complete(ctx, send, time_limit, span, started)
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
@@ -340,12 +402,20 @@ class OpenAIApp:
         return None
 
     async def _complete(
-        self, ctx: Context[OpenAIRequest], send: Send, time_limit: float | None
+        self,
+        ctx: Context[OpenAIRequest],
+        send: Send,
+        time_limit: float | None,
+        span: Span | None = None,
+        started: float = 0.0,
     ) -> int:
         """Run the graph to the end and send the aggregated response as one JSON body."""
         try:
             async with open_stream(self._graph, ctx) as stream:
-                events = [event async for event in stream]
+                if span is None:
+                    events = [event async for event in stream]
+                else:
+                    events = await _collect_traced(stream, span, started)
             if ctx.is_killed:
                 return await self._send_kill(ctx, send, time_limit)
             if isinstance(ctx.data, ChatCompletionRequest):
@@ -361,6 +431,9 @@ class OpenAIApp:
         usage = response["usage"]
         if usage is not None:
             self.metrics.output_tokens.inc(usage["completion_tokens"])
+            if span is not None:
+                reasons = [c["finish_reason"] for c in response["choices"] if c["finish_reason"]]
+                record_usage(span, usage, reasons)
         await send_json(send, 200, orjson.dumps(response), id_header(ctx))
         return 200
 
@@ -371,3 +444,17 @@ class OpenAIApp:
         status, body = ended
         await send_json(send, status, body, id_header(ctx))
         return status
+
+
+async def _collect_traced(
+    stream: AsyncIterator[OpenAIEvent], span: Span, started: float
+) -> list[OpenAIEvent]:
+    """A non-streamed response's events, noting on ``span`` when the first text came."""
+    events: list[OpenAIEvent] = []
+    seen = False
+    async for event in stream:
+        events.append(event)
+        if not seen and is_visible(event):
+            seen = True
+            record_first_token(span, started)
+    return events

@@ -18,10 +18,12 @@ from pipeline import Context, next_or_wait, open_stream
 
 from .asgi import Message, Send, describe_failure, id_header, send_json
 from .events import OpenAIEvent, ResponseHead, Usage
+from .request_span import record_first_token, record_usage
 from .sse import DONE, SseRenderer, is_visible
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.tracing import Span
 
     from .metrics import ServerMetrics
     from .preprocessor import OpenAIRequest
@@ -54,6 +56,7 @@ async def stream_response(
     include_usage: bool,
     metrics: ServerMetrics,
     ended_by_server: Callable[[Context[Any]], tuple[int, bytes] | None],
+    span: Span | None = None,
 ) -> int:
     """Stream the graph's events as server-sent events, coalescing ready ones.
 
@@ -66,6 +69,7 @@ async def stream_response(
     propagates (the stream is closed on the way out) instead of becoming an error event.
     A request the server killed (its deadline, :meth:`~.server.OpenAIApp.abort`) ends
     with an error event: ``ended_by_server(ctx)`` names it (None: the client left).
+    ``span`` (a traced request's) hears of the first token and the usage.
     """
     pending: list[bytes] = []
     committed = False
@@ -119,6 +123,8 @@ async def stream_response(
                     break
                 if type(event) is Usage:
                     tokens = event.completion_tokens
+                    if span is not None:
+                        record_usage(span, event, list(event.finish_reasons))
                 data = render(event)
                 if not data:
                     continue
@@ -138,6 +144,8 @@ async def stream_response(
                             raise WriteFailed from exc
                         await write()
                         metrics.time_to_first_token.observe(last_write - started)
+                        if span is not None:
+                            record_first_token(span, started)
         if ctx.is_killed:
             return await end_killed()
         if not committed:
