@@ -50,7 +50,7 @@ MOVED: Final[Mapping[str, str]] = MappingProxyType(
         # the HTTP plumbing every edge shares, out of the OpenAI edge
         **{
             f"operators.edges.openai.{name}": f"operators.edges.http.{name}"
-            for name in ("asgi", "guard", "metrics", "runner", "sse_writer")
+            for name in ("asgi", "guard", "metrics", "runner", "sse_writer", "request_span")
         },
     }
 )

@@ -26,6 +26,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
+from pipeline import Router
+from pipeline.tracing import Tracer
+
 from .contracts.llm import embedder_of
 from .edges.anthropic import AnthropicEdge
 from .edges.http.guard import Guard
@@ -37,6 +40,8 @@ from .edges.openai.server import OpenAIApp
 from .edges.openai.tokenize import tokenize_routes
 from .edges.responses import ResponsesEdge
 from .graph import GraphOptions, Point, default_stages
+from .telemetry import SpanBuffer
+from .ui import WorkerGroups, attach_ui
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
@@ -60,6 +65,8 @@ def build_app(
     responses_store: ResponseStore | None = None,
     embedder: Embedder | None = None,
     edges: Sequence[Edge] = (),
+    tracer: Tracer | None = None,
+    ui: bool = False,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
@@ -69,7 +76,10 @@ def build_app(
     ``graph_options`` go to :func:`~operators.graph.default_stages` (``max_model_len``,
     ``default_max_tokens``, ``chat_template``, ``migration_limit``, worker sets...);
     ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
-    ``app.metrics`` unless ``on_migration`` is given.
+    ``app.metrics`` unless ``on_migration`` is given. ``tracer`` traces every request
+    (:mod:`pipeline.tracing`; e.g. exporting over OTLP, :mod:`operators.telemetry`);
+    ``ui=True`` serves the web UI at ``/`` and its status view at ``/status``, with the
+    last requests' stage timings (it records spans in process, in ``tracer`` if given).
 
     Besides chat completions and completions the app serves the Responses API (its
     responses kept in ``responses_store``: a bounded in-memory store by default), Anthropic's
@@ -91,11 +101,43 @@ def build_app(
     routes = [embedding_routes(embedder or embedder_of(engine), tokenizer)]
     if own is not None:
         routes.append(tokenize_routes(own))
-    return OpenAIApp(
+    buffer = None
+    if ui:
+        buffer = SpanBuffer()
+        if tracer is None:
+            tracer = Tracer(buffer)
+        else:
+            tracer.add_sink(buffer)
+    app = OpenAIApp(
         graph,
         model_name=model_name,
         metrics=metrics,
         guard=guard,
         edges=[*served, *edges],
         openai_routes=routes,
+        tracer=tracer,
     )
+    if ui:
+        groups = _worker_groups(engine, graph_options)
+        attach_ui(
+            app,
+            buffer=buffer,
+            workers=None if groups is None else lambda: groups,
+            engine_name=type(engine).__name__,
+        )
+    return app
+
+
+def _worker_groups(engine: object, options: GraphOptions) -> WorkerGroups | None:
+    """The worker sets behind ``engine`` and the graph's routers, by role (None: the
+    engine is a single one)."""
+    prefill = options.get("prefill_workers")
+    encode = options.get("encode_workers")
+    decode = engine.workers if isinstance(engine, Router) else None
+    if decode is None and prefill is None and encode is None:
+        return None
+    return {
+        "decode" if prefill is not None else "aggregated": decode,
+        "prefill": prefill,
+        "encode": encode,
+    }

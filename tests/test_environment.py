@@ -26,7 +26,9 @@ def test_the_smollm2_gguf_is_installed() -> None:
     assert find_smollm2_gguf() is not None
 
 
-@pytest.mark.parametrize("module", ["llama_cpp", "gguf", "nats", "msgpack"])
+@pytest.mark.parametrize(
+    "module", ["llama_cpp", "gguf", "nats", "msgpack", "playwright", "opentelemetry.proto"]
+)
 def test_the_optional_modules_are_installed(module: str) -> None:
     assert importlib.util.find_spec(module) is not None
 
@@ -34,3 +36,7 @@ def test_the_optional_modules_are_installed(module: str) -> None:
 def test_the_nats_server_binary_is_installed() -> None:
     bin_dir = Path(sys.executable).parent
     assert shutil.which("nats-server", path=str(bin_dir)) or shutil.which("nats-server")
+
+
+def test_debians_chromium_is_installed_for_the_web_ui_tests() -> None:
+    assert Path("/usr/bin/chromium").exists()  # .ci/run installs it with apt-get

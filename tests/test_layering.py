@@ -37,6 +37,7 @@ PUBLIC_MODULES = frozenset(
         "pipeline.errors",
         "pipeline.routers",
         "pipeline.testing",
+        "pipeline.tracing",
         "pipeline.transports",
         "pipeline.transports.codec",
         "pipeline.transports.nats",
@@ -355,6 +356,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     # an engine knows no API edge, and an edge no engine: the graph joins them
     "engines": frozenset({"contracts", "text", "routing"}),
     "edges": frozenset({"contracts", "text", "parsers", "backend"}),
+    # what the server tells about itself: spans kept, exported, logged (LLM-agnostic)
+    "telemetry": frozenset(),
+    # the web UI served by the HTTP edge: its status view reads the edge and the spans
+    "ui": frozenset({"contracts", "edges", "telemetry"}),
 }
 
 

@@ -20,6 +20,7 @@ from .defaults import (
     ROUTERS,
 )
 from .insertions import insertion
+from .observability import add_observability_options, check_otel
 from .options import (
     add_engine_options,
     add_log_level,
@@ -298,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a stored response is kept",
     )
+    add_observability_options(serve_parser, ui=True)
     add_log_level(serve_parser, "server")
 
     worker_parser = commands.add_parser(
@@ -349,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         ENGINES,
         model_help="the model to serve: frontends started with the same --model-name find it",
     )
+    add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
     return parser
 
@@ -382,6 +385,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             file=sys.stderr,
         )
         raise SystemExit(2)
+    check_otel(parser, args)
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")

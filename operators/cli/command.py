@@ -18,6 +18,7 @@ from .config import ServeConfig, WorkerConfig
 from .defaults import TRANSFER_SECRET_ENV
 from .engines import load_tokenizer
 from .nats import OneLineErrors
+from .observability import configure_logging
 from .serve import run_serve
 from .tuning import tune_gc, tune_threads
 from .worker import run_worker
@@ -38,9 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = (
         ServeConfig.from_args(args) if args.command == "serve" else WorkerConfig.from_args(args)
     )
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     if config.log_level != "debug":
         logging.getLogger("nats.aio.client").addFilter(OneLineErrors())
     if (

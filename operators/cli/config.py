@@ -31,6 +31,7 @@ from .defaults import (
     Role,
     RouterName,
 )
+from .observability import LogFormat
 
 if TYPE_CHECKING:
     from operators.graph import Point
@@ -141,6 +142,12 @@ class ServeConfig:
     #: the Responses API's store: megabytes kept, and seconds each response is kept
     responses_store_mb: int = DEFAULT_RESPONSES_STORE_MB
     responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines, and one line per request
+    log_format: LogFormat = "text"
+    #: serve the web UI at / (and /status)
+    ui: bool = True
 
     @property
     def model_name(self) -> str:
@@ -180,6 +187,10 @@ class WorkerConfig:
     worker_id: str | None = None
     drain_timeout: float = 10.0
     log_level: LogLevel = "warning"
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines
+    log_format: LogFormat = "text"
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -95,10 +95,11 @@ class AnthropicEdge:
                     request.stream,
                     AnthropicReply(renderer),
                     keep_alive=self._keep_alive if request.stream else None,
+                    response_id=renderer.message_id,
                 )
 
             return await host.generations.run(
-                call.scope, call.receive, call.send, ANTHROPIC_ERRORS, prepare
+                call.scope, call.receive, call.send, ANTHROPIC_ERRORS, prepare, route=MESSAGES
             )
 
         async def count_tokens(call: Call) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import orjson
 
-from operators.edges.openai.events import OpenAIEvent, ResponseHead
+from operators.edges.openai.events import OpenAIEvent, ResponseHead, Usage
 from operators.edges.openai.sse import is_visible
 
 from .errors import error_event
@@ -60,6 +60,11 @@ class AnthropicReply:
         for event in events:
             render(event)
         return orjson.dumps(self._renderer.finished())
+
+    @property
+    def usage(self) -> Usage | None:
+        """The graph's token counts, once they went by."""
+        return self._renderer.usage
 
     @property
     def output_tokens(self) -> int:

@@ -19,8 +19,8 @@ bytes once, buffer it, write" (:mod:`.sse_writer`); dispatch is one dict lookup.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Final
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from .asgi import Receive, Scope, Send, send_json
 from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
@@ -31,11 +31,16 @@ from .routes import Call, Edge, Route
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.tracing import Tracer
 
-__all__ = ("MAX_BODY_BYTES", "EdgeApp")
+__all__ = ("MAX_BODY_BYTES", "EdgeApp", "Pages")
 
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+
+Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
+"""A handler of the GET paths no edge serves (the web UI): the status it answered with, or
+None when the path is not its either (a 404 follows)."""
 
 
 class _Methods(dict[str, Route]):
@@ -56,6 +61,9 @@ class EdgeApp:
         metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
         max_body_bytes: larger request bodies get 413.
         guard: API keys, admission control and deadlines (none of them by default).
+        tracer: traces every generation request (None: none is traced, nothing is done).
+        pages: answers the GET and HEAD paths no edge serves (the web UI), before they
+            become 404s.
     """
 
     def __init__(
@@ -68,14 +76,23 @@ class EdgeApp:
         metrics: ServerMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         guard: Guard | None = None,
+        tracer: Tracer | None = None,
+        pages: Pages | None = None,
     ) -> None:
         self._graph = graph
         self._model_name = model_name
         self._errors = errors
         self._guard = guard if guard is not None else Guard()
         self.metrics = metrics if metrics is not None else ServerMetrics()
+        #: what answers the GET paths no edge serves (the web UI), or None
+        self.pages = pages
         self._generations = Generations(
-            graph, guard=self._guard, metrics=self.metrics, max_body_bytes=max_body_bytes
+            graph,
+            guard=self._guard,
+            metrics=self.metrics,
+            max_body_bytes=max_body_bytes,
+            model_name=model_name,
+            tracer=tracer,
         )
         self._exact: dict[str, _Methods] = {}
         self._templates: list[tuple[tuple[str, ...], _Methods]] = []
@@ -116,6 +133,16 @@ class EdgeApp:
     def guard(self) -> Guard:
         """API keys, admission control and deadlines."""
         return self._guard
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """What traces the requests (None: untraced)."""
+        return self._generations.tracer
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` was called."""
+        return self._generations.draining
 
     # --------------------------------------------------------------------- the lifecycle
 
@@ -174,10 +201,15 @@ class EdgeApp:
             if path.startswith("/v1/") and not await self._admitted(scope, send, self._errors):
                 self.metrics.count_request("other", 401)
                 return
-            rendered = self._errors.render(unknown_path(path))
-            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            answered = None
+            if self.pages is not None and method in ("GET", "HEAD"):
+                answered = await self.pages(scope, receive, send)
+            if answered is None:
+                rendered = self._errors.render(unknown_path(path))
+                await send_json(send, rendered.status, rendered.body, rendered.headers)
+                answered = rendered.status
             # a label per unknown path would let clients grow the registry
-            self.metrics.count_request("other", rendered.status)
+            self.metrics.count_request("other", answered)
             return
         methods, params = found
         route = methods.get("GET" if method == "HEAD" else method)

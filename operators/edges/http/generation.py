@@ -17,6 +17,10 @@ else happens here, once, for chat completions, Responses, Messages and a user's 
 :meth:`Generations.abort` kills what is left, each ending with an error, never a finish
 it did not earn. Every request counts in ``llm_pipeline_inflight_requests`` and
 ``llm_pipeline_request_duration_seconds``.
+
+With a :class:`~pipeline.tracing.Tracer`, every generation request, whichever its edge,
+gets a span (:mod:`.request_span`: HTTP and GenAI attributes, the first token, the usage)
+that the graph's stages hang under.
 """
 
 from __future__ import annotations
@@ -52,10 +56,18 @@ from .failures import (
     shut_down,
     timed_out,
 )
+from .request_span import (
+    finish_request,
+    record_first_token,
+    record_request,
+    record_usage,
+    start_request,
+)
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.tracing import Span, Tracer
 
     from .guard import Guard
     from .metrics import ServerMetrics
@@ -73,6 +85,9 @@ class Reply(Protocol[E_contra]):
     the first worth committing the response for, :meth:`end` gives the stream's last bytes
     once the graph ended well, :meth:`failure` the last event of a stream that failed. A
     whole response calls :meth:`body` with every event instead.
+
+    A reply may also have a ``usage`` attribute: the graph's ``Usage`` event once it went
+    by, which a traced request's span records.
     """
 
     def start(self, first: E_contra, /) -> Callable[[E_contra], bytes]:
@@ -120,6 +135,8 @@ class Exchange:
     #: the graph to run (None: the app's)
     graph: Engine[Any, Any] | None = None
     keep_alive: KeepAlive | None = None
+    #: the id the response is named by (for traces; None: OpenAI's, from the request id)
+    response_id: str | None = None
 
 
 Prepare = Callable[[bytes], Awaitable[Exchange]]
@@ -136,6 +153,8 @@ class Generations:
         guard: admission control and deadlines (API keys are checked before dispatch).
         metrics: in-flight gauge, durations, tokens, rejections, timeouts.
         max_body_bytes: larger bodies get a 413.
+        model_name: the model served (for traces).
+        tracer: traces every generation request (None: none is traced, nothing is done).
     """
 
     def __init__(
@@ -145,11 +164,16 @@ class Generations:
         guard: Guard,
         metrics: ServerMetrics,
         max_body_bytes: int,
+        model_name: str = "",
+        tracer: Tracer | None = None,
     ) -> None:
         self.graph = graph
         self.guard = guard
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
+        self.model_name = model_name
+        #: what traces the requests (None: untraced)
+        self.tracer = tracer
         self._contexts: set[Context[Any]] = set()
         #: in-flight requests ended by :meth:`abort` (they get an error, not a 499)
         self._aborted: set[Context[Any]] = set()
@@ -177,21 +201,39 @@ class Generations:
             ctx.kill()
 
     async def run(
-        self, scope: Scope, receive: Receive, send: Send, errors: ErrorStyle, prepare: Prepare
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        errors: ErrorStyle,
+        prepare: Prepare,
+        *,
+        route: str | None = None,
     ) -> int:
         """Serve one generation request; the status it ended with (499: the client left).
 
         ``errors`` says what went wrong before the response started; ``prepare`` turns the
-        body into the :class:`Exchange` to run.
+        body into the :class:`Exchange` to run; ``route`` names the endpoint in its span
+        (the path if None).
         """
         started = perf_counter()
         metrics = self.metrics
         metrics.inflight.inc()
+        tracer = self.tracer
+        span = None if tracer is None else start_request(tracer, scope, route or scope["path"])
+        status = 500
+        error: BaseException | None = None
         try:
-            return await self._serve(scope, receive, send, errors, prepare, started)
+            status = await self._serve(scope, receive, send, errors, prepare, started, span)
+            return status
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             metrics.inflight.dec()
             metrics.request_duration.observe(perf_counter() - started)
+            if span is not None:
+                finish_request(span, status, error)
 
     async def _serve(
         self,
@@ -201,6 +243,7 @@ class Generations:
         errors: ErrorStyle,
         prepare: Prepare,
         started: float,
+        span: Span | None,
     ) -> int:
         async def refuse(error: ApiError, request_id: str | None = None) -> int:
             rendered = errors.render(error, request_id)
@@ -236,12 +279,16 @@ class Generations:
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
         time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
+        tracer = self.tracer
         ctx = Context.new(
             exchange.request,
             id=request_id,
             metadata=metadata,
             deadline=None if time_limit is None else anyio.current_time() + time_limit,
+            span=span if tracer is not None and tracer.stages else None,
         )
+        if span is not None:
+            record_request(span, exchange.request, ctx.id, self.model_name, exchange.response_id)
         graph = self.graph if exchange.graph is None else exchange.graph
         self._contexts.add(ctx)
         status = CLIENT_GONE
@@ -275,10 +322,11 @@ class Generations:
                             metrics=self.metrics,
                             ended_by_server=ended_by_server,
                             state=state,
+                            span=span,
                         )
                     else:
                         status = await self._complete(
-                            graph, ctx, send, exchange.reply, errors, ended_by_server
+                            graph, ctx, send, exchange.reply, errors, ended_by_server, span, started
                         )
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
@@ -289,6 +337,9 @@ class Generations:
             self._aborted.discard(ctx)
         if failed is not None:
             raise failed
+        usage = getattr(exchange.reply, "usage", None)
+        if span is not None and usage is not None:
+            record_usage(span, usage, list(getattr(usage, "finish_reasons", ())))
         return status
 
     def _ended_by_server(self, ctx: Context[Any], time_limit: float | None) -> ApiError | None:
@@ -310,12 +361,23 @@ class Generations:
         reply: Reply[Any],
         errors: ErrorStyle,
         ended_by_server: Callable[[Context[Any]], ApiError | None],
+        span: Span | None,
+        started: float,
     ) -> int:
         """Run the graph to the end and send the folded response as one JSON body."""
         error: ApiError | None = None
         try:
             async with open_stream(graph, ctx) as stream:
-                events = [event async for event in stream]
+                if span is None:
+                    events = [event async for event in stream]
+                else:  # (noting on the span when the first text came)
+                    events = []
+                    seen = False
+                    async for event in stream:
+                        events.append(event)
+                        if not seen and reply.visible(event):
+                            seen = True
+                            record_first_token(span, started)
             if not ctx.is_killed:
                 body = await reply.body(events)
         except Exception as exc:

@@ -27,9 +27,11 @@ from pipeline import Context, next_or_wait, open_stream
 
 from .asgi import Message, Send, id_header, send_json
 from .failures import ApiError, ErrorStyle, describe_failure
+from .request_span import record_first_token
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.tracing import Span
 
     from .generation import Reply
     from .metrics import ServerMetrics
@@ -96,6 +98,7 @@ async def stream_response(
     metrics: ServerMetrics,
     ended_by_server: Callable[[Context[Any]], ApiError | None],
     state: StreamState | None = None,
+    span: Span | None = None,
 ) -> int:
     """Stream the graph's events as server-sent events, coalescing ready ones.
 
@@ -109,6 +112,7 @@ async def stream_response(
     it propagates (the stream is closed on the way out) instead of becoming an error event.
     A request the server killed (its deadline, the drain's abort) ends with the reply's
     failure event: ``ended_by_server(ctx)`` names it (None: the client left).
+    ``span`` (a traced request's) hears of the first token.
     """
     shared = StreamState() if state is None else state
     pending = shared.pending
@@ -200,6 +204,8 @@ async def stream_response(
                             await commit()
                             await write()
                             metrics.time_to_first_token.observe(last_write - started)
+                            if span is not None:
+                                record_first_token(span, started)
             if ctx.is_killed:
                 return await end_killed()
             tail = await reply.end()

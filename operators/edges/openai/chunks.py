@@ -103,8 +103,15 @@ class _Chunks:
         self._echo = echo
 
     def usage(self, prompt_tokens: int, cached_tokens: int | None = None) -> Usage:
-        """The last event: the response's token counts."""
-        return Usage(prompt_tokens, self.completion_tokens, cached_tokens, self.reasoning_tokens)
+        """The last event: the response's token counts (and its choices' finish reasons)."""
+        reasons = tuple(
+            choice.finish_reason
+            for _, choice in sorted(self._choices.items())
+            if choice.finish_reason is not None
+        )
+        return Usage(
+            prompt_tokens, self.completion_tokens, cached_tokens, reasons, self.reasoning_tokens
+        )
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         raw = self._texts.get(token_id)[1]
@@ -149,6 +156,7 @@ class ChatChunks(_Chunks):
         finish = output.finish_reason
         if finish is not None:
             choice.finished = True
+            choice.finish_reason = finish
             events.append(
                 ChoiceDelta(index, text, logprobs, finish, stop_reason=output.stop_reason)
             )
@@ -197,6 +205,7 @@ def _rich(
     finish = output.finish_reason
     if finish is not None:
         choice.finished = True
+        choice.finish_reason = finish
     if not calls and not text:  # a reasoning model's thinking: a delta per token
         delta = RichDelta(index, "", logprobs, finish, reasoning)
         if finish is not None:
@@ -247,6 +256,7 @@ class CompletionChunks(_Chunks):
             return []
         if finish is not None:
             choice.finished = True
+            choice.finish_reason = finish
         return [ChoiceDelta(index, text, logprobs, finish)]
 
     def _logprobs_of(self, choice: ChoiceState, entries: list[Entry]) -> dict[str, Any] | None:

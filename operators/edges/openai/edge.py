@@ -61,7 +61,7 @@ class OpenAIEdge:
             "owned_by": "llm-pipeline",
         }
 
-        def generation(parse: Callable[[bytes], OpenAIRequest]) -> Handler:
+        def generation(parse: Callable[[bytes], OpenAIRequest], path: str) -> Handler:
             async def handle(call: Call) -> int:
                 async def prepare(body: bytes) -> Exchange:
                     request = parse(body)
@@ -69,7 +69,7 @@ class OpenAIEdge:
                     return Exchange(request, request.stream, OpenAIReply(request))
 
                 return await host.generations.run(
-                    call.scope, call.receive, call.send, OPENAI_ERRORS, prepare
+                    call.scope, call.receive, call.send, OPENAI_ERRORS, prepare, route=path
                 )
 
             return handle
@@ -88,8 +88,15 @@ class OpenAIEdge:
             return rendered.status
 
         routes = [
-            Route(CHAT_COMPLETIONS, _POST, generation(parse_chat_request), OPENAI_ERRORS),
-            Route(COMPLETIONS, _POST, generation(parse_completion_request), OPENAI_ERRORS),
+            Route(
+                CHAT_COMPLETIONS,
+                _POST,
+                generation(parse_chat_request, CHAT_COMPLETIONS),
+                OPENAI_ERRORS,
+            ),
+            Route(
+                COMPLETIONS, _POST, generation(parse_completion_request, COMPLETIONS), OPENAI_ERRORS
+            ),
             Route("/v1/models", _GET, models, OPENAI_ERRORS),
             Route("/v1/models/{model}", _GET, model, OPENAI_ERRORS, label="/v1/models"),
         ]

@@ -6,7 +6,8 @@ request, in this order::
     ResponseHead                       once, first: id, object, created, model
     ChoiceStart | ChoiceDelta ...      chat choices open with a ChoiceStart (the role chunk);
                                        a choice's last delta carries its finish_reason
-    Usage                              once, last: the response's token counts
+    Usage                              once, last: the response's token counts (and the
+                                       finish reasons, for traces and logs)
 
 A chat delta that carries reasoning text or a tool-call piece is a :class:`RichDelta`, a
 :class:`ChoiceDelta` subclass: content-only deltas, nearly every token of nearly every
@@ -108,6 +109,9 @@ class Usage:
     completion_tokens: int
     #: prompt tokens the engines found cached (None: they did not say)
     cached_tokens: int | None = None
+    #: each finished choice's finish_reason, by choice index (for traces and logs; not
+    #: part of OpenAI's ``usage``)
+    finish_reasons: tuple[str, ...] = ()
     #: completion tokens spent reasoning: every token up to the last one whose output
     #: carried reasoning text (0 without a reasoning parser); the Responses edge reports it
     reasoning_tokens: int = 0

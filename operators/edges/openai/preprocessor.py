@@ -28,7 +28,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -44,6 +44,9 @@ from .images import ImagePolicy, ImageRef, load_images
 from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from .structure import ConstraintBuilder, involves_tools, output_structure
+
+if TYPE_CHECKING:
+    from pipeline.tracing import Span
 
 __all__ = (
     "OpenAIPreprocessor",
@@ -202,11 +205,18 @@ class OpenAIPreprocessor:
         Raises:
             InvalidRequest: as :meth:`preprocess`.
         """
-        legs = await self._prepare(request, add_generation_prompt)
+        legs = await self._prepare(request, add_generation_prompt=add_generation_prompt)
         return [leg.request for leg in legs]
 
-    def _legs(self, request: OpenAIRequest, add_generation_prompt: bool = True) -> list[_Leg]:
-        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through."""
+    def _legs(
+        self,
+        request: OpenAIRequest,
+        span: Span | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[_Leg]:
+        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through;
+        ``span`` (a traced request's) gets an event when the template is rendered and
+        when each prompt is tokenized."""
         if isinstance(request, ChatCompletionRequest):
             # The rendered text is encoded with special tokens parsed, because the template's
             # role markers must become control ids. The users' message text is part of that
@@ -215,7 +225,11 @@ class OpenAIPreprocessor:
             # llama.cpp's server behave the same way.
             images: list[ImageRef] = []
             text = self._render(request, images, add_generation_prompt)
+            if span is not None:
+                span.add_event("template_rendered", {"llm_pipeline.prompt_chars": len(text)})
             ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
             tools, constraint = output_structure(request, self._tool_format)
             leg = self._leg(request, ids, "messages", "")
             leg.images = images
@@ -238,6 +252,8 @@ class OpenAIPreprocessor:
                 ids = list(prompt)
                 self._check_token_ids(ids, param)
                 shown = self._tokenizer.decode(ids) if echo else ""
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
             legs.append(self._leg(request, ids, param, shown if echo else ""))
         return legs
 
@@ -292,7 +308,11 @@ class OpenAIPreprocessor:
         return sum(size.size for size in sizes)
 
     async def _prepare(
-        self, request: OpenAIRequest, add_generation_prompt: bool = True
+        self,
+        request: OpenAIRequest,
+        span: Span | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[_Leg]:
         """:meth:`_legs`, in a worker thread when the prompts are large.
 
@@ -302,11 +322,11 @@ class OpenAIPreprocessor:
         is cancelled). Those that cannot fit the context are refused first, on the loop.
         """
         if self._refuse_unfittable(request) <= OFF_LOOP_CHARS:
-            return self._legs(request, add_generation_prompt)
+            return self._legs(request, span, add_generation_prompt)
         if self._large is None:
             self._large = anyio.CapacityLimiter(1)
         return await anyio.to_thread.run_sync(
-            self._legs, request, add_generation_prompt, limiter=self._large
+            self._legs, request, span, add_generation_prompt, limiter=self._large
         )
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
@@ -335,7 +355,8 @@ class OpenAIPreprocessor:
             InvalidRequest: see :meth:`preprocess`; downstream errors pass unchanged.
         """
         request = ctx.data
-        legs = await self._prepare(request)
+        span = ctx.span
+        legs = await self._prepare(request, span)
         model = request.model or self._model_name
         prompt_tokens = sum(leg.request.prompt_tokens for leg in legs)
         kind = ChatChunks if isinstance(request, ChatCompletionRequest) else CompletionChunks
@@ -351,6 +372,8 @@ class OpenAIPreprocessor:
             if leg.images:
                 multimodal = await load_images(leg.images, self._images)
                 leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
+                if span is not None:
+                    span.add_event("images_loaded", {"llm_pipeline.images": len(multimodal)})
         yield chunks.head
         cached: int | None = None
         for position, leg in enumerate(legs):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, final
 import orjson
 
 from .errors import OPENAI_ERRORS
-from .events import OpenAIEvent, ResponseHead, aggregate_chat, aggregate_completion
+from .events import OpenAIEvent, ResponseHead, Usage, aggregate_chat, aggregate_completion
 from .protocol import ChatCompletionRequest
 from .sse import DONE, SseRenderer, is_visible
 
@@ -31,13 +31,14 @@ __all__ = ("OpenAIReply",)
 class OpenAIReply:
     """One chat or completions response, streamed or whole."""
 
-    __slots__ = ("_chat", "_include_usage", "_renderer", "_tokens")
+    __slots__ = ("_chat", "_include_usage", "_renderer", "_tokens", "_usage")
 
     def __init__(self, request: OpenAIRequest) -> None:
         self._chat = isinstance(request, ChatCompletionRequest)
         self._include_usage = request.include_usage
         self._renderer: SseRenderer | None = None
         self._tokens = 0
+        self._usage: Usage | None = None
 
     def start(self, first: OpenAIEvent) -> Callable[[OpenAIEvent], bytes]:
         """The renderer of this response's chunks (``first`` must be its head).
@@ -66,11 +67,19 @@ class OpenAIReply:
 
     async def body(self, events: list[Any]) -> bytes:
         """The ``chat.completion`` or ``text_completion`` object."""
+        self._usage = next((e for e in reversed(events) if isinstance(e, Usage)), None)
         response = aggregate_chat(events) if self._chat else aggregate_completion(events)
         usage = response["usage"]
         if usage is not None:
             self._tokens = usage["completion_tokens"]
         return orjson.dumps(response)
+
+    @property
+    def usage(self) -> Usage | None:
+        """The graph's token counts, once they went by (a whole response's: after
+        :meth:`body`)."""
+        renderer = self._renderer
+        return self._usage if renderer is None else renderer.usage
 
     @property
     def output_tokens(self) -> int:

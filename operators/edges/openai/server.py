@@ -14,6 +14,11 @@ metrics), and the edge's reply writes the typed events the graph yields (:mod:`.
 either as server-sent events or, aggregated, as one JSON response. Every failure is
 answered in OpenAI's error shape (:mod:`.errors`).
 
+With a :class:`~pipeline.tracing.Tracer` every generation request gets a span
+(:mod:`operators.edges.http.request_span`: HTTP and GenAI attributes) that the graph's
+stages hang under; a ``pages`` handler (the web UI, :mod:`operators.ui`) answers the GET
+paths the API does not.
+
 A client that disconnects kills its request down to the engine (``ctx.kill()``). For
 shutdown, :meth:`OpenAIApp.drain` refuses new requests and lets the in-flight ones finish;
 :meth:`OpenAIApp.abort` ends what is left with an error (a stream never gets a finish
@@ -32,10 +37,12 @@ from .edge import CHAT_COMPLETIONS, COMPLETIONS, OpenAIEdge
 from .errors import OPENAI_ERRORS
 
 if TYPE_CHECKING:
+    from operators.edges.http.app import Pages
     from operators.edges.http.guard import Guard
     from operators.edges.http.metrics import ServerMetrics
     from operators.edges.http.routes import Edge, Host, Route
     from pipeline import Engine
+    from pipeline.tracing import Tracer
 
     from .events import OpenAIEvent
     from .preprocessor import OpenAIRequest
@@ -63,6 +70,8 @@ class OpenAIApp(EdgeApp):
             them by default).
         edges: more APIs served beside OpenAI's (the Responses and Messages edges, your own).
         openai_routes: more OpenAI-shaped routes, built per app (embeddings, tokenize).
+        tracer: traces every generation request, whichever its edge (None: none is traced).
+        pages: answers the GET paths no edge serves (the web UI, :mod:`operators.ui`).
     """
 
     def __init__(
@@ -75,6 +84,8 @@ class OpenAIApp(EdgeApp):
         guard: Guard | None = None,
         edges: Iterable[Edge] = (),
         openai_routes: Iterable[Callable[[Host], list[Route]]] = (),
+        tracer: Tracer | None = None,
+        pages: Pages | None = None,
     ) -> None:
         super().__init__(
             graph,
@@ -84,4 +95,6 @@ class OpenAIApp(EdgeApp):
             metrics=metrics,
             max_body_bytes=max_body_bytes,
             guard=guard,
+            tracer=tracer,
+            pages=pages,
         )

@@ -69,11 +69,14 @@ class SseRenderer:
         "_text",
         "_usage",
         "output_tokens",
+        "usage",
     )
 
     def __init__(self, head: ResponseHead, *, include_usage: bool) -> None:
         #: the response's completion tokens, once its Usage went by (for the metrics)
         self.output_tokens = 0
+        #: the response's Usage event, once it went by (for traces)
+        self.usage: Usage | None = None
         self._chat = head.object == "chat.completion.chunk"
         self._include_usage = include_usage
         common = (
@@ -135,6 +138,7 @@ class SseRenderer:
             return self._start % event.index  # type: ignore[union-attr]
         if kind is Usage:
             usage: Usage = event  # type: ignore[assignment]
+            self.usage = usage
             self.output_tokens = usage.completion_tokens
             if not self._include_usage:
                 return b""

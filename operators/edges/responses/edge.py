@@ -204,9 +204,16 @@ class ResponsesEdge:
                     input_items=conversation if request.store else None,
                     translate=translate,
                 )
-                return Exchange(chat_request(request, conversation), request.stream, reply)
+                return Exchange(
+                    chat_request(request, conversation),
+                    request.stream,
+                    reply,
+                    response_id=shell["id"],
+                )
 
-            return await host.generations.run(call.scope, call.receive, call.send, _ERRORS, prepare)
+            return await host.generations.run(
+                call.scope, call.receive, call.send, _ERRORS, prepare, route=RESPONSES
+            )
 
         async def respond(call: Call, status: int, body: bytes) -> int:
             await send_json(call.send, status, body)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, final
 
 import orjson
 
-from operators.edges.openai.events import OpenAIEvent, ResponseHead
+from operators.edges.openai.events import OpenAIEvent, ResponseHead, Usage
 from operators.edges.openai.sse import is_visible
 from pipeline import RequestError
 
@@ -86,6 +86,11 @@ class ResponsesReply:
         response = self._renderer.finished()
         await self._save(response)
         return orjson.dumps(response)
+
+    @property
+    def usage(self) -> Usage | None:
+        """The graph's token counts, once they went by."""
+        return self._renderer.usage
 
     @property
     def output_tokens(self) -> int:

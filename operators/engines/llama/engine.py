@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
@@ -43,6 +44,7 @@ else:
 
 if TYPE_CHECKING:
     from pipeline import Context, KvEventSink, KvSnapshot, Stream
+    from pipeline.tracing import Span
 
 __all__ = (
     "DEFAULT_PARALLEL",
@@ -357,6 +359,9 @@ class LlamaEngine:
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
         await self._slots.acquire(width)
+        span = ctx.span
+        if span is not None:  # a traced request: queue wait, prefill chunks, decode as events
+            span.add_event("slot_acquired", {"llm_pipeline.slots": width})
         try:
             if ctx.is_stopped:
                 return
@@ -382,6 +387,8 @@ class LlamaEngine:
             finally:
                 job.close()
                 scheduler.nudge()
+                if span is not None and job.timeline is not None:
+                    _trace_steps(span, job.timeline, sum(job.consumed))
         finally:
             self._slots.release(width)
 
@@ -462,3 +469,19 @@ class LlamaEngine:
         state = "closed" if self._runtime is None else f"n_ctx={self._n_ctx}"
         speculative = f", speculative={self._speculation}" if self._speculation else ""
         return f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{speculative})"
+
+
+def _trace_steps(span: Span, timeline: list[tuple[str, int, dict[str, int]]], outputs: int) -> None:
+    """A traced request's step timing, recorded by the scheduler thread, as span events:
+    each prefill chunk, the end of prefill (per choice), and one ``decode`` summary."""
+    prefilled = 0
+    for name, time_ns, attributes in list(timeline):
+        span.add_event(name, attributes, time_ns=time_ns)
+        if name == "prefilled" and not prefilled:
+            prefilled = time_ns
+    if prefilled:
+        seconds = (time.time_ns() - prefilled) / 1e9
+        span.add_event(
+            "decode",
+            {"llm_pipeline.outputs": outputs, "llm_pipeline.decode_ms": round(seconds * 1e3, 3)},
+        )
