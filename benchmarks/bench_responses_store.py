@@ -107,9 +107,7 @@ async def store_view(args: argparse.Namespace) -> None:
             store = await NatsResponseStore.open(nc, bucket="bench_store")
             for concurrency in (1, args.concurrency):
                 us = await time_store(store, value, args.requests, concurrency)
-                print(
-                    f"  NATS    concurrency {concurrency:>3}: {us:8.1f} µs per request (put + get)"
-                )
+                print(f"  NATS    concurrency {concurrency:>3}: {us:8.1f} µs per request")
         finally:
             await nc.close()
 
