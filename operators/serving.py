@@ -100,7 +100,8 @@ def build_app(
     served: list[Edge] = [ResponsesEdge(responses_store, reasoning=reasoning), AnthropicEdge(own)]
     routes = [embedding_routes(embedder or embedder_of(engine), tokenizer)]
     if own is not None:
-        routes.append(tokenize_routes(own))
+        context = getattr(engine, "n_ctx", None)  # (the llama engine's context length)
+        routes.append(tokenize_routes(own, context=context if isinstance(context, int) else None))
     buffer = None
     if ui:
         buffer = SpanBuffer()

@@ -68,9 +68,14 @@ def _parse(model: type[Model], body: bytes) -> Any:
         raise from_validation_error(exc, frozenset(model.model_fields)) from exc
 
 
-def tokenize_routes(preprocessor: OpenAIPreprocessor) -> Callable[[Host], list[Route]]:
-    """The tokenize and detokenize routes, through ``preprocessor`` (the graph's)."""
+def tokenize_routes(
+    preprocessor: OpenAIPreprocessor, *, context: int | None = None
+) -> Callable[[Host], list[Route]]:
+    """The tokenize and detokenize routes, through ``preprocessor`` (the graph's);
+    ``context``: the engine's context length, reported as ``max_model_len`` when the
+    preprocessor has none of its own."""
     tokenizer = preprocessor.tokenizer
+    max_model_len = preprocessor.max_model_len or context
 
     async def body_of(call: Call, host: Host) -> bytes:
         limit = host.generations.max_body_bytes
@@ -110,7 +115,7 @@ def tokenize_routes(preprocessor: OpenAIPreprocessor) -> Callable[[Host], list[R
             tokens = leg.token_ids
         result: dict[str, Any] = {
             "count": len(tokens),
-            "max_model_len": preprocessor.max_model_len,
+            "max_model_len": max_model_len,
             "tokens": tokens,
         }
         if request.return_token_strs:

@@ -191,3 +191,20 @@ async def test_a_llama_worker_serves_embeddings_over_nats(tmp_path: Path) -> Non
         nats.stop()
     assert [item.embedding for item in remote.data] == [item.embedding for item in here.data]
     assert refused.value.body["param"] == "input"  # type: ignore[index]
+
+
+async def test_tokenize_counts_the_real_models_prompt(llama: ServerProcess) -> None:
+    import httpx
+
+    messages = [{"role": "user", "content": ASK}]
+    async with httpx.AsyncClient(base_url=llama.url, timeout=60) as http:
+        counted = (await http.post("/tokenize", json={"messages": messages})).json()
+    async with openai_api(llama) as api:
+        reply = await api.chat.completions.create(
+            model=MODEL,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=1,
+        )
+    assert reply.usage is not None
+    assert counted["count"] == reply.usage.prompt_tokens
+    assert counted["max_model_len"] == 2048  # the engine's context, as no --max-model-len
