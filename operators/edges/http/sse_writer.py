@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "CLIENT_GONE",
+    "LAST_WRITE_TIMEOUT",
     "MAX_HOLD",
     "MAX_PENDING",
     "StreamState",
@@ -53,6 +54,10 @@ CLIENT_GONE: Final = 499
 MAX_PENDING: Final = 64
 #: ... or when the oldest of them has waited this long (seconds)
 MAX_HOLD: Final = 0.02
+#: how long a failed stream's last event may wait for a client that stopped reading: after
+#: that the stream is abandoned (the connection closed) rather than left to hold the
+#: server's exit (the drain's error events are written within its grace period)
+LAST_WRITE_TIMEOUT: Final = 1.0
 SSE_HEADERS: Final = (
     (b"content-type", b"text/event-stream; charset=utf-8"),
     (b"cache-control", b"no-cache"),
@@ -158,7 +163,8 @@ async def stream_response(
             await send_json(send, rendered.status, rendered.body, rendered.headers + id_header(ctx))
             return rendered.status
         pending.append(reply.failure(error))
-        await write(more_body=False)
+        with anyio.move_on_after(LAST_WRITE_TIMEOUT):  # (a client that stopped reading)
+            await write(more_body=False)
         return errors.render(error, ctx.id).status
 
     async def end_killed() -> int:
