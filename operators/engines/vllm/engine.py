@@ -187,14 +187,16 @@ class VllmEngine:
         args = engine_args(model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options)
         before = descendants()
         try:
-            self._llm = llm = AsyncLLM.from_engine_args(
+            # (no local name for it: a frame of this call outlives it, captured by an
+            # import below, and would keep it alive until the interpreter exits)
+            self._llm = AsyncLLM.from_engine_args(
                 AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(self._counts)]
             )
         except Exception as exc:
             raise EngineError(f"vLLM could not start: {exc}") from exc
         finally:  # (also when it failed half-way: what it started must not outlive us)
             self._reaper = ProcessReaper(descendants() - before)
-        config = llm.vllm_config
+        config = self._llm.vllm_config
         model_config = config.model_config
         self._limits = EngineLimits(
             vocab_size=model_config.get_vocab_size(),
@@ -408,7 +410,7 @@ class VllmEngine:
         reaper, self._reaper = self._reaper, None
         try:
             if llm is not None:
-                llm.shutdown()
+                llm.shutdown(timeout=30)
                 del llm
                 # AsyncLLM sits in reference cycles; collected now, its __del__ (a second,
                 # harmless shutdown) runs while the interpreter is whole, not at exit.
