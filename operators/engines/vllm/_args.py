@@ -23,11 +23,18 @@ statistics reach our stat logger (``_stats``) only.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ("CPU_BLOCK_SIZE", "CPU_KV_CACHE_BYTES", "engine_args", "prepare_environment")
+__all__ = (
+    "CPU_BLOCK_SIZE",
+    "CPU_KV_CACHE_BYTES",
+    "engine_args",
+    "import_vllm",
+    "prepare_environment",
+)
 
 #: vLLM's block size on CPUs unless given (the smallest its CPU build takes)
 CPU_BLOCK_SIZE: Final = 32
@@ -52,6 +59,38 @@ def prepare_environment(log_level: str = "WARNING") -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", _LOG_LEVELS.get(log_level.upper(), "WARNING"))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+#: every vLLM module this package uses, imported at once by :func:`import_vllm`
+_MODULES: Final = (
+    "vllm.config",
+    "vllm.distributed.kv_events",
+    "vllm.engine.arg_utils",
+    "vllm.exceptions",
+    "vllm.inputs.engine",
+    "vllm.platforms",
+    "vllm.sampling_params",
+    "vllm.v1.engine.async_llm",
+    "vllm.v1.metrics.loggers",
+)
+
+
+def import_vllm(log_level: str = "WARNING") -> None:
+    """Import vLLM (seconds), its environment prepared first (:func:`prepare_environment`).
+
+    The deprecation warnings torch and vLLM raise while importing are theirs, not our
+    users' to act on, and under ``-W error`` (our test suite) they would stop the import:
+    they are silenced for the import only.
+    """
+    prepare_environment(log_level)
+    import importlib
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        for module in _MODULES:
+            importlib.import_module(module)
 
 
 def engine_args(

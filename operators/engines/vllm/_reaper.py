@@ -55,7 +55,9 @@ def start_time(pid: int) -> int | None:
 
 
 def descendants(pid: int | None = None) -> set[int]:
-    """Every process under ``pid`` (default: this one), from ``/proc`` (empty elsewhere)."""
+    """Every process under ``pid`` (default: this one), from ``/proc`` (empty elsewhere),
+    but multiprocessing's resource tracker: it outlives an engine, and when its parent dies
+    it must live on to free what the engine's processes left in shared memory."""
     root = os.getpid() if pid is None else pid
     parents: dict[int, list[int]] = {}
     with contextlib.suppress(OSError):
@@ -74,7 +76,15 @@ def descendants(pid: int | None = None) -> set[int]:
         children = parents.get(frontier.pop(), [])
         frontier.extend(child for child in children if child not in found)
         found.update(children)
-    return found
+    return {pid for pid in found if not _is_tracker(pid)}
+
+
+def _is_tracker(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"resource_tracker" in cmdline.read()
+    except OSError:
+        return False
 
 
 @final

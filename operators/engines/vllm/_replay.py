@@ -21,14 +21,19 @@ choice is ended with an end-of-sequence token.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-try:
-    import torch
-    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
-except ImportError:  # the [vllm] extra is missing: VllmEngine() says so, nothing loads this
-    AdapterLogitsProcessor = object
+with warnings.catch_warnings():  # (torch's and vLLM's import-time deprecations)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    warnings.simplefilter("ignore", FutureWarning)
+    warnings.simplefilter("ignore", UserWarning)
+    try:
+        import torch
+        from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+    except ImportError:  # the [vllm] extra is missing: VllmEngine() says so; vLLM alone loads this
+        AdapterLogitsProcessor = object
 
 from ._sampling import EXTRA_ARG
 

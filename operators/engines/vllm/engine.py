@@ -33,7 +33,7 @@ from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError, InvalidRequest, StreamDisconnected
 
-from ._args import engine_args, prepare_environment
+from ._args import engine_args, import_vllm
 from ._kv_events import BlockTranslator, KvEventListener
 from ._outputs import engine_outputs
 from ._reaper import ProcessReaper, descendants
@@ -161,6 +161,8 @@ class VllmEngine:
         self._llm: Any = None
         self._listener: KvEventListener | None = None
         self._reaper: ProcessReaper | None = None
+        self._tasks_started = False
+        self._zmq_context: Any = None
         try:
             self._start(
                 model,
@@ -178,7 +180,7 @@ class VllmEngine:
             raise
 
     def _start(self, model: str | Path, *, log_level: str, **options: Any) -> None:
-        prepare_environment(log_level)
+        import_vllm(log_level)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -206,12 +208,30 @@ class VllmEngine:
         self._vllm_block_size = config.cache_config.block_size
         self._listener = KvEventListener(endpoint, self._translator, self._kv)
         self._listener.start()
+        try:  # created from a worker thread of an event loop: start vLLM's tasks on it now
+            anyio.from_thread.run_sync(self._start_tasks)
+        except RuntimeError:  # (not in one: the first request starts them)
+            pass
         logger.info(
             "vLLM serves %s (max_model_len=%d, block_size=%d)",
             model,
             self._limits.max_model_len,
             self._vllm_block_size,
         )
+
+    def _start_tasks(self) -> None:
+        """Start ``AsyncLLM``'s two tasks on the running event loop (its socket reader and
+        its output handler), which it starts by itself only when it is created on that
+        loop, or at the first request: then they would appear under that request, as tasks
+        a request left behind. Idempotent."""
+        llm = self._llm
+        if self._tasks_started or llm is None:
+            return
+        self._tasks_started = True
+        ensure_reader = getattr(llm.engine_core, "_ensure_output_queue_task", None)
+        if ensure_reader is not None:
+            ensure_reader()
+        llm._run_output_handler()
 
     # ------------------------------------------------------------------------ properties
 
@@ -263,6 +283,7 @@ class VllmEngine:
 
     def kv_snapshot(self) -> KvSnapshot:
         """Every block held as of the last KV event delivered, with that event's ``seq``."""
+        self._start_tasks()
         self._kv.bind()
         return self._kv.snapshot()
 
@@ -326,6 +347,7 @@ class VllmEngine:
                 yield EngineOutput([], None, None, "length", index)
             return
         params = self._sampling_params(request, plan)
+        self._start_tasks()
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
         queue = await self._submit(llm, ctx, request, params)
@@ -392,15 +414,19 @@ class VllmEngine:
         """Stop vLLM (its processes included) without blocking the event loop. Requests
         still running fail with EngineError. Idempotent."""
         self._closing = True
-        handler = getattr(self._llm, "output_handler", None)
-        if handler is not None and not handler.done():
-            # Stopped first, on its own loop: it would otherwise see the engine core die
-            # under it and log that as a failure.
-            handler.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait([handler])
+        # vLLM's tasks are stopped first, on their loop: they would otherwise see the engine
+        # core die under them (and log that as a failure), and its sockets can be closed.
+        tasks = [task for task in _client_tasks(self._llm) if not task.done()]
+        for task in tasks:
+            task.cancel()
         with anyio.CancelScope(shield=True):
+            if tasks:
+                await asyncio.wait(tasks)
             await anyio.to_thread.run_sync(self.close)
+        # vLLM closed its sockets on this loop meanwhile (it was asked from close()'s thread)
+        context, self._zmq_context = self._zmq_context, None
+        if context is not None:
+            _terminate(context)
 
     def close(self) -> None:
         """Stop vLLM now, blocking until its processes are gone (seconds). Idempotent."""
@@ -410,8 +436,18 @@ class VllmEngine:
         reaper, self._reaper = self._reaper, None
         try:
             if llm is not None:
-                llm.shutdown(timeout=30)
+                context = getattr(llm.engine_core, "ctx", None)
+                loop = _client_loop(llm)
+                llm.shutdown(timeout=30)  # (its engine core then exits by itself: no kill)
                 del llm
+                # vLLM leaves its ZMQ context to the garbage collector, which warns. Its
+                # sockets are closed by now, unless their loop runs in another thread: then
+                # they are closed on it later, and aclose() terminates the context there.
+                if context is not None:
+                    if loop is None or loop.is_closed() or _running_loop() is loop:
+                        _terminate(context)
+                    else:
+                        self._zmq_context = context
                 # AsyncLLM sits in reference cycles; collected now, its __del__ (a second,
                 # harmless shutdown) runs while the interpreter is whole, not at exit.
                 gc.collect()
@@ -431,3 +467,32 @@ class VllmEngine:
     def __repr__(self) -> str:
         state = "closed" if self._llm is None else f"max_model_len={self._limits.max_model_len}"
         return f"VllmEngine({str(self._model)!r}, {state})"
+
+
+def _client_loop(llm: Any) -> asyncio.AbstractEventLoop | None:
+    """The event loop ``AsyncLLM``'s tasks run on (None: none started yet)."""
+    tasks = _client_tasks(llm)
+    return tasks[0].get_loop() if tasks else None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _terminate(context: Any) -> None:
+    """Terminate vLLM's ZMQ context: the asyncio one it uses is a shadow of a plain one,
+    which alone may terminate (and which warns when collected unterminated)."""
+    for socket in list(getattr(context, "_sockets", None) or ()):
+        socket.close(linger=0)
+    original = getattr(context, "_shadow_obj", None)
+    (original if original is not None and hasattr(original, "term") else context).term()
+
+
+def _client_tasks(llm: Any) -> list[asyncio.Task[Any]]:
+    """``AsyncLLM``'s tasks on the event loop: its output handler and its socket reader."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    found = (getattr(llm, "output_handler", None), getattr(resources, "output_queue_task", None))
+    return [task for task in found if task is not None]
