@@ -26,9 +26,16 @@ def test_the_smollm2_gguf_is_installed() -> None:
     assert find_smollm2_gguf() is not None
 
 
-@pytest.mark.parametrize("module", ["llama_cpp", "gguf", "nats", "msgpack"])
+@pytest.mark.parametrize("module", ["llama_cpp", "gguf", "nats", "msgpack", "vllm"])
 def test_the_optional_modules_are_installed(module: str) -> None:
     assert importlib.util.find_spec(module) is not None
+
+
+def test_vllm_imports_beside_the_cpu_torch() -> None:
+    """PyPI's torchvision, torchaudio and torchcodec for another torch break its import."""
+    from operators.engines.vllm._args import import_vllm
+
+    import_vllm()
 
 
 def test_the_nats_server_binary_is_installed() -> None:

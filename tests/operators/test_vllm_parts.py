@@ -68,10 +68,11 @@ def request(
 
 
 def test_greedy_is_temperature_zero_and_greedy_n_samples_the_argmax() -> None:
-    plan = plan_sampling(request(max_tokens=4), "r", LIMITS)
+    plan = plan_sampling(request(max_tokens=4, temperature=0.0), "r", LIMITS)
     assert (plan.n, plan.budget) == (1, 4)
     assert plan.params["temperature"] == 0.0
     assert "top_k" not in plan.params
+    assert plan_sampling(request(), "r", LIMITS).params["temperature"] == 1.0  # OpenAI's
     two = plan_sampling(request(n=2, temperature=0.0, max_tokens=4), "r", LIMITS).params
     assert (two["n"], two["temperature"], two["top_k"]) == (2, 1.0, 1)
 

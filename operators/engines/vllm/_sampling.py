@@ -7,7 +7,8 @@ keyword arguments of ``SamplingParams`` (plain values: testable without vLLM).
 
 What is decided here, and why:
 
-- **Greedy is temperature 0 or unset** (the engine contract). vLLM refuses ``n > 1`` with
+- **Greedy is temperature 0; unset is 1.0**, OpenAI's default, as the llama engine reads
+  it (and vLLM's own server, for a model without a default of its own). vLLM refuses ``n > 1`` with
   greedy sampling; greedy ``n > 1`` becomes temperature 1 with ``top_k=1``, which samples
   the most likely token every time: the same tokens as greedy decoding, and the same
   logprobs (vLLM reports the model's raw logprobs, before temperature and top-k).
@@ -143,7 +144,7 @@ def _sampling(request: PreprocessedRequest, n: int, refuse: Any) -> dict[str, An
     """The sampler's parameters, each checked against what vLLM accepts."""
     sampling = request.sampling
     params: dict[str, Any] = {}
-    temperature = sampling.temperature or 0.0
+    temperature = 1.0 if sampling.temperature is None else sampling.temperature
     if temperature < 0:
         raise refuse(f"temperature must be >= 0, got {temperature}", "temperature")
     top_k = sampling.top_k
