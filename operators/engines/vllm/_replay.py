@@ -45,7 +45,7 @@ __all__ = ("ReplayedConstraint",)
 logger = logging.getLogger("operators.engines.vllm")
 
 
-class ReplayedConstraint(AdapterLogitsProcessor):  # type: ignore[misc,valid-type]
+class ReplayedConstraint(AdapterLogitsProcessor):  # type: ignore[misc]
     """vLLM logits processor: masks a migrated constrained request's logits (see the
     module docstring). Built by vLLM once per engine, with its config."""
 

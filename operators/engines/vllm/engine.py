@@ -205,7 +205,7 @@ class VllmEngine:
             max_model_len=model_config.max_model_len,
             max_logprobs=model_config.max_logprobs,
         )
-        self._vllm_block_size = config.cache_config.block_size
+        self._vllm_block_size = int(config.cache_config.block_size)
         self._listener = KvEventListener(endpoint, self._translator, self._kv)
         self._listener.start()
         try:  # created from a worker thread of an event loop: start vLLM's tasks on it now

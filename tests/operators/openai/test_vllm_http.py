@@ -46,9 +46,9 @@ CITY_SCHEMA: dict[str, Any] = {
     "properties": {
         "city": {"type": "string", "maxLength": 40},
         "country": {"type": "string", "maxLength": 40},
-        "population": {"type": "integer"},
+        "coastal": {"type": "boolean"},
     },
-    "required": ["city", "country", "population"],
+    "required": ["city", "country", "coastal"],
     "additionalProperties": False,
 }
 WEATHER: dict[str, Any] = {
