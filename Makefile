@@ -34,6 +34,7 @@ bench: $(STAMP)  ## the in-process benchmarks (the HTTP ones need a server: see 
 	$(BIN)/python benchmarks/bench_stop_jail.py
 	$(BIN)/python benchmarks/bench_backend.py
 	$(BIN)/python benchmarks/bench_graph.py
+	$(BIN)/python benchmarks/bench_tracing.py
 	$(BIN)/python benchmarks/bench_llama.py
 
 $(BIN)/python:

@@ -13,8 +13,8 @@ import time
 import anyio
 
 from operators.backend import Backend
-from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.tokenizer import Tokenizer
+from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Stream, link, open_stream
 
 TEXT = (

@@ -34,9 +34,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from operators.engines.llama import LlamaEngine
-from operators.engines.llama._constraint import Matcher, lark_grammar
-from operators.llm import (
+from operators.contracts.llm import (
     Constraint,
     EngineOutput,
     OutputOptions,
@@ -44,7 +42,9 @@ from operators.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.tokenizer import Tokenizer, find_smollm2_gguf
+from operators.engines.llama import LlamaEngine
+from operators.engines.llama._constraint import Matcher, lark_grammar
+from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

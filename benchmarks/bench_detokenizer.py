@@ -21,8 +21,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from operators.detokenizer import IncrementalDecoder, StreamDecoder
-from operators.tokenizer import Tokenizer
+from operators.text.detokenizer import IncrementalDecoder, StreamDecoder
+from operators.text.tokenizer import Tokenizer
 
 __all__ = ()
 

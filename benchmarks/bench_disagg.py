@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 import anyio
 
 from operators.backend import Backend
+from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.mocker import MockerEngine, Role
-from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.prefill_router import PrefillRouter
-from operators.tokenizer import Tokenizer
+from operators.routing.prefill_router import PrefillRouter
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Router, WorkerSet, link, open_stream
 
 TEXT = (

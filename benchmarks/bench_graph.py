@@ -16,11 +16,11 @@ from typing import Any
 
 import anyio
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
+from operators.edges.openai.protocol import parse_chat_request
 from operators.engines import EchoEngine
 from operators.graph import default_graph
-from operators.llm import EngineOutput, PreprocessedRequest
-from operators.openai.protocol import parse_chat_request
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Stream, open_stream
 
 

@@ -15,7 +15,7 @@ how fast, so the cost claims live here:
   worker did not hold yet, and the router's index was written by routing the same
   conversations to their owners: keyed every 8th block (the default ``stride``) and, for
   comparison, every block (``stride=1``).
-- **hashing** (``operators.kv_blocks.block_hashes``): per prompt, reported apart, because
+- **hashing** (``operators.routing.kv_blocks.block_hashes``): per prompt, reported apart, because
   the decision excludes it (the LLM layer hashes each request once).
 - **updates**: ``PrefixIndex.stored`` and ``removed`` per block, and ``apply`` of a
   ``KvStored`` event, as a worker's events would arrive.
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence, Sized
 from typing import Any, TypeVar
 
-from operators.kv_blocks import block_hashes
+from operators.routing.kv_blocks import block_hashes
 from pipeline import Context, KvRouter, KvStored, PrefixIndex, Worker
 from pipeline.testing import ScriptedEngine, make_context
 

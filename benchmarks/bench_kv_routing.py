@@ -34,9 +34,9 @@ from typing import Any
 
 import anyio
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.mocker import MockerEngine
-from operators.kv_blocks import request_block_ids
-from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
+from operators.routing.kv_blocks import request_block_ids
 from pipeline import Context, KvRouter, LeastLoaded, RoundRobin, Router, WorkerSet, open_stream
 from pipeline.prefix_index import KvEvent, PrefixIndex
 from pipeline.routers import RoutingPolicy

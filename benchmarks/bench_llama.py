@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import anyio
 
+from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
 from operators.engines.llama import LlamaEngine, NgramSpeculation
-from operators.llm import PreprocessedRequest, SamplingOptions, StopConditions
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, open_stream
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"

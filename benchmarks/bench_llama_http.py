@@ -50,7 +50,7 @@ def free_port() -> int:
 
 
 def smollm2_gguf() -> Path:
-    from operators.tokenizer import find_smollm2_gguf
+    from operators.text.tokenizer import find_smollm2_gguf
 
     path = find_smollm2_gguf()
     if path is None:

@@ -26,8 +26,8 @@ import anyio
 
 from operators.backend import Backend
 from operators.cli.tuning import tune_gc
+from operators.contracts.llm import PreprocessedRequest, StopConditions, Tool
 from operators.engines import EchoEngine
-from operators.llm import PreprocessedRequest, StopConditions, Tool
 from operators.parsers import (
     HERMES,
     LLAMA3_JSON,
@@ -39,7 +39,7 @@ from operators.parsers import (
     ReasoningFormat,
     ToolCallFormat,
 )
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, link, open_stream
 
 __all__ = ()

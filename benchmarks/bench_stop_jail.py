@@ -19,7 +19,7 @@ import string
 import time
 from collections.abc import Callable, Sequence
 
-from operators.stop_jail import Released, StopJail, StopMatcher, find_stop
+from operators.text.stop_jail import Released, StopJail, StopMatcher, find_stop
 
 __all__ = ()
 

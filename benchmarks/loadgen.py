@@ -262,7 +262,7 @@ def build_prompt(tokens: int) -> str:
     words = [f" w{i % 97}" for i in range(tokens * 2)]
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from operators.tokenizer import Tokenizer
+        from operators.text.tokenizer import Tokenizer
     except ImportError:
         return "".join(words[: tokens // 2]).strip()
     tokenizer = Tokenizer.default()

@@ -14,10 +14,10 @@ from __future__ import annotations
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.llm import EngineOutput, FinishReason, PreprocessedRequest
+from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest
 from operators.serving import build_app
 from operators.testing import check_engine, openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, InvalidRequest, Stream
 
 

@@ -20,7 +20,7 @@ from operators.engines import EchoEngine
 from operators.parsers import MarkerToolFormat, register_tool_parser
 from operators.serving import build_app
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 WEATHER: Any = {
     "type": "function",

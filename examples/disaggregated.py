@@ -22,18 +22,18 @@ from contextlib import aclosing
 import anyio
 
 from operators.backend import Backend
-from operators.encoder_router import EncoderRouter
-from operators.engines.mocker import MockerEngine, Role
-from operators.llm import (
+from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     MultimodalItem,
     PreprocessedRequest,
     StopConditions,
 )
+from operators.engines.mocker import MockerEngine, Role
 from operators.migration import Migration
-from operators.prefill_router import PrefillRouter
-from operators.tokenizer import Tokenizer
+from operators.routing.encoder_router import EncoderRouter
+from operators.routing.prefill_router import PrefillRouter
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Router, Stream, WorkerSet, link
 from pipeline.testing import collect
 

@@ -6,7 +6,7 @@ encoder_router, prefill_router) in front of an engine. ``build_app(..., before={
 result exactly like the default graph: metrics, migration and all. Here ``Shout`` sits
 between Migration and the Backend, so it sees detokenized text, and the echo engine loses
 its worker after two tokens: Migration retries, ``Shout`` runs again on the retry, the
-client never notices. ``rewritten`` (``operators.rewriting``) gives the output its new
+client never notices. ``rewritten`` (``operators.contracts.rewriting``) gives the output its new
 text and hides the original tokens' logprobs, which would otherwise still spell the
 lower-case text.
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import anyio
 
+from operators.contracts.llm import BackendOutput, PreprocessedRequest
+from operators.contracts.rewriting import rewritten
 from operators.engines import EchoEngine
 from operators.graph import default_stages
-from operators.llm import BackendOutput, PreprocessedRequest
-from operators.rewriting import rewritten
 from operators.serving import build_app
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Stream
 
 

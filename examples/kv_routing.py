@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 import anyio
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.mocker import MockerEngine
-from operators.kv_blocks import request_block_ids
-from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.tokenizer import Tokenizer
+from operators.routing.kv_blocks import request_block_ids
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, KvEvent, KvRouter, PrefixIndex, Router, WorkerSet
 from pipeline.testing import collect
 

@@ -15,7 +15,7 @@ import openai
 
 from operators.engines import EchoEngine
 from operators.serving import build_app, serve
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 
 async def main() -> None:

@@ -22,7 +22,7 @@ import anyio
 from operators.engines import EchoEngine
 from operators.serving import build_app
 from operators.testing import check_engine, openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 

@@ -1,32 +1,46 @@
 """The LLM layer of llm-pipeline, built only on ``pipeline``'s public API.
 
-- :mod:`operators.llm` — hot-path types (PreprocessedRequest, EngineOutput, BackendOutput).
-- :mod:`operators.tokenizer` — Tokenizer (the shipped SmolLM2 one by default).
-- :mod:`operators.stop_jail` — StopJail, the sans-IO stop-string matcher.
-- :mod:`operators.backend`, :mod:`operators.migration` — the token Backend and Migration;
-  :mod:`operators.resumption` — the contract between them (Migration upstream).
-- :mod:`operators.openai` — the OpenAI protocol, preprocessor and HTTP server.
-- :mod:`operators.engines` — built-in engines (echo, mocker, llama.cpp).
-- :mod:`operators.serving` — ``build_app`` and ``serve``: a graph as an OpenAI server
-  (also ``operators.build_app``/``operators.serve``, imported on first use: the HTTP stack
-  is not loaded by ``import operators``).
-- :mod:`operators.testing` — ``openai_client``: the official client, in-process.
+The folders say what is what:
+
+- :mod:`operators.edges` — the API edges, side by side: :mod:`operators.edges.openai` (the
+  OpenAI protocol, preprocessor and HTTP server). An edge parses its API's requests into what
+  the graph takes and renders the graph's typed events in its own wire format.
+- :mod:`operators.text` — text machinery: ``Tokenizer`` (:mod:`operators.text.tokenizer`, the
+  shipped SmolLM2 one by default), the incremental detokenizer, ``StopJail`` (the sans-IO
+  stop-string matcher), the ASCII fast encoder and long-prompt pieces.
+- :mod:`operators.routing` — KV block hashes, the encoder and prefill (disaggregation) routers.
+- :mod:`operators.contracts` — what the rest agrees on: :mod:`operators.contracts.llm`
+  (PreprocessedRequest, EngineOutput, BackendOutput), resumption (Migration <-> Backend),
+  rewriting, the constraint guard, the NATS transport types.
+- The graph's own operators and the entry points stay here: :mod:`operators.backend` (the
+  token Backend), :mod:`operators.migration`, :mod:`operators.parsers`,
+  :mod:`operators.engines` (echo, mocker, llama.cpp), :mod:`operators.graph`
+  (``default_graph``), :mod:`operators.serving` (``build_app`` and ``serve``: a graph as an
+  OpenAI server; also ``operators.build_app``/``operators.serve``, imported on first use: the
+  HTTP stack is not loaded by ``import operators``), :mod:`operators.testing`
+  (``openai_client``: the official client, in-process) and :mod:`operators.cli`.
+
+The modules' old paths (``operators.stop_jail``, ``operators.openai.server``,
+``operators.llm``...) still import, as the very same modules (:mod:`operators._moved`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import _moved
 from .backend import Backend as Backend
-from .llm import BackendOutput as BackendOutput
-from .llm import EngineOutput as EngineOutput
-from .llm import OutputOptions as OutputOptions
-from .llm import PreprocessedRequest as PreprocessedRequest
-from .llm import SamplingOptions as SamplingOptions
-from .llm import StopConditions as StopConditions
+from .contracts.llm import BackendOutput as BackendOutput
+from .contracts.llm import EngineOutput as EngineOutput
+from .contracts.llm import OutputOptions as OutputOptions
+from .contracts.llm import PreprocessedRequest as PreprocessedRequest
+from .contracts.llm import SamplingOptions as SamplingOptions
+from .contracts.llm import StopConditions as StopConditions
 from .migration import Migration as Migration
-from .stop_jail import StopJail as StopJail
-from .tokenizer import Tokenizer as Tokenizer
+from .text.stop_jail import StopJail as StopJail
+from .text.tokenizer import Tokenizer as Tokenizer
+
+_moved.install()
 
 if TYPE_CHECKING:
     from .graph import default_graph as default_graph
@@ -53,12 +67,16 @@ _LAZY = {"build_app": "serving", "serve": "serving", "default_graph": "graph"}
 
 
 def __getattr__(name: str) -> Any:
-    """``build_app``, ``serve`` and ``default_graph``, imported when first asked for."""
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'operators' has no attribute {name!r}")
+    """``build_app``, ``serve`` and ``default_graph``, imported when first asked for; a moved
+    module by its old name (``operators.llm``), as its old path gave it."""
     import importlib
 
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    elif f"{__name__}.{name}" in _moved.MOVED:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'operators' has no attribute {name!r}")
     globals()[name] = value
     return value

@@ -1,12 +1,13 @@
 """The token Backend: token ids in, text out, stop conditions enforced.
 
 The Backend sits between the request-shaping operators and the engine. Forward it passes
-the :class:`~operators.llm.PreprocessedRequest` on unchanged; backward it turns each
-:class:`~operators.llm.EngineOutput` into a :class:`~operators.llm.BackendOutput`:
+the :class:`~operators.contracts.llm.PreprocessedRequest` on unchanged; backward it turns
+each :class:`~operators.contracts.llm.EngineOutput` into a
+:class:`~operators.contracts.llm.BackendOutput`:
 
-* incremental detokenization (one :class:`~operators.detokenizer.IncrementalDecoder` per
+* incremental detokenization (one :class:`~operators.text.detokenizer.IncrementalDecoder` per
   choice), so a character split across tokens arrives whole and never as U+FFFD;
-* stop strings through a :class:`~operators.stop_jail.StopJail` per choice, which
+* stop strings through a :class:`~operators.text.stop_jail.StopJail` per choice, which
   withholds exactly the text that may still become a hidden stop string;
 * stop token ids (hidden: EOS and the user's; visible), ``min_tokens``, ``max_tokens``.
 
@@ -20,9 +21,9 @@ engine finish, a stream that ends without a finish reason (one synthetic "stop")
 error (flushed first, then the error propagates; no synthetic finish after an error). The
 one exception is a lost worker while a retry is armed (:data:`RESUMABLE`): then the text
 stays withheld for the next attempt, which may still complete a hidden stop string. That is
-the resumer's side of the contract in :mod:`operators.resumption`: the Backend declares
+the resumer's side of the contract in :mod:`operators.contracts.resumption`: the Backend declares
 itself for each request before it opens downstream, and a Migration linked below it
-refuses the request with :class:`~operators.resumption.ResumptionOrderError`.
+refuses the request with :class:`~operators.contracts.resumption.ResumptionOrderError`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from typing import TYPE_CHECKING, Protocol
 
 from pipeline import Context, Engine, StateKey, Stream, WorkerLost
 
-from .detokenizer import PROMPT_CONTEXT_IDS
-from .llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
-from .resumption import RESUMABLE, declare_resumer
-from .stop_jail import Released, StopJail, Stopped
+from .contracts.llm import BackendOutput, EngineOutput, FinishReason, PreprocessedRequest
+from .contracts.resumption import RESUMABLE, declare_resumer
+from .text.detokenizer import PROMPT_CONTEXT_IDS
+from .text.stop_jail import Released, StopJail, Stopped
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -286,7 +287,7 @@ class Backend:
     """Operator: EngineOutput token ids -> BackendOutput text, with stop conditions.
 
     ``tokenizer`` provides ``decode_stream(skip_special_tokens=..., prompt_ids=...)``
-    (:class:`operators.tokenizer.Tokenizer` does).
+    (:class:`operators.text.tokenizer.Tokenizer` does).
     """
 
     def __init__(self, tokenizer: DetokenizerFactory) -> None:
@@ -337,6 +338,10 @@ class Backend:
                     if not choice.finished and choice.withheld:
                         yield choice.flush(None)
             raise
+        if ctx.is_killed:
+            # Killed (a deadline, a drain's abort, a client gone): an engine that saw it
+            # before the cancellation did ends quietly, which is no finish to report.
+            return
         for index in range(n):  # the stream ended without finishing these choices
             choice = self._choice(state, request, index)
             if not choice.finished:

@@ -18,7 +18,7 @@ Backward, every operator sees the engine's outputs on their way out:
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
 An engine that does not declare constrained decoding (``engine.features``) gets a
-:class:`~operators.constraint_guard.ConstraintGuard` in front of it: a request with
+:class:`~operators.contracts.constraint_guard.ConstraintGuard` in front of it: a request with
 ``response_format`` or a required tool call is then a 400, not an answer that ignored it.
 
 The graph is a value before it is an engine: :func:`default_stages` gives the six named
@@ -50,31 +50,31 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
-from pipeline import Engine, Operator, chain, link
+from pipeline import Engine, Operator, chain, link, named
 
 from .backend import Backend
-from .constraint_guard import ConstraintGuard
-from .encoder_router import EncoderRouter
-from .llm import (
+from .contracts.constraint_guard import ConstraintGuard
+from .contracts.llm import (
     CONSTRAINED_DECODING,
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
     engine_features,
 )
+from .edges.openai.events import OpenAIEvent
+from .edges.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from .migration import Migration, MigrationEvent
-from .openai.events import OpenAIEvent
-from .openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from .parsers import OutputParsers, ReasoningFormat, ToolCallFormat
 from .parsers import reasoning_parser as registered_reasoning
 from .parsers import tool_parser as registered_tools
-from .prefill_router import PrefillRouter
+from .routing.encoder_router import EncoderRouter
+from .routing.prefill_router import PrefillRouter
 
 if TYPE_CHECKING:
     from pipeline import RoutingPolicy, WorkerSet
 
-    from .openai.images import ImagePolicy
-    from .tokenizer import Tokenizer
+    from .edges.openai.images import ImagePolicy
+    from .text.tokenizer import Tokenizer
 
 __all__ = (
     "POINTS",
@@ -225,6 +225,8 @@ class Stages:
     ) -> Engine[OpenAIRequest, OpenAIEvent]:
         """The graph: every operator linked, front to back, onto ``engine``.
 
+        Each stage is :func:`pipeline.named` after its field, so a traced request's spans
+        say ``preprocessor``, ``migration``, ... (an inserted operator's, its class name).
         Each point's inserted operators are one :func:`pipeline.chain` (spliced in place by
         ``link``, so an empty point costs nothing), which keeps the link typed stage by
         stage (``link(*self, engine)`` would not type-check). Eleven operators are more
@@ -242,22 +244,22 @@ class Stages:
         )
         routers = link(
             chain(*at("encoder_router", ())),
-            self.encoder_router,
+            named("encoder_router", self.encoder_router),
             chain(*at("prefill_router", ())),
-            self.prefill_router,
+            named("prefill_router", self.prefill_router),
             chain(*at("engine", ())),
             guard,
             engine,
         )
         return link(
             chain(*at("preprocessor", ())),
-            self.preprocessor,
+            named("preprocessor", self.preprocessor),
             chain(*at("parser", ())),
-            self.parser,
+            named("parser", self.parser),
             chain(*at("migration", ())),
-            self.migration,
+            named("migration", self.migration),
             chain(*at("backend", ())),
-            self.backend,
+            named("backend", self.backend),
             routers,
         )
 

@@ -4,7 +4,7 @@
 
     from operators.serving import build_app, serve
     from operators.engines import EchoEngine
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.default()
     app = build_app(EchoEngine.from_tokenizer(tokenizer), tokenizer, model_name="echo")
@@ -26,17 +26,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
+from pipeline import Router
+from pipeline.tracing import Tracer
+
+from .edges.openai.guard import Guard
+from .edges.openai.metrics import ServerMetrics
+from .edges.openai.runner import serve
+from .edges.openai.server import OpenAIApp
 from .graph import GraphOptions, Point, default_graph
-from .openai.guard import Guard
-from .openai.metrics import ServerMetrics
-from .openai.runner import serve
-from .openai.server import OpenAIApp
+from .telemetry import SpanBuffer
+from .ui import WorkerGroups, attach_ui
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
 
-    from .llm import EngineOutput, PreprocessedRequest
-    from .tokenizer import Tokenizer
+    from .contracts.llm import EngineOutput, PreprocessedRequest
+    from .text.tokenizer import Tokenizer
 
 __all__ = ("build_app", "serve")
 
@@ -49,6 +54,8 @@ def build_app(
     guard: Guard | None = None,
     metrics: ServerMetrics | None = None,
     before: Mapping[Point, Sequence[Operator[Any, Any, Any, Any]]] | None = None,
+    tracer: Tracer | None = None,
+    ui: bool = False,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
@@ -58,7 +65,10 @@ def build_app(
     ``graph_options`` go to :func:`~operators.graph.default_stages` (``max_model_len``,
     ``default_max_tokens``, ``chat_template``, ``migration_limit``, worker sets...);
     ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
-    ``app.metrics`` unless ``on_migration`` is given.
+    ``app.metrics`` unless ``on_migration`` is given. ``tracer`` traces every request
+    (:mod:`pipeline.tracing`; e.g. exporting over OTLP, :mod:`operators.telemetry`);
+    ``ui=True`` serves the web UI at ``/`` and its status view at ``/status``, with the
+    last requests' stage timings (it records spans in process, in ``tracer`` if given).
 
     Raises:
         ValueError: a key of ``before`` names no stage of the default graph.
@@ -66,4 +76,35 @@ def build_app(
     metrics = metrics if metrics is not None else ServerMetrics()
     graph_options.setdefault("on_migration", metrics.count_migration)
     graph = default_graph(engine, tokenizer, model_name=model_name, before=before, **graph_options)
-    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard)
+    buffer = None
+    if ui:
+        buffer = SpanBuffer()
+        if tracer is None:
+            tracer = Tracer(buffer)
+        else:
+            tracer.add_sink(buffer)
+    app = OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard, tracer=tracer)
+    if ui:
+        groups = _worker_groups(engine, graph_options)
+        attach_ui(
+            app,
+            buffer=buffer,
+            workers=None if groups is None else lambda: groups,
+            engine_name=type(engine).__name__,
+        )
+    return app
+
+
+def _worker_groups(engine: object, options: GraphOptions) -> WorkerGroups | None:
+    """The worker sets behind ``engine`` and the graph's routers, by role (None: the
+    engine is a single one)."""
+    prefill = options.get("prefill_workers")
+    encode = options.get("encode_workers")
+    decode = engine.workers if isinstance(engine, Router) else None
+    if decode is None and prefill is None and encode is None:
+        return None
+    return {
+        "decode" if prefill is not None else "aggregated": decode,
+        "prefill": prefill,
+        "encode": encode,
+    }

@@ -4,7 +4,7 @@
 operators: a conformance suite (docs/engines.md has the contract it checks).
 
 :func:`openai_client` is the official ``openai.AsyncOpenAI`` (the ``openai`` package, a test
-dependency) talking to an :class:`~operators.openai.server.OpenAIApp` through
+dependency) talking to an :class:`~operators.edges.openai.server.OpenAIApp` through
 ``httpx.ASGITransport``: no socket, no server process, the app's own error mapping and
 rendering. ``httpx.ASGITransport`` returns a response once the app has finished it, so a
 stream's chunks all arrive at the end (use a real server to observe timing)::
@@ -27,14 +27,20 @@ import httpx
 
 from pipeline import Context, InvalidRequest, RequestError, open_stream
 
-from .llm import EngineOutput, OutputOptions, PreprocessedRequest, SamplingOptions, StopConditions
+from .contracts.llm import (
+    EngineOutput,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
 
 if TYPE_CHECKING:
     import openai
 
     from pipeline import Engine
 
-    from .openai.server import OpenAIApp
+    from .edges.openai.server import OpenAIApp
 
 __all__ = ("EngineFactory", "check_engine", "openai_client")
 

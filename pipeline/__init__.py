@@ -14,6 +14,9 @@ The parts:
   (:mod:`pipeline.prefix_index`).
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
+- :mod:`pipeline.tracing` — spans per request and stage (``ctx.span``), started by an edge's
+  :class:`~pipeline.tracing.Tracer`; :func:`link` gives every linked operator its own
+  (:func:`named` names a stage's).
 
 This package knows nothing about LLMs: it imports no pydantic, no tokenizers and nothing
 from ``operators``.
@@ -45,6 +48,7 @@ from .kv_events import event_from_dict as event_from_dict
 from .kv_routing import KvRouter as KvRouter
 from .link import chain as chain
 from .link import link as link
+from .link import named as named
 from .operator import Engine as Engine
 from .operator import Operator as Operator
 from .operator import Stream as Stream
@@ -103,6 +107,7 @@ __all__ = (
     "chain",
     "event_from_dict",
     "link",
+    "named",
     "next_or_wait",
     "open_stream",
 )

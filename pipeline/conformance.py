@@ -26,6 +26,7 @@ it is for:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -48,11 +49,13 @@ from .operator import Operator
 
 __all__ = ("CheckTimeout", "ConformanceError", "check_operator")
 
-#: Streams of checks that failed. An operator that refuses to close (it catches
-#: GeneratorExit and yields or retries) stays suspended; if it were garbage-collected,
-#: Python would report it as "Exception ignored in ..." in whatever test runs then. Kept
-#: here, it is closed (and any error logged) only when its event loop shuts down.
+#: Streams of failed checks that would not close (see :func:`_finalize`): kept so that
+#: they are never garbage-collected in the middle of another test.
 _FAILED_STREAMS: list[object] = []
+#: how many outputs :func:`_end` takes from a stream that refused to close
+_CLOSE_ATTEMPTS = 10_000
+#: how long (seconds) :func:`_finalize` lets each such stream run on to its end
+_CLOSE_TIME = 1.0
 
 NO_TASK_BEHIND = "leave no task behind"
 RESPOND_TO_CANCELLATION = "respond to cancellation promptly"
@@ -187,7 +190,7 @@ async def _run_isolated(
             outcome.failure = ConformanceError(scenario.name, rule, message)
             outcome.failure.__cause__ = exc
     if outcome.state == "expired" or outcome.failure is not None:
-        _FAILED_STREAMS.extend(scenario.streams)
+        await _finalize(scenario.streams)
     if outcome.state == "expired":
         timeout = CheckTimeout(
             scenario.name,
@@ -257,6 +260,52 @@ def _leaves(exc: BaseException, seen: set[int] | None = None) -> Iterator[BaseEx
         yield exc
     if exc.__context__ is not None:
         yield from _leaves(exc.__context__, seen)
+
+
+async def _finalize(streams: list[object]) -> None:
+    """End a failed check's streams here, on the check's own event loop.
+
+    Left to the garbage collector, an operator that refused to close would be finalized
+    later without its loop (at interpreter exit, after pytest's summary) and Python would
+    print "Exception ignored in ..." for it, which reads as a failure. Each stream gets
+    a bounded time to end; one that does not is kept alive, and silent, in
+    :data:`_FAILED_STREAMS`.
+    """
+    with anyio.CancelScope(shield=True):
+        for stream in streams:
+            ended = False
+            with anyio.move_on_after(_CLOSE_TIME):
+                ended = await _end(stream)
+            if not ended:
+                _FAILED_STREAMS.append(stream)
+
+
+async def _end(stream: Any) -> bool:
+    """Close ``stream``; True once it has ended.
+
+    An async generator that caught GeneratorExit and yielded is marked closed yet still
+    suspended at its yield, and every later ``aclose()`` returns at once without running
+    it (CPython raises StopAsyncIteration). Iterating it still resumes it, so it is run
+    on to its end instead, as a bounded number of steps.
+    """
+    try:
+        await stream.aclose()
+    except Exception:  # "ignored GeneratorExit": the generator is still suspended
+        pass
+    else:
+        return True
+    for _ in range(_CLOSE_ATTEMPTS):
+        try:
+            await stream.__anext__()
+        except StopAsyncIteration:
+            break
+        except Exception:  # it ended by raising: ended all the same
+            break
+    else:
+        return False
+    with contextlib.suppress(Exception):
+        await stream.aclose()  # what it opened downstream (a linked stream's record)
+    return True
 
 
 async def _settle() -> None:

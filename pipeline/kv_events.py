@@ -1,7 +1,7 @@
 """KV events: what an engine that caches prompt prefixes reports about its cache.
 
 Blocks are named by chained ids (a block's id covers every block before it; the LLM layer
-makes them with ``operators.kv_blocks``); the events say which blocks a worker stored,
+makes them with ``operators.routing.kv_blocks``); the events say which blocks a worker stored,
 evicted, or holds in all (a snapshot). They are plain dataclasses of ints, strings and
 tuples, so a transport serializes them with :meth:`to_dict` / :func:`event_from_dict`
 (msgpack or JSON), and :class:`~pipeline.prefix_index.PrefixIndex` applies them. Apart from

@@ -71,7 +71,7 @@ class KvRouter:
         index: what each worker holds (fed by KV events, or by this router when
             ``approximate``).
         block_ids: the request's chained block ids, in order (the LLM layer passes
-            ``operators.kv_blocks.request_block_ids(block_size)``).
+            ``operators.routing.kv_blocks.request_block_ids(block_size)``).
         overlap_weight: the cost of one block to prefill, in ``load`` units.
         temperature: 0 picks the cheapest; above 0 samples ``exp(-cost / temperature)``.
         load: a worker's current load (default: its requests in flight).
@@ -172,6 +172,10 @@ class KvRouter:
             self._remember(worker.id, keys, overlaps.get(worker.id, 0), now + self._ttl)
         if self._on_decision is not None:
             self._on_decision(worker.id, hit, total - hit)
+        span = ctx.span
+        if span is not None:  # a traced request: what the chosen worker had of its prompt
+            span.set("llm_pipeline.kv.prompt_blocks", total)
+            span.set("llm_pipeline.kv.overlap_blocks", hit)
         return worker
 
     def _held(self, found: int, keys: Sequence[Hashable], total: int) -> int:

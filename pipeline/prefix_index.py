@@ -2,7 +2,7 @@
 
 Engines that cache prompt prefixes report them as *blocks*, each named by a chained id:
 a block's id covers every block before it, so one id names a whole prefix (the LLM layer
-makes them with ``operators.kv_blocks``). The index sees only opaque hashable block ids and
+makes them with ``operators.routing.kv_blocks``). The index sees only opaque hashable block ids and
 worker ids (str); it knows nothing of tokens or engines.
 
 Because ids are chained, the index needs no tree: a flat map from block id to the set of

@@ -3,7 +3,7 @@
 Why: opening a GGUF with ``gguf.GGUFReader`` takes seconds and needs the optional ``gguf``
 package, while loading a saved ``tokenizer.json`` takes ~0.15 s. So the SmolLM2 tokenizer is
 converted once, here, and the result is committed as package data under
-``operators/data/smollm2/`` (read by ``operators.tokenizer.Tokenizer.default()``).
+``operators/data/smollm2/`` (read by ``operators.text.tokenizer.Tokenizer.default()``).
 
 Run from the repository root (``gguf`` installed, e.g. ``pip install -e '.[gguf]'``)::
 
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from operators.tokenizer import (
+from operators.text.tokenizer import (
     CONFIG_FILE,
     TOKENIZER_FILE,
     Tokenizer,

@@ -1,9 +1,10 @@
-"""Write ``tests/operators/data/tokenizer_golden.json``: llama.cpp's token ids for a fixed corpus.
+"""Write ``tests/operators/text/data/tokenizer_golden.json``: llama.cpp's token ids for a fixed
+corpus.
 
-Why: the serving graph tokenizes in Python (``operators.tokenizer``) but the engine is llama.cpp;
-prefix caching and token accounting are only right if both produce the same ids. This script
-asks llama.cpp itself (llama-cpp-python, ``vocab_only=True``) for the reference ids, so the
-tests compare against the engine rather than against our own GGUF conversion.
+Why: the serving graph tokenizes in Python (``operators.text.tokenizer``) but the engine is
+llama.cpp; prefix caching and token accounting are only right if both produce the same ids.
+This script asks llama.cpp itself (llama-cpp-python, ``vocab_only=True``) for the reference
+ids, so the tests compare against the engine rather than against our own GGUF conversion.
 
 The corpus is deterministic: hand-written cases (prose, code, digit runs, whitespace, emoji
 with ZWJ sequences, CJK, accents, right-to-left scripts, literal ``<|im_start|>``...) plus
@@ -26,12 +27,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from operators.tokenizer import find_smollm2_gguf
+from operators.text.tokenizer import find_smollm2_gguf
 
 __all__ = ("corpus", "main", "rendered_chats")
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "tests" / "operators" / "data" / "tokenizer_golden.json"
+DEFAULT_OUT = ROOT / "tests" / "operators" / "text" / "data" / "tokenizer_golden.json"
 SEED = 20_261_129
 
 HANDWRITTEN: tuple[str, ...] = (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.tokenizer import find_smollm2_gguf
+from operators.text.tokenizer import find_smollm2_gguf
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("CI", "").lower() != "true", reason="checks CI's install (CI=true)"
@@ -26,7 +26,10 @@ def test_the_smollm2_gguf_is_installed() -> None:
     assert find_smollm2_gguf() is not None
 
 
-@pytest.mark.parametrize("module", ["llama_cpp", "gguf", "nats", "msgpack", "vllm"])
+@pytest.mark.parametrize(
+    "module",
+    ["llama_cpp", "gguf", "nats", "msgpack", "playwright", "opentelemetry.proto", "vllm"],
+)
 def test_the_optional_modules_are_installed(module: str) -> None:
     assert importlib.util.find_spec(module) is not None
 
@@ -41,3 +44,7 @@ def test_vllm_imports_beside_the_cpu_torch() -> None:
 def test_the_nats_server_binary_is_installed() -> None:
     bin_dir = Path(sys.executable).parent
     assert shutil.which("nats-server", path=str(bin_dir)) or shutil.which("nats-server")
+
+
+def test_debians_chromium_is_installed_for_the_web_ui_tests() -> None:
+    assert Path("/usr/bin/chromium").exists()  # .ci/run installs it with apt-get

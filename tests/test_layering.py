@@ -6,6 +6,10 @@
    inside one would leave the scope on the wrong task's stack (anyio, "Avoiding cancel
    scope stack corruption"). Context managers are exempt: they are resumed by the task
    that entered them.
+3. The floors of operators/: each kind of module imports only from the kinds below it
+   (contracts/ and text/ at the ground, the API edges and the engines never of each other,
+   the entry points on top), and the project's own code imports moved modules by their new
+   paths only (the old ones are aliases for users, ``operators._moved``).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import pipeline
+from operators._moved import new_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,6 +35,7 @@ PUBLIC_MODULES = frozenset(
         "pipeline.errors",
         "pipeline.routers",
         "pipeline.testing",
+        "pipeline.tracing",
         "pipeline.transports",
         "pipeline.transports.codec",
         "pipeline.transports.nats",
@@ -330,3 +336,151 @@ def test_the_scope_checker_allows_safe_code(source: str) -> None:
 def test_no_task_group_or_cancel_scope_is_held_across_a_yield(path: Path) -> None:
     problems = scopes_across_yields(path.read_text())
     assert not problems, f"{_relative(path)}: " + "; ".join(problems)
+
+
+# -- 3. the floors of operators/ --------------------------------------------------------------
+
+#: what each kind of module in operators/ may import of the others (besides itself); a kind
+#: not listed (graph, serving, testing, cli, the package's __init__) is an entry point on top
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    # the ground: the types and agreements everything else stands on
+    "contracts": frozenset(),
+    # text <-> ids: knows no API, engine or route
+    "text": frozenset({"contracts"}),
+    "routing": frozenset({"contracts", "text"}),
+    "parsers": frozenset({"contracts", "text"}),
+    "backend": frozenset({"contracts", "text"}),
+    "migration": frozenset({"contracts", "text"}),
+    # an engine knows no API edge, and an edge no engine: the graph joins them
+    "engines": frozenset({"contracts", "text", "routing"}),
+    "edges": frozenset({"contracts", "text", "parsers", "backend"}),
+    # what the server tells about itself: spans kept, exported, logged (LLM-agnostic)
+    "telemetry": frozenset(),
+    # the web UI served by the HTTP edge: its status view reads the edge and the spans
+    "ui": frozenset({"contracts", "edges", "telemetry"}),
+}
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    """(dotted name, is a package) of a source file."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def _kind(module: str) -> str | None:
+    """The kind of an ``operators`` module: its first name under ``operators``."""
+    parts = module.split(".")
+    if parts[0] != "operators":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _absolute_imports(source: str, module: str, package: bool) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import in ``source`` (of ``module``), TYPE_CHECKING ones too,
+    relative ones made absolute; ``from X import name`` also gives ``X.name`` (a submodule?)."""
+    here = module.split(".") if package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            imported = ".".join([*base, *([node.module] if node.module else [])])
+            yield node.lineno, imported
+            for alias in node.names:
+                yield node.lineno, f"{imported}.{alias.name}"
+
+
+def floor_violations(source: str, module: str, package: bool = False) -> list[str]:
+    """The imports of an operators/ module that reach a kind its floor may not."""
+    kind = _kind(module)
+    allowed = MAY_IMPORT.get(kind or "")
+    if allowed is None:
+        return []
+    return sorted(
+        {
+            f"line {line}: {imported} ({other}/)"
+            for line, imported in _absolute_imports(source, module, package)
+            if (other := _kind(imported)) is not None and other != kind and other not in allowed
+        }
+    )
+
+
+def old_path_imports(source: str, module: str, package: bool = False) -> list[str]:
+    """The imports in ``source`` that name a moved module by its old path."""
+    return sorted(
+        {
+            f"line {line}: {imported}"
+            for line, imported in _absolute_imports(source, module, package)
+            if new_name(imported) is not None
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "bad"),
+    [
+        ("operators.text.stop_jail", "from .detokenizer import byte_level_alphabet", False),
+        ("operators.text.stop_jail", "from operators.contracts.llm import EngineOutput", False),
+        ("operators.text.stop_jail", "from operators.edges.openai import errors", True),
+        ("operators.text.stop_jail", "from ..edges.openai.errors import x", True),
+        ("operators.text.stop_jail", "from .. import engines", True),
+        ("operators.contracts.llm", "from operators.text.tokenizer import Tokenizer", True),
+        ("operators.routing.kv_blocks", "import operators.engines.echo", True),
+        ("operators.edges.openai.server", "from operators.backend import CACHED_TOKENS", False),
+        ("operators.edges.openai.server", "from operators import engines", True),
+        (
+            "operators.edges.openai.server",
+            "if TYPE_CHECKING:\n    from operators.engines.echo import EchoEngine",
+            True,
+        ),
+        ("operators.engines.echo", "from operators.edges.openai.errors import x", True),
+        ("operators.engines.echo", "from operators.cli import main", True),
+        ("operators.graph", "from .engines.echo import EchoEngine", False),
+    ],
+)
+def test_the_floor_checker_itself(module: str, source: str, bad: bool) -> None:
+    assert bool(floor_violations(source, module)) == bad
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("from operators.text.stop_jail import StopJail", False),
+        ("from operators import Backend, StopJail", False),
+        ("import operators.edges.openai.server", False),
+        ("import operators.stop_jail", True),
+        ("from operators import llm", True),
+        ("from operators.openai.protocol.requests import ChatCompletionRequest", True),
+        ("from operators.tokenizer import Tokenizer", True),
+    ],
+)
+def test_the_old_path_checker_itself(source: str, bad: bool) -> None:
+    assert bool(old_path_imports(source, "examples.example")) == bad
+
+
+def test_the_old_path_checker_resolves_relative_imports() -> None:
+    assert old_path_imports("from .llm import EngineOutput", "operators", package=True)
+    assert not old_path_imports("from .contracts.llm import EngineOutput", "operators", True)
+
+
+@pytest.mark.parametrize("path", _sources("operators"), ids=_relative)
+def test_operators_modules_import_only_their_floor_and_below(path: Path) -> None:
+    problems = floor_violations(path.read_text(), *_module_name(path))
+    assert not problems, f"{_relative(path)} imports above its floor: " + "; ".join(problems)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        path
+        for path in _sources("operators", "tests", "examples", "benchmarks", "scripts")
+        if path.name != "test_moved_modules.py"  # the aliases' own test
+    ],
+    ids=_relative,
+)
+def test_the_project_imports_moved_modules_by_their_new_paths(path: Path) -> None:
+    old = old_path_imports(path.read_text(), *_module_name(path))
+    assert not old, f"{_relative(path)} imports old paths: " + "; ".join(old)

@@ -11,7 +11,7 @@ serves an engine to such servers over NATS.
 preprocessor -> Migration -> Backend -> EncoderRouter -> PrefillRouter -> engine) with the
 bundled SmolLM2 tokenizer (or ``--tokenizer``) and, by default, in-process workers of the
 embedded echo engine, so it needs no other service. With ``--nats`` it builds no workers:
-it discovers them (:func:`operators.transport.discover_workers`) and routes to the
+it discovers them (:func:`operators.contracts.transport.discover_workers`) and routes to the
 aggregated/decode, prefill and encode workers registered for its model. ``worker`` serves
 one raw engine (EngineOutput, never the Backend) for a model and role until SIGINT/SIGTERM,
 then drains its in-flight requests.

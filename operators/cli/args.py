@@ -9,8 +9,17 @@ import importlib
 import sys
 from pathlib import Path
 
-from .defaults import API_KEY_ENV, ENGINES, MODEL_ENGINES, NATS_CONNECT_TIMEOUT, ROLES, ROUTERS
+from .defaults import (
+    API_KEY_ENV,
+    DEFAULT_DRAIN_TIMEOUT,
+    ENGINES,
+    MODEL_ENGINES,
+    NATS_CONNECT_TIMEOUT,
+    ROLES,
+    ROUTERS,
+)
 from .insertions import insertion
+from .observability import add_observability_options, check_otel
 from .options import (
     add_engine_options,
     add_log_level,
@@ -255,13 +264,16 @@ def build_parser() -> argparse.ArgumentParser:
     guard.add_argument(
         "--drain-timeout",
         type=non_negative_float,
-        default=30.0,
+        default=DEFAULT_DRAIN_TIMEOUT,
         metavar="SECONDS",
         help=(
             "on SIGINT/SIGTERM, how long in-flight requests may run on; what is left then "
-            "ends with an error (never a false finish)"
+            "ends with an error (never a false finish). The default exits within 30 s of "
+            "SIGTERM, Kubernetes' default grace period: under a longer "
+            "terminationGracePeriodSeconds, set it to that minus 5"
         ),
     )
+    add_observability_options(serve_parser, ui=True)
     add_log_level(serve_parser, "server")
 
     worker_parser = commands.add_parser(
@@ -314,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         model_help="the model to serve: frontends started with the same --model-name find it",
         max_model_len=True,
     )
+    add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
 
     convert_parser = commands.add_parser(
@@ -363,6 +376,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             file=sys.stderr,
         )
         raise SystemExit(2)
+    check_otel(parser, args)
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")

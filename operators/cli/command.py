@@ -13,13 +13,14 @@ from pathlib import Path
 
 import anyio
 
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 from .args import build_parser, check_args
 from .config import ServeConfig, WorkerConfig
 from .defaults import MODEL_ENGINES, TRANSFER_SECRET_ENV
 from .engines import load_tokenizer
 from .nats import OneLineErrors
+from .observability import configure_logging
 from .serve import run_serve
 from .tuning import tune_gc, tune_threads
 from .worker import run_worker
@@ -42,9 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = (
         ServeConfig.from_args(args) if args.command == "serve" else WorkerConfig.from_args(args)
     )
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     if config.log_level != "debug":
         logging.getLogger("nats.aio.client").addFilter(OneLineErrors())
     if (

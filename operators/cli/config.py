@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .defaults import (
     API_KEY_ENV,
+    DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
     DEFAULT_LLAMA_STEP_TOKENS,
@@ -28,6 +29,7 @@ from .defaults import (
     Role,
     RouterName,
 )
+from .observability import LogFormat
 
 if TYPE_CHECKING:
     from operators.graph import Point
@@ -135,7 +137,7 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     max_inflight: int | None = None
     request_timeout: float | None = None
-    drain_timeout: float = 30.0
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     log_level: LogLevel = "warning"
     #: operators to insert, as (point, ``MODULE:NAME``), loaded when the graph is built
     insert_before: tuple[tuple[Point, str], ...] = ()
@@ -145,6 +147,12 @@ class ServeConfig:
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
     reasoning_parser: str | None = None
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines, and one line per request
+    log_format: LogFormat = "text"
+    #: serve the web UI at / (and /status)
+    ui: bool = True
 
     @property
     def model_name(self) -> str:
@@ -184,6 +192,10 @@ class WorkerConfig:
     worker_id: str | None = None
     drain_timeout: float = 10.0
     log_level: LogLevel = "warning"
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines
+    log_format: LogFormat = "text"
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -10,6 +10,7 @@ from pipeline.transports.roles import ROLES, Role
 
 __all__ = (
     "API_KEY_ENV",
+    "DEFAULT_DRAIN_TIMEOUT",
     "DEFAULT_LLAMA_MODEL_NAME",
     "DEFAULT_LLAMA_PARALLEL",
     "DEFAULT_LLAMA_STEP_TOKENS",
@@ -37,6 +38,11 @@ DEFAULT_LLAMA_PARALLEL: Final = 4
 DEFAULT_LLAMA_STEP_TOKENS: Final = 128
 #: the environment variable ``--transfer-secret`` defaults to
 TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
+#: how long ``serve``'s in-flight requests may run on after SIGTERM: Kubernetes sends
+#: SIGKILL 30 s after SIGTERM by default (``terminationGracePeriodSeconds``), and what is
+#: cut at the drain timeout still needs its error event written and the process to exit;
+#: 5 s is that margin (set ``--drain-timeout`` to the grace period minus 5)
+DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
+from operators.edges.openai.metrics import BatchingCounts, EngineLoad, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
-from operators.llm import EngineOutput, PreprocessedRequest
-from operators.openai.metrics import BatchingCounts, EngineLoad, ServerMetrics
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import WorkerSet
 
 if TYPE_CHECKING:

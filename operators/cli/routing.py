@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from operators.kv_blocks import request_block_ids
+from operators.routing.kv_blocks import request_block_ids
 from pipeline import (
     KvEvent,
     KvEventSink,
@@ -31,7 +31,7 @@ from pipeline import (
 )
 
 if TYPE_CHECKING:
-    from operators.openai.metrics import ServerMetrics
+    from operators.edges.openai.metrics import ServerMetrics
     from pipeline.routers import RoutingPolicy
 
     from .config import ServeConfig
@@ -66,7 +66,7 @@ def remote_kv_policy(
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
     workers' KV events over NATS) among the workers a request has not tried yet."""
-    from operators.transport import RetryElsewhere  # (needs nats-py, as --nats does)
+    from operators.contracts.transport import RetryElsewhere  # (needs nats-py, as --nats does)
 
     return RetryElsewhere(_kv_router(config, index, metrics, approximate=False))
 

@@ -16,29 +16,32 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.edges.openai.guard import Guard
+from operators.edges.openai.images import ImagePolicy
+from operators.edges.openai.metrics import ServerMetrics
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
-from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
-from operators.openai.guard import Guard
-from operators.openai.images import ImagePolicy
-from operators.openai.metrics import ServerMetrics
 from operators.serving import build_app, serve
+from operators.telemetry import SpanBuffer, make_tracer, tracing_options
+from operators.ui import WorkerGroups, attach_ui
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .config import ServeConfig
 from .defaults import MODEL_ENGINES
 from .engines import load_engine, watch_engine, worker_set
 from .insertions import load_insertions
-from .nats import close_nats, connect_nats, follow_kv_events
+from .nats import close_nats, connect_nats, follow_kv_events, one_line
+from .observability import SERVICE_NAME
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
+    from operators.contracts.transport import WorkerSets
+    from operators.edges.openai.events import OpenAIEvent
+    from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.graph import GraphOptions
-    from operators.openai.events import OpenAIEvent
-    from operators.openai.preprocessor import OpenAIRequest
-    from operators.tokenizer import Tokenizer
-    from operators.transport import WorkerSets
+    from operators.text.tokenizer import Tokenizer
     from pipeline import RoutingPolicy
 
 __all__ = ("build_graph", "guard", "run_serve")
@@ -54,8 +57,9 @@ def _engine_and_options(
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
     kv_indexes: Sequence[PrefixIndex] | None = None,
-) -> tuple[_Engine, GraphOptions]:
-    """The engine to put behind the default graph, and the graph's options.
+) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
+    """The engine to put behind the default graph, the graph's options, and the worker
+    sets by role (for the status view; None: ``engine`` was given, a single one).
 
     In-process decode workers are routed as ``config.router`` says (one worker under the
     default round-robin is used directly); their KV routing decisions and prefix-cache
@@ -64,7 +68,7 @@ def _engine_and_options(
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
-    tried (:class:`~operators.transport.RetryElsewhere`) and that waits
+    tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
     ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
     (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
     (unfed ones when not given), and so does the PrefillRouter.
@@ -73,6 +77,7 @@ def _engine_and_options(
     prefill: _Workers | None
     features: frozenset[str] | None = None  # what the engine declares
     prefill_policy: RoutingPolicy | None = None
+    groups: WorkerGroups | None = None
     if engine is not None:
         encode = prefill = None
     elif workers is None:
@@ -91,8 +96,9 @@ def _engine_and_options(
             prefill_policy = routing_policy(config, prefill, metrics)
         if metrics is not None and engine_config.engine == "mocker":
             metrics.watch_prefill(_prefill_counts(decode, prefill))
+        groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
-        from operators.transport import RetryElsewhere
+        from operators.contracts.transport import RetryElsewhere
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
@@ -101,6 +107,7 @@ def _engine_and_options(
             prefill_policy = remote_kv_policy(config, prefill_index, metrics)
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
+        groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
         # Remote workers check constraints themselves: the llama engine honours them, the
         # echo and mocker engines refuse them with a 400 that travels back by name.
         features = frozenset({CONSTRAINED_DECODING})
@@ -118,7 +125,7 @@ def _engine_and_options(
         ),
         "engine_features": features,
     }
-    return engine, options
+    return engine, options, groups
 
 
 def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:
@@ -157,7 +164,7 @@ def build_graph(
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
-    engine, options = _engine_and_options(config, tokenizer, workers, engine, metrics)
+    engine, options, _ = _engine_and_options(config, tokenizer, workers, engine, metrics)
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
@@ -195,7 +202,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         kv_indexes: list[PrefixIndex] | None = None
         via = ""
         if config.nats is not None:
-            from operators.transport import discover_workers
+            from operators.contracts.transport import discover_workers
 
             nc = await connect_nats(config.nats, name="llm-pipeline serve")
             if nc is None:
@@ -206,7 +213,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                     discover_workers(nc, model=config.model_name)
                 )
             except Exception as exc:  # nats-py's errors, a server without JetStream
-                print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
+                print(f"llm-pipeline: cannot discover workers: {one_line(exc)}", file=sys.stderr)
                 return 1
             via = f" with workers via {config.nats}"
             if config.router == "kv":  # fed by the KV events the workers publish
@@ -224,9 +231,16 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 return 1
             stack.push_async_callback(loaded.aclose)
             watch_engine(metrics, loaded)
-        engine, options = _engine_and_options(
+        engine, options, groups = _engine_and_options(
             config, tokenizer, workers, loaded, metrics, kv_indexes
         )
+        tracing = tracing_options(config.otlp_traces_endpoint, service_name=SERVICE_NAME)
+        buffer = SpanBuffer() if config.ui else None
+        tracer, exporter = make_tracer(
+            tracing, buffer=buffer, request_log=config.log_format == "json"
+        )
+        if exporter is not None:
+            stack.callback(exporter.shutdown)  # last: what the drain's requests recorded
         app = build_app(
             engine,
             tokenizer,
@@ -234,8 +248,18 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             guard=guard(config),
             metrics=metrics,
             before=before,
+            tracer=tracer,
             **options,
         )
+        if config.ui:
+            attach_ui(
+                app,
+                buffer=buffer,
+                workers=None if groups is None else lambda: groups,
+                where="in-process" if workers is None else "nats",
+                engine_name=type(engine).__name__,
+                exporting=None if exporter is None else exporter.endpoint,
+            )
 
         def announce(host: str, port: int) -> None:
             print(

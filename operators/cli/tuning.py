@@ -34,7 +34,7 @@ def tune_threads() -> None:
     """Give the event loop the GIL back within 1 ms when a worker thread holds it.
 
     A large prompt is rendered and encoded in a worker thread
-    (:class:`~operators.openai.preprocessor.OpenAIPreprocessor`); while it runs, every time
+    (:class:`~operators.edges.openai.preprocessor.OpenAIPreprocessor`); while it runs, every time
     the loop wants the GIL it waits up to the switch interval, and a small request takes
     several loop turns. At the default 5 ms a 20 MB prompt added ~50 ms to every other
     request; with nothing else running in threads the interval costs nothing.

@@ -17,13 +17,16 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from operators.tokenizer import Tokenizer
+from operators.contracts.constraint_guard import guarded
+from operators.telemetry import make_tracer, tracing_options
+from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
 from .config import WorkerConfig
 from .defaults import MODEL_ENGINES
 from .engines import load_engine, make_engine
-from .nats import close_nats, connect_nats, publish_kv_events
+from .nats import close_nats, connect_nats, one_line, publish_kv_events
+from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -49,7 +52,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
     A first signal deregisters the worker and lets its in-flight streams finish (up to
     ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
     """
-    from operators.transport import RequestLog, llm_codec
+    from operators.contracts.transport import RequestLog, llm_codec
     from pipeline.transports.nats import NatsTimeouts
     from pipeline.transports.nats import serve as serve_engine
 
@@ -81,6 +84,11 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
 
     engine: Any = None
     nc: Client | None = None
+    tracing = tracing_options(config.otlp_traces_endpoint, service_name=WORKER_SERVICE_NAME)
+    tracer, exporter = make_tracer(
+        tracing,
+        resource={"service.instance.id": worker_id, "llm_pipeline.worker.role": config.role},
+    )
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
             tg.start_soon(on_signals, signals)
@@ -95,13 +103,14 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     if nc is None:
                         return 1
                     served = serve_engine(
-                        link(RequestLog(worker_id), engine),
+                        link(RequestLog(worker_id), guarded(engine)),
                         nc=nc,
                         model=config.model_name,
                         role=config.role,
                         worker_id=worker_id,
                         codec=llm_codec(),
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
+                        tracer=tracer,
                     )
                     try:
                         await publish_kv_events(
@@ -117,7 +126,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                             await served.serve_forever()
                     except Exception as exc:  # nats-py's errors, a server without JetStream
                         print(
-                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            f"llm-pipeline: worker {worker_id} cannot serve: {one_line(exc)}",
                             file=sys.stderr,
                         )
                         code = 1
@@ -129,4 +138,6 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
                         await aclose()
+                if exporter is not None:
+                    exporter.shutdown()  # what the drained requests recorded goes out
     return code

@@ -1,4 +1,4 @@
-"""A :class:`~operators.llm.Constraint` as a Lark grammar for llguidance, for every engine
+"""A :class:`~operators.contracts.llm.Constraint` as a Lark grammar for llguidance, for every engine
 that masks with it (the llama engine directly, the vLLM engine through vLLM's "guidance"
 structured-output backend), so that both constrain the same output the same way.
 
@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Final
 
-from operators.llm import Constraint
+from operators.contracts.llm import Constraint
 
 __all__ = ("lark_grammar",)
 

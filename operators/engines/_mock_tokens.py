@@ -14,7 +14,7 @@ import random
 from collections.abc import Iterable, Iterator
 from typing import Any, Final, Literal, final
 
-from operators.llm import PreprocessedRequest, TopLogprobs
+from operators.contracts.llm import PreprocessedRequest, TopLogprobs
 
 from ._transfer_handle import digest
 

@@ -5,7 +5,7 @@ Apart from :class:`~operators.engines.mocker.MockerEngine` so that the cache's b
 engine only asks two questions: how many leading tokens of this prompt are cached
 (:meth:`PrefixCache.lookup`), and "this prompt was prefilled" (:meth:`PrefixCache.store`).
 
-Blocks are named by :func:`operators.kv_blocks.block_hashes`, the ids the KV router
+Blocks are named by :func:`operators.routing.kv_blocks.block_hashes`, the ids the KV router
 computes for the same tokens, so the events need no translation on their way to a
 :class:`~pipeline.prefix_index.PrefixIndex`.
 
@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final, final
 
-from operators.kv_blocks import block_hashes
+from operators.routing.kv_blocks import block_hashes
 from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS", "KvEventSink", "PrefixCache")

@@ -14,7 +14,7 @@ import secrets
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from operators.llm import PreprocessedRequest
+    from operators.contracts.llm import PreprocessedRequest
     from pipeline import Context
 
 __all__ = ("PROCESS_SECRET", "digest", "handle_problem", "issue_handle", "sign")

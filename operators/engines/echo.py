@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, ClassVar, Final, final
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
+from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest, TopLogprobs
 from pipeline import InvalidRequest, StreamDisconnected
 
 if TYPE_CHECKING:
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
     from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_CYCLE_TOKENS", "EchoEngine", "echo_logprob")
@@ -84,7 +84,7 @@ class EchoEngine:
     __slots__ = ("_cycle", "_delay", "_fail_after", "_special", "_vocab_size")
 
     #: nothing beyond the base contract: a constrained request is refused, never echoed as
-    #: if its constraint held (:func:`operators.llm.engine_features`)
+    #: if its constraint held (:func:`operators.contracts.llm.engine_features`)
     features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(

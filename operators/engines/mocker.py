@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, fin
 
 import anyio
 
-from operators.llm import EngineOutput, FinishReason, PreprocessedRequest
+from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest
 from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected
 
 from ._mock_tokens import TokenSource, embeddings, top_logprobs
@@ -55,7 +55,7 @@ from ._transfer_handle import PROCESS_SECRET, handle_problem, issue_handle
 from .echo import echo_logprob
 
 if TYPE_CHECKING:
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
     from pipeline import Context, Stream
 
 __all__ = ("DEFAULT_MAX_TOKENS", "IMAGE_TOKENS", "MockerEngine", "MockerStatistics", "Role")
@@ -132,7 +132,7 @@ class MockerEngine:
     )
 
     #: nothing beyond the base contract: its tokens are a function of the prompt, so a
-    #: constrained request is refused (:func:`operators.llm.engine_features`)
+    #: constrained request is refused (:func:`operators.contracts.llm.engine_features`)
     features: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(
@@ -273,6 +273,8 @@ class MockerEngine:
             return _Plan(replayed, 1, len(request.token_ids) + self._image_tokens(ctx))
         if request.prefill_result is not None:
             self._check_handle(ctx)
+            if ctx.span is not None:
+                ctx.span.add_event("kv_transfer", {"llm_pipeline.worker.id": self.worker_id})
             # The first token came from the prefill worker: continue after it.
             return _Plan(replayed + 1, max(budget - 1, 0), 0)
         return _Plan(replayed, budget, len(request.token_ids) + self._image_tokens(ctx))
@@ -313,6 +315,9 @@ class MockerEngine:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        span = ctx.span
+        if span is not None:  # a traced request: queue wait, prefill and decode as events
+            span.add_event("scheduled")
         hit: int | None = None  # reported on the first output when there is a cache
         if cache is not None:  # leading cached blocks skip prefill (not the images)
             hit = cache.lookup(blocks, len(request.token_ids))
@@ -346,8 +351,17 @@ class MockerEngine:
                 await clock.wait_step(first + emitted)
                 if ctx.is_stopped:
                     return
-                if emitted == 0 and cache is not None:
-                    cache.store(blocks)  # prefilled: the prompt's blocks are now cached
+                if emitted == 0:
+                    if cache is not None:
+                        cache.store(blocks)  # prefilled: the prompt's blocks are now cached
+                    if span is not None:
+                        span.add_event(
+                            "prefilled",
+                            {
+                                "llm_pipeline.prefill_tokens": plan.prefill_tokens,
+                                "llm_pipeline.cached_tokens": hit or 0,
+                            },
+                        )
                 token_id = next(sequence)
                 finish: FinishReason | None = "length" if emitted == final else None
                 handle = None

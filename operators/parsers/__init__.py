@@ -14,7 +14,7 @@ the result does not depend on how the text was cut into tokens.
   :class:`MarkerToolFormat` in one line.
 * **The operator** :class:`OutputParsers` runs them in a graph, above Migration, keeping
   logprobs aligned with what the client has read.
-* A tool-call format also builds the :class:`~operators.llm.Constraint` that forces calls
+* A tool-call format also builds the :class:`~operators.contracts.llm.Constraint` that forces calls
   (``tool_choice: "required"`` or a named function) on engines that decode under one.
 """
 

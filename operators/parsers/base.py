@@ -27,10 +27,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from operators.llm import ToolCallDelta
+from operators.contracts.llm import ToolCallDelta
 
 if TYPE_CHECKING:
-    from operators.llm import Constraint, Tool
+    from operators.contracts.llm import Constraint, Tool
 
 __all__ = (
     "Parsed",

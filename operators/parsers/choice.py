@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .base import Parsed
 
 if TYPE_CHECKING:
-    from operators.llm import ToolCallDelta
+    from operators.contracts.llm import ToolCallDelta
 
     from .base import ReasoningParser, ToolParser
 

@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from operators.llm import Constraint
+from operators.contracts.llm import Constraint
 
 from .base import Parsed, call_pieces, checked_calls
 from .marker import calls_schema, read_json_calls
 from .scan import BracketScanner
 
 if TYPE_CHECKING:
-    from operators.llm import Tool, ToolCallDelta
+    from operators.contracts.llm import Tool, ToolCallDelta
 
 __all__ = ("JsonToolFormat", "LeadingToolParser", "PythonicToolFormat", "read_python_calls")
 

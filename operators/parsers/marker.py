@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from operators.llm import Constraint
+from operators.contracts.llm import Constraint
 
 from .base import Parsed, call_pieces, checked_calls
 from .scan import BracketScanner, MarkerScanner
 
 if TYPE_CHECKING:
-    from operators.llm import Tool, ToolCallDelta
+    from operators.contracts.llm import Tool, ToolCallDelta
 
 __all__ = ("MarkerToolFormat", "MarkerToolParser", "calls_schema", "read_json_calls")
 

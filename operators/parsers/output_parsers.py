@@ -3,7 +3,7 @@
 It sits between the preprocessor and Migration (the default graph's ``parser`` stage):
 above Migration it sees every token once, whichever worker produced it, and a lost worker
 is invisible to it. Per choice it runs a :class:`~.choice.ChoiceParser` and yields each
-:class:`~operators.llm.BackendOutput` with the same tokens and logprobs, but with ``text``
+:class:`~operators.contracts.llm.BackendOutput` with the same tokens and logprobs, but with ``text``
 narrowed to content, ``reasoning`` and ``tool_calls`` filled in, and ``delivered_tokens``
 recomputed: a token is delivered once the parsers have decided the text it starts with
 (shown it, moved it, or swallowed it as markup), never while they still withhold it, so a
@@ -24,14 +24,14 @@ from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
-from operators.llm import BackendOutput, PreprocessedRequest
+from operators.contracts.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, StateKey, Stream
 
 from .base import Parsed
 from .choice import ChoiceParser
 
 if TYPE_CHECKING:
-    from operators.llm import FinishReason, Tool, ToolCallDelta
+    from operators.contracts.llm import FinishReason, Tool, ToolCallDelta
 
     from .base import ReasoningFormat, ToolCallFormat
 

@@ -5,7 +5,7 @@ text at once, which is what makes a parser's output independent of how the model
 was cut into tokens. Each costs O(len(piece)) per feed, whatever came before.
 
 * :class:`MarkerScanner` finds marker strings (``<tool_call>``, ``<think>``) with the stop
-  jail's automaton (:class:`~operators.stop_jail.StopJail`): it withholds exactly the tail
+  jail's automaton (:class:`~operators.text.stop_jail.StopJail`): it withholds exactly the tail
   that may still grow into a marker, and nothing when no marker can start there, so plain
   text passes at once and a split marker never leaks a byte.
 * :class:`BracketScanner` finds where a JSON value (or a Python list) that started with a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from operators.stop_jail import Released, StopJail, Stopped
+from operators.text.stop_jail import Released, StopJail, Stopped
 
 __all__ = ("BracketScanner", "MarkerScanner")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from operators.llm import BackendOutput, PreprocessedRequest
+from operators.contracts.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine
 
 

@@ -9,9 +9,9 @@ import anyio
 import pytest
 from anyio.lowlevel import checkpoint
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.engines import EchoEngine
 from operators.engines.mocker import MockerEngine
-from operators.llm import EngineOutput, PreprocessedRequest
 from operators.testing import check_engine
 from pipeline import Context, FunctionEngine
 

@@ -13,11 +13,11 @@ from operators import cli
 from operators.cli.defaults import ROLES
 from operators.cli.insertions import load_operator
 from operators.cli.serve import run_serve
+from operators.edges.openai.metrics import ServerMetrics
+from operators.edges.openai.server import OpenAIApp
 from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_TOKENS
-from operators.openai.metrics import ServerMetrics
-from operators.openai.server import OpenAIApp
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.default()
 

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "openai"), str(HERE.parent / "pipeline" / "transports")]
+sys.path[:0] = [str(HERE / "edges" / "openai"), str(HERE.parent / "pipeline" / "transports")]
 
 from nats_server import NatsServer  # noqa: E402
 from server_process import ServerProcess  # noqa: E402

@@ -1,5 +1,5 @@
 """Constrained decoding (structured output): the llama engine's output satisfies the
-request's :class:`~operators.llm.Constraint`; engines that cannot honour one refuse it.
+request's :class:`~operators.contracts.llm.Constraint`; engines that cannot honour one refuse it.
 
 The model tests (marked ``llama``) run SmolLM2 with one thread and short outputs; they skip,
 with the reason, when llama-cpp-python, llguidance or the GGUF is missing. The sampler's
@@ -17,9 +17,7 @@ from typing import Any
 import anyio
 import pytest
 
-from operators.engines.echo import EchoEngine
-from operators.engines.mocker import MockerEngine
-from operators.llm import (
+from operators.contracts.llm import (
     CONSTRAINED_DECODING,
     Constraint,
     EngineOutput,
@@ -29,7 +27,9 @@ from operators.llm import (
     StopConditions,
     engine_features,
 )
-from operators.tokenizer import Tokenizer, find_smollm2_gguf
+from operators.engines.echo import EchoEngine
+from operators.engines.mocker import MockerEngine
+from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import InvalidRequest
 from pipeline.testing import collect, make_context
 

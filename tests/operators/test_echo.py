@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from operators.contracts.llm import EngineOutput, OutputOptions, PreprocessedRequest, StopConditions
 from operators.engines import DEFAULT_CYCLE_TOKENS, EchoEngine, echo_logprob
-from operators.llm import EngineOutput, OutputOptions, PreprocessedRequest, StopConditions
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import StreamDisconnected, open_stream
 from pipeline.testing import collect, make_context
 

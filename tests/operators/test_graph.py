@@ -13,19 +13,19 @@ from typing import Any
 import pytest
 
 from operators.backend import Backend
-from operators.encoder_router import EncoderRouter
+from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest
+from operators.contracts.rewriting import rewritten
+from operators.edges.openai.events import ChoiceDelta, ChoiceStart, ResponseHead, Usage
+from operators.edges.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from operators.engines import EchoEngine
 from operators.graph import POINTS, STAGES, Stages, default_graph, default_stages
-from operators.llm import BackendOutput, EngineOutput, PreprocessedRequest
 from operators.migration import Migration
-from operators.openai.events import ChoiceDelta, ChoiceStart, ResponseHead, Usage
-from operators.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from operators.parsers import OutputParsers
-from operators.prefill_router import PrefillRouter
-from operators.rewriting import rewritten
+from operators.routing.encoder_router import EncoderRouter
+from operators.routing.prefill_router import PrefillRouter
 from operators.serving import build_app
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Stream
 
 TOKENIZER = Tokenizer.default()
@@ -203,8 +203,8 @@ async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> 
 
 MYPY_SNIPPET = """
 from operators.graph import default_stages
-from operators.llm import BackendOutput, PreprocessedRequest
-from operators.tokenizer import Tokenizer
+from operators.contracts.llm import BackendOutput, PreprocessedRequest
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Stream
 
 

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from operators import cli
-from operators.openai.metrics import ServerMetrics
-from operators.openai.server import OpenAIApp
+from operators.edges.openai.metrics import ServerMetrics
+from operators.edges.openai.server import OpenAIApp
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.default()
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 12

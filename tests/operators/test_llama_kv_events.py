@@ -17,11 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.llama import LlamaEngine
 from operators.engines.llama._kv_events import KvLedger, KvReporter
-from operators.kv_blocks import block_hashes
-from operators.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.tokenizer import Tokenizer, find_smollm2_gguf
+from operators.routing.kv_blocks import block_hashes
+from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import (
     KvCleared,
     KvEvent,

@@ -10,14 +10,14 @@ from typing import Any
 import anyio
 import pytest
 
-from operators.engines.mocker import DEFAULT_MAX_TOKENS, MockerEngine, MockerStatistics
-from operators.llm import (
+from operators.contracts.llm import (
     EngineOutput,
     MultimodalItem,
     OutputOptions,
     PreprocessedRequest,
     StopConditions,
 )
+from operators.engines.mocker import DEFAULT_MAX_TOKENS, MockerEngine, MockerStatistics
 from pipeline import Context, EngineError, StreamDisconnected, open_stream
 from pipeline.testing import collect, make_context
 

@@ -9,10 +9,10 @@ from typing import Any
 import anyio
 import pytest
 
+from operators.contracts.llm import PreprocessedRequest, StopConditions
 from operators.engines._prefix_cache import PrefixCache
 from operators.engines.mocker import MockerEngine
-from operators.kv_blocks import block_hashes
-from operators.llm import PreprocessedRequest, StopConditions
+from operators.routing.kv_blocks import block_hashes
 from pipeline.prefix_index import KvCleared, KvEvent, KvRemoved, KvStored, PrefixIndex
 from pipeline.testing import collect, make_context
 

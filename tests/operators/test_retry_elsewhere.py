@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from operators.transport import RetryElsewhere
+from operators.contracts.transport import RetryElsewhere
 from pipeline import Context, Worker
 from pipeline.testing import ScriptedEngine, make_context
 

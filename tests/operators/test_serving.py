@@ -11,7 +11,7 @@ import httpx
 from operators.engines import EchoEngine
 from operators.serving import build_app, serve
 from operators.testing import openai_client
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.default()
 

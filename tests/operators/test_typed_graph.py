@@ -24,11 +24,11 @@ from typing import Any, assert_type
 
 from operators.backend import Backend
 from operators.graph import default_graph
-from operators.llm import BackendOutput, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest
 from operators.migration import Migration
-from operators.openai.events import OpenAIEvent
-from operators.openai.preprocessor import OpenAIRequest
-from operators.tokenizer import Tokenizer
+from operators.edges.openai.events import OpenAIEvent
+from operators.edges.openai.preprocessor import OpenAIRequest
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Operator, Stream, chain, link
 
 PR = PreprocessedRequest

@@ -16,9 +16,7 @@ import pytest
 import pytest_asyncio
 from vllm_support import eventually, gone, requires_vllm
 
-from operators.engines.vllm import VllmEngine
-from operators.kv_blocks import block_hashes
-from operators.llm import (
+from operators.contracts.llm import (
     Constraint,
     EngineOutput,
     OutputOptions,
@@ -26,8 +24,10 @@ from operators.llm import (
     SamplingOptions,
     StopConditions,
 )
+from operators.engines.vllm import VllmEngine
+from operators.routing.kv_blocks import block_hashes
 from operators.testing import check_engine
-from operators.tokenizer import Tokenizer
+from operators.text.tokenizer import Tokenizer
 from pipeline import Context, KvEvent, KvStored, open_stream
 
 pytestmark = [

@@ -23,6 +23,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from operators import cli
+from operators.contracts.llm import (
+    MultimodalItem,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines.llama._validation import token_budget
 from operators.engines.vllm import VllmEngine
@@ -35,14 +42,7 @@ from operators.engines.vllm._sampling import (
     plan_sampling,
     replay_args,
 )
-from operators.kv_blocks import block_hashes
-from operators.llm import (
-    MultimodalItem,
-    OutputOptions,
-    PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
-)
+from operators.routing.kv_blocks import block_hashes
 from pipeline import EngineError, InvalidRequest, KvCleared, KvRemoved, KvStored
 
 LIMITS = EngineLimits(vocab_size=100, max_model_len=64, eos_token_ids=(2,))
@@ -393,7 +393,7 @@ def _tiny_gguf(path: Path) -> dict[str, Any]:
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from operators.detokenizer import byte_level_alphabet
+    from operators.text.detokenizer import byte_level_alphabet
 
     alphabet = byte_level_alphabet()
     tokens = [*sorted(alphabet, key=alphabet.__getitem__), "<|im_start|>", "<|im_end|>"]
@@ -505,7 +505,7 @@ def test_convert_gguf_writes_a_hugging_face_folder_with_the_original_weights(
     assert tokenizer_config["eos_token"] == "<|im_end|>"
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [257]
     # and our own Tokenizer reads the folder it wrote
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
 
     assert Tokenizer.from_file(out).encode("hi", add_special_tokens=False) == [104, 105]
 

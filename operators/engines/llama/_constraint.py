@@ -1,4 +1,5 @@
-"""Constrained decoding: a :class:`~operators.llm.Constraint` becomes a token mask per choice.
+"""Constrained decoding: a :class:`~operators.contracts.llm.Constraint` becomes a token mask per
+choice.
 
 The mask comes from llguidance (a Rust library with an abi3 wheel and no dependencies):
 measured on SmolLM2's 49,152-token vocabulary, a full mask costs ~10-60 µs, against ~10 ms
@@ -36,8 +37,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, cast, final
 
+from operators.contracts.llm import Constraint, PreprocessedRequest
 from operators.engines._grammar import lark_grammar
-from operators.llm import Constraint, PreprocessedRequest
 from pipeline import InvalidRequest
 
 try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, final
 
 import anyio
 
-from operators.llm import EngineOutput, PreprocessedRequest
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
     from pipeline import Context
@@ -55,6 +55,7 @@ class Job:
         "queued",
         "request",
         "running",
+        "timeline",
         "width",
     )
 
@@ -82,6 +83,11 @@ class Job:
         self.queued: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished = 0
+        #: a traced request's step timing, appended by the scheduler thread: (event name,
+        #: time.time_ns(), attributes); None when the request is not traced
+        self.timeline: list[tuple[str, int, dict[str, int]]] | None = (
+            None if ctx.span is None else []
+        )
         self._outbox: deque[EngineOutput | Exception | None] = deque()
         self._reader, self._writer = socket.socketpair()
         self._reader.setblocking(False)

@@ -1,7 +1,7 @@
 """The KV events of the llama engine: the full blocks its slots' cells really hold.
 
 A KV router (issue 16) routes a request to the worker that holds most of its prompt's
-leading blocks, so the engine reports what it holds as :mod:`operators.kv_blocks` ids: the
+leading blocks, so the engine reports what it holds as :mod:`operators.routing.kv_blocks` ids: the
 union, over slots, of the full blocks of ``runtime.cached[slot]`` (a free slot keeps its
 cells as a prefix cache, and generated tokens in them are a real prefix for the next turn
 of a chat). Two slots may hold the same prefix, so blocks are reference-counted by slot: a
@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from typing import Final, final
 
 from operators.engines._kv_delivery import KvDelivery
-from operators.kv_blocks import block_hashes
+from operators.routing.kv_blocks import block_hashes
 from pipeline import KvCleared, KvEvent, KvRemoved, KvStored
 
 __all__ = ("KvLedger", "KvReporter")

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Final, Protocol, final
 
-from operators.llm import PreprocessedRequest, TopLogprobs
+from operators.contracts.llm import PreprocessedRequest, TopLogprobs
 
 try:
     import numpy as np

@@ -2,7 +2,7 @@
 
 A sequence is sans-IO: it never touches llama.cpp. The scheduler feeds its tokens, hands it
 rows of logits and keeps its KV cells; the sequence turns rows into an
-:class:`~operators.llm.EngineOutput` (one token, or a burst of accepted drafts).
+:class:`~operators.contracts.llm.EngineOutput` (one token, or a burst of accepted drafts).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING, final
 
+from operators.contracts.llm import EngineOutput, FinishReason, TopLogprobs
 from operators.engines.ngram import NgramSpeculation
-from operators.llm import EngineOutput, FinishReason, TopLogprobs
 
 from ._sampling import NO_TOKEN, Sampler, choice_generator, logprobs_of
 from ._speculation import Drafter

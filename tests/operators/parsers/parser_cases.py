@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from operators.llm import Tool
+from operators.contracts.llm import Tool
 from operators.parsers import ChoiceParser, ReasoningFormat, ToolCallFormat
 
 TOOLS = (

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from parser_cases import TOOLS, Case, decided, hermes_cases
 
 from operators.backend import Backend
-from operators.llm import (
+from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     OutputOptions,
@@ -28,7 +28,7 @@ from operators.llm import (
     StopConditions,
     Tool,
 )
-from operators.openai.logprobs import ChoiceState
+from operators.edges.openai.logprobs import ChoiceState
 from operators.parsers import (
     HERMES,
     THINK,

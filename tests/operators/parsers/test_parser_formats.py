@@ -27,7 +27,7 @@ from parser_cases import (
     splits,
 )
 
-from operators.llm import Constraint, Tool
+from operators.contracts.llm import Constraint, Tool
 from operators.parsers import (
     HERMES,
     LLAMA3_JSON,

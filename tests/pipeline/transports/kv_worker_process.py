@@ -12,8 +12,8 @@ import sys
 
 import anyio
 
+from operators.contracts.transport import llm_codec
 from operators.engines.mocker import MockerEngine
-from operators.transport import llm_codec
 from pipeline.transports.nats import NatsKvPublisher, NatsTimeouts, connect, serve
 
 __all__ = ("BLOCK_SIZE", "MODEL")

@@ -16,10 +16,10 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from nats.aio.client import Client
 
+from operators.contracts.transport import llm_codec
 from operators.engines import EchoEngine
 from operators.engines.mocker import MockerEngine
 from operators.testing import check_engine
-from operators.transport import llm_codec
 from pipeline.transports.nats import NatsTimeouts, RemoteEngine, serve
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server

@@ -14,7 +14,7 @@ import msgpack
 from hypothesis import given
 from hypothesis import strategies as st
 
-from operators.llm import (
+from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     MultimodalItem,
@@ -22,7 +22,7 @@ from operators.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.transport import LLM_TYPES
+from operators.contracts.transport import LLM_TYPES
 from pipeline.transports.codec import Codec, DataclassCodec, MsgpackCodec
 
 json_like = st.recursive(

@@ -27,7 +27,7 @@ from ready_process import ready_process
 from worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 from operators.backend import Backend
-from operators.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
+from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
 from operators.migration import Migration
 from pipeline import (
     CapacityExhausted,

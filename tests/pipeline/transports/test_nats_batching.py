@@ -24,8 +24,8 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from nats.aio.client import Client
 
-from operators.llm import EngineOutput
-from operators.transport import llm_codec
+from operators.contracts.llm import EngineOutput
+from operators.contracts.transport import llm_codec
 from pipeline import Context, EngineError, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
 from pipeline.transports import _nats_serving, _wire

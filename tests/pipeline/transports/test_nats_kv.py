@@ -25,9 +25,9 @@ from nats.aio.client import Client
 from nats_server import NatsServer, connect
 from ready_process import ready_process
 
-from operators.kv_blocks import request_block_ids
-from operators.llm import PreprocessedRequest, StopConditions
-from operators.transport import llm_codec
+from operators.contracts.llm import PreprocessedRequest, StopConditions
+from operators.contracts.transport import llm_codec
+from operators.routing.kv_blocks import request_block_ids
 from pipeline import (
     ConnectFailed,
     Context,

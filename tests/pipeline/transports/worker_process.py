@@ -12,11 +12,11 @@ import sys
 
 import anyio
 
-from operators.llm import (
+from operators.contracts.llm import (
     EngineOutput,
     PreprocessedRequest,
 )
-from operators.transport import llm_codec
+from operators.contracts.transport import llm_codec
 from pipeline import Context, Stream
 from pipeline.transports.nats import NatsTimeouts, serve
 

@@ -1,0 +1,228 @@
+"""The LLM layer over the NATS transport: its codec, request log, and discovered worker sets.
+
+What ``llm-pipeline worker`` and ``llm-pipeline serve --nats`` are made of::
+
+    worker process      engine --[RequestLog]--> pipeline.transports.nats.serve(codec=llm_codec())
+                                                 registered as (model, role) in JetStream KV
+    frontend process    discover_workers(nc, model) -> WorkerSets(decode, prefill, encode)
+                        default_graph(Router(decode, RetryElsewhere()), prefill_workers=...,
+                                      encode_workers=...)
+
+Workers serve raw engines (``PreprocessedRequest`` in, ``EngineOutput`` out). Everything
+that keeps per-request state (the Backend, Migration, the OpenAI preprocessor) stays on the
+frontend, in front of the routers, because a Context's state store does not travel.
+
+- :func:`llm_codec` is the :class:`~pipeline.transports.codec.DataclassCodec` of this
+  layer's hot-path types; a worker and its frontends must use the same one.
+- :class:`RequestLog` counts a worker's requests in flight and logs how each one ended
+  (finished, stopped, cancelled, failed) at info level: a cancelled line is how one sees,
+  from outside, that a client's disconnect reached the worker.
+- :func:`discover_workers` follows the registrations of one model and keeps three
+  WorkerSets current: decode (aggregated and decode workers together), prefill, encode.
+- :class:`RetryElsewhere` is the frontend's decode routing policy: round-robin, except
+  that a retry goes to a worker the request has not tried. Discovery evicts a worker
+  killed outright at the first "no responders" (for every router and policy, the encode
+  and prefill routers' plain round-robin included); this policy also covers deaths that
+  answer no "no responders", like a worker that stopped answering pings.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
+
+import anyio
+
+from pipeline import Context, Engine, RoundRobin, RoutingPolicy, StateKey, Stream, Worker, WorkerSet
+from pipeline.transports.codec import DataclassCodec
+from pipeline.transports.nats import NatsDiscovery, NatsTimeouts
+
+from .llm import (
+    BackendOutput,
+    Constraint,
+    EngineOutput,
+    MultimodalItem,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+    Tool,
+    ToolCallDelta,
+)
+
+if TYPE_CHECKING:
+    from nats.aio.client import Client
+
+__all__ = (
+    "LLM_TYPES",
+    "RequestLog",
+    "RetryElsewhere",
+    "WorkerSets",
+    "discover_workers",
+    "llm_codec",
+)
+
+logger = logging.getLogger(__name__)
+
+#: the dataclasses that cross a process boundary between the LLM operators and engines
+LLM_TYPES: Final = (
+    PreprocessedRequest,
+    StopConditions,
+    SamplingOptions,
+    OutputOptions,
+    MultimodalItem,
+    Tool,
+    Constraint,
+    EngineOutput,
+    BackendOutput,
+    ToolCallDelta,
+)
+
+
+def llm_codec() -> DataclassCodec:
+    """A new codec for :data:`LLM_TYPES` (a codec is a buffer: one per event loop)."""
+    return DataclassCodec(LLM_TYPES)
+
+
+@final
+class RequestLog:
+    """Operator: count the requests in flight below it and log how each one ended.
+
+    One info line per request, ``request ID finished|stopped|cancelled|failed (...)``, with
+    the number still in flight; nothing is logged while it runs, and each output costs one
+    generator hop. "cancelled" means the request was killed: its client closed the stream,
+    disconnected, or its deadline passed.
+    """
+
+    __slots__ = ("_name", "in_flight", "requests")
+
+    def __init__(self, name: str = "worker") -> None:
+        self._name = name
+        #: requests being served now
+        self.in_flight = 0
+        #: requests accepted so far
+        self.requests = 0
+
+    async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any], /) -> Stream[Any]:
+        """Pass ``ctx`` and its outputs through, counting and logging."""
+        self.in_flight += 1
+        self.requests += 1
+        outputs = 0
+        ended = "cancelled"
+        try:
+            async with aclosing(downstream.generate(ctx)) as stream:
+                async for output in stream:
+                    outputs += 1
+                    yield output
+            ended = "stopped" if ctx.is_stopped else "finished"
+        except Exception as exc:
+            ended = f"failed: {exc!r}"
+            raise
+        finally:
+            self.in_flight -= 1
+            if ctx.is_killed:
+                ended = "cancelled"
+            logger.info(
+                "%s: request %s %s after %d outputs (in flight: %d)",
+                self._name,
+                ctx.id,
+                ended,
+                outputs,
+                self.in_flight,
+            )
+
+    def __repr__(self) -> str:
+        return f"RequestLog({self._name!r}, in_flight={self.in_flight})"
+
+
+@final
+class RetryElsewhere:
+    """Routing policy: ``policy`` (round-robin by default), but a request's retry goes to a
+    worker it has not tried.
+
+    The workers a request was sent to are kept in its Context state, which Migration's
+    attempts (child contexts) share; a later attempt lets ``policy`` choose among the
+    members not tried yet, or among all of them once every member was tried. So a retry
+    never goes back to the worker that was just lost while another one is there, even when
+    the loss was a timeout that discovery cannot act on (it evicts on "no responders").
+    """
+
+    __slots__ = ("_tried", "policy")
+
+    def __init__(self, policy: RoutingPolicy | None = None) -> None:
+        #: what picks among the untried workers
+        self.policy: RoutingPolicy = RoundRobin() if policy is None else policy
+        # One key per policy: the decode and prefill routers of one request keep apart.
+        self._tried: StateKey[set[str]] = StateKey("workers tried by a RetryElsewhere router")
+
+    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
+        """``policy``'s choice among the members ``ctx`` has not tried (or all)."""
+        tried = ctx.state.get(self._tried, None)
+        if tried is None:
+            tried = set()
+            ctx.state.set(self._tried, tried)
+        elif fresh := [worker for worker in workers if worker.id not in tried]:
+            workers = fresh
+        worker = self.policy.choose(workers, ctx)
+        tried.add(worker.id)
+        return worker
+
+    def __repr__(self) -> str:
+        return f"RetryElsewhere({self.policy!r})"
+
+
+_Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+
+
+class WorkerSets(NamedTuple):
+    """The worker sets of one model, as the default graph takes them."""
+
+    #: aggregated and decode workers: the graph's engine routes over these
+    decode: _Workers
+    #: prefill workers: the PrefillRouter's set (disaggregation is on while it has members)
+    prefill: _Workers
+    #: encode workers: the EncoderRouter's set
+    encode: _Workers
+
+
+#: which roles feed which worker set
+_ROLE_SETS: Final = (
+    ("aggregated", "decode"),
+    ("decode", "decode"),
+    ("prefill", "prefill"),
+    ("encode", "encode"),
+)
+
+
+@asynccontextmanager
+async def discover_workers(
+    nc: Client, *, model: str, timeouts: NatsTimeouts | None = None
+) -> AsyncGenerator[WorkerSets]:
+    """Keep the :class:`WorkerSets` of ``model`` in step with its registered workers.
+
+    Entering waits until every set holds the workers registered now; leaving stops
+    following (the sets keep their last members). Workers join and leave while the block
+    runs, and a worker whose registration expires (it died) is removed with its in-flight
+    streams failed, so that Migration moves them.
+
+    Raises:
+        nats.errors.Error: the discovery bucket cannot be reached at first.
+        RuntimeError: the NATS server has no JetStream.
+    """
+    sets = WorkerSets(
+        decode=WorkerSet(f"{model} decode"),
+        prefill=WorkerSet(f"{model} prefill"),
+        encode=WorkerSet(f"{model} encode"),
+    )
+    async with anyio.create_task_group() as tg:
+        for role, name in _ROLE_SETS:
+            discovery: NatsDiscovery[PreprocessedRequest, EngineOutput] = NatsDiscovery(
+                nc, model=model, role=role, codec=llm_codec(), timeouts=timeouts
+            )
+            await tg.start(discovery.run, getattr(sets, name))
+        try:
+            yield sets
+        finally:
+            tg.cancel_scope.cancel()

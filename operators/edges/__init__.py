@@ -1,0 +1,16 @@
+"""The API edges: one package per wire protocol the server speaks, side by side.
+
+An edge parses its API's request into what the graph takes (a ``PreprocessedRequest``, built
+by the edge's preprocessor operator) and renders the graph's typed events back into its own
+wire format (JSON bodies, server-sent events). Everything between the two ends — migration,
+the Backend's stop jail, output parsers, admission, deadlines, metrics — is the graph's and is
+written once, so a new edge is only a request module and a rendering module.
+
+:mod:`operators.edges.openai` speaks chat completions and completions. The Responses and
+Anthropic Messages edges will sit beside it as ``responses/`` and ``anthropic/``, sharing its
+plumbing (the guard, the SSE writer, errors, metrics) rather than copying it.
+"""
+
+from __future__ import annotations
+
+__all__ = ()

@@ -1,0 +1,162 @@
+"""Who may call the server, how many generations run at once, and how long each may take.
+
+:class:`Guard` holds the three protections :class:`~operators.edges.openai.server.OpenAIApp`
+applies before a request reaches the graph:
+
+* **API keys.** With keys configured, every ``/v1/*`` request needs
+  ``Authorization: Bearer KEY`` naming one of them; anything else is a 401
+  (``invalid_api_key``). The comparison takes the same time whatever the key sent, and
+  against every configured key (no early exit that would tell which one came closer).
+  ``/health`` and ``/metrics`` stay open: load balancers and Prometheus probe them without
+  credentials, and they carry no model output.
+* **Admission.** With ``max_inflight``, a generation request arriving while that many are
+  in flight gets a 503 with ``Retry-After`` at once: an overloaded server answers "later"
+  instead of queueing without bound.
+* **Deadlines.** With ``request_timeout``, a generation request is killed down to the
+  engine once it has run that long, and ends with a timeout error. A client may ask for
+  less: the official OpenAI SDKs send their own timeout as ``X-Stainless-Read-Timeout``
+  (seconds), and a non-streamed request's deadline is the smaller of the two. (For a
+  stream that header is the longest *gap* between chunks the client waits for, not a
+  limit on the whole answer, so it does not set the deadline.)
+
+The key is never logged: only whether a request carried one.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+from collections.abc import Iterable, MutableMapping
+from typing import Any, Final, final
+
+import orjson
+
+__all__ = ("CLIENT_TIMEOUT_HEADER", "Guard", "timeout_error_body", "unauthorized_body")
+
+#: the header through which OpenAI's SDKs tell the server their own timeout, in seconds
+CLIENT_TIMEOUT_HEADER: Final = b"x-stainless-read-timeout"
+_BEARER: Final = b"bearer "
+
+
+def unauthorized_body(presented: bool) -> bytes:
+    """The 401 body, OpenAI's shape (``code: invalid_api_key``)."""
+    message = (
+        "Incorrect API key provided."
+        if presented
+        else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
+    )
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
+    )
+
+
+def timeout_error_body(seconds: float) -> bytes:
+    """The error of a request that ran past its deadline (status 504, or a stream event)."""
+    return orjson.dumps(
+        {
+            "error": {
+                "message": f"The request did not finish within its timeout of {seconds:g} s.",
+                "type": "timeout_error",
+                "param": None,
+                "code": "request_timeout",
+            }
+        }
+    )
+
+
+@final
+class Guard:
+    """The server's protections; each is off unless configured.
+
+    Args:
+        api_keys: the keys that may call ``/v1/*`` (none: no authentication).
+        max_inflight: most generation requests in flight; more get 503 (None: no limit).
+        request_timeout: seconds a generation request may run (None: no limit).
+
+    Raises:
+        ValueError: an empty key, a ``max_inflight`` below 1, a timeout not above 0.
+    """
+
+    __slots__ = ("_keys", "max_inflight", "request_timeout")
+
+    def __init__(
+        self,
+        *,
+        api_keys: Iterable[str] = (),
+        max_inflight: int | None = None,
+        request_timeout: float | None = None,
+    ) -> None:
+        keys = tuple(key.encode() for key in api_keys)
+        if any(not key.strip() for key in keys):
+            raise ValueError("an API key must not be empty")
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
+        self._keys = keys
+        self.max_inflight = max_inflight
+        self.request_timeout = request_timeout
+
+    @property
+    def requires_key(self) -> bool:
+        """Whether ``/v1/*`` requests need an API key."""
+        return bool(self._keys)
+
+    def check_key(self, scope: MutableMapping[str, Any]) -> tuple[bool, bool]:
+        """(whether the request may proceed, whether it presented a key at all)."""
+        if not self._keys:
+            return True, False
+        presented = _bearer(scope)
+        if presented is None:
+            return False, False
+        matched = False
+        for key in self._keys:  # every key compared, in constant time each
+            matched |= hmac.compare_digest(presented, key)
+        return matched, True
+
+    def timeout_for(self, scope: MutableMapping[str, Any], *, stream: bool) -> float | None:
+        """Seconds the request may run: the server's limit, or for a non-streamed request
+        the client's when that is smaller."""
+        limit = self.request_timeout
+        asked = None if stream else _client_timeout(scope)
+        if asked is None:
+            return limit
+        return asked if limit is None else min(limit, asked)
+
+    def __repr__(self) -> str:  # never the keys themselves
+        return (
+            f"Guard(api_keys={len(self._keys)}, max_inflight={self.max_inflight}, "
+            f"request_timeout={self.request_timeout})"
+        )
+
+
+def _header(scope: MutableMapping[str, Any], name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def _bearer(scope: MutableMapping[str, Any]) -> bytes | None:
+    value = _header(scope, b"authorization")
+    if value is None or value[: len(_BEARER)].lower() != _BEARER:
+        return None
+    return value[len(_BEARER) :].strip()
+
+
+def _client_timeout(scope: MutableMapping[str, Any]) -> float | None:
+    value = _header(scope, CLIENT_TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds > 0 and math.isfinite(seconds) else None

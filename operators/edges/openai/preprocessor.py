@@ -1,0 +1,421 @@
+"""The OpenAI preprocessor: the first operator of every LLM graph.
+
+Forward, it turns a validated :class:`~operators.edges.openai.protocol.ChatCompletionRequest` or
+:class:`~operators.edges.openai.protocol.CompletionRequest` into a tokenized
+:class:`~operators.contracts.llm.PreprocessedRequest` (chat template, tokenization, stop conditions,
+sampling and output options, context-length checks). Backward, it turns the Backend's
+:class:`~operators.contracts.llm.BackendOutput` stream into typed OpenAI events
+(:mod:`operators.edges.openai.events`)::
+
+    ChatCompletionRequest --[render template, encode]--> PreprocessedRequest --> Backend ...
+    ResponseHead, ChoiceStart, ChoiceDelta.., Usage <--- BackendOutput      <-- Backend ...
+
+The output is *always* stream-shaped: a :class:`~.events.ResponseHead` first, a
+:class:`~.events.Usage` last. The HTTP server renders the events as server-sent events
+(:mod:`operators.edges.openai.sse`, which writes the usage chunk only when the client asked for
+it), or folds them into one response with :func:`aggregate_chat` /
+:func:`aggregate_completion`, so streamed and non-streamed responses come from the same
+code.
+
+The event building itself (per-choice state, logprobs of delivered tokens, usage) lives in
+:mod:`operators.edges.openai.chunks`; this module is the forward edge and the stream loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import anyio
+import anyio.to_thread
+
+from operators.backend import CACHED_TOKENS
+from operators.contracts.llm import BackendOutput, PreprocessedRequest
+from pipeline import Context, Engine, InvalidRequest, State, Stream
+
+from .chat_template import ChatTemplate, tool_chat_template
+from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
+from .events import OpenAIEvent, aggregate_chat, aggregate_completion
+from .images import ImagePolicy, ImageRef, load_images
+from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from .structure import ConstraintBuilder, involves_tools, output_structure
+
+if TYPE_CHECKING:
+    from pipeline.tracing import Span
+
+__all__ = (
+    "OpenAIPreprocessor",
+    "OpenAIRequest",
+    "TokenizerLike",
+    "aggregate_chat",
+    "aggregate_completion",
+)
+
+logger = logging.getLogger(__name__)
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+"""What the preprocessor accepts: a validated chat or completions request."""
+
+
+class TokenizerLike(TokenDecoder, Protocol):
+    """What the preprocessor needs from a tokenizer (:class:`operators.text.tokenizer.Tokenizer`
+    has it all). ``bos_token_id``, ``eos_token_id`` and ``vocab_size`` are used when present.
+    """
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool = False, parse_special: bool = True
+    ) -> list[int]: ...
+
+
+class OpenAIPreprocessor:
+    """Operator: OpenAI requests -> PreprocessedRequest; BackendOutput -> OpenAI chunks.
+
+    Args:
+        tokenizer: encodes prompts, renders token texts for logprobs.
+        model_name: reported in responses when the request names no model.
+        max_model_len: the context length; prompts (plus ``max_tokens``) must fit.
+        default_max_tokens: the output limit when the request sets none (capped by what
+            is left of ``max_model_len``).
+        chat_template: Jinja source overriding the tokenizer's template.
+        images: which image content parts are accepted (data: URLs by default; remote
+            hosts only when allowed).
+        tool_format: the tool-call format the server parses (None: requests with tools
+            get a 400); it also builds the constraint of ``tool_choice: "required"``.
+
+    Raises:
+        ValueError: the chat template does not compile.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        *,
+        model_name: str,
+        max_model_len: int | None = None,
+        default_max_tokens: int | None = None,
+        chat_template: str | None = None,
+        images: ImagePolicy | None = None,
+        tool_format: ConstraintBuilder | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._tool_format = tool_format
+        self._images = ImagePolicy() if images is None else images
+        self._model_name = model_name
+        self._max_model_len = max_model_len
+        self._default_max_tokens = default_max_tokens
+        self._eos_token_ids = tuple(sorted(tokenizer.eos_token_ids))
+        self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
+        source = chat_template if chat_template is not None else tokenizer.chat_template
+        self._template = (
+            None
+            if source is None
+            else ChatTemplate(
+                source,
+                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
+                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
+            )
+        )
+        # Requests that involve tools render through the shipped tool template when the
+        # model's own template ignores tools (an explicit ``chat_template`` is respected).
+        self._tool_template = self._template
+        if chat_template is None and (self._template is None or not self._template.handles_tools):
+            self._tool_template = ChatTemplate(
+                tool_chat_template(),
+                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
+                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
+            )
+        self._token_texts = TokenTexts(tokenizer)
+        self._max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
+        #: one large prompt prepared at a time, in a worker thread (created on first use)
+        self._large: anyio.CapacityLimiter | None = None
+
+    # ------------------------------------------------------------------ forward edge
+
+    def render_chat(self, request: ChatCompletionRequest) -> str:
+        """The prompt text of a chat request: its messages through the chat template.
+
+        Image parts are left out of the text; :meth:`generate` loads them separately.
+
+        Raises:
+            InvalidRequest: no chat template, or the template rejected the conversation.
+        """
+        return self._render(request, [])
+
+    def _render(self, request: ChatCompletionRequest, images: list[ImageRef]) -> str:
+        template = self._tool_template if involves_tools(request) else self._template
+        if template is None:
+            raise InvalidRequest(
+                "this model has no chat template; use /v1/completions with a prompt",
+                param="messages",
+            )
+        tools = None
+        if request.effective_tool_choice != "none":
+            tools = [tool.as_template_dict() for tool in request.tools or ()]
+        return template.render(_template_messages(request.messages, images), tools=tools)
+
+    def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
+        """The tokenized request: one per prompt (several for a completions batch).
+
+        Raises:
+            InvalidRequest: an empty prompt, a prompt or ``max_tokens`` that does not fit
+                the context, token ids outside the vocabulary, or what :meth:`render_chat`
+                raises.
+        """
+        self._refuse_unfittable(request)
+        return [leg.request for leg in self._legs(request)]
+
+    def _legs(self, request: OpenAIRequest, span: Span | None = None) -> list[_Leg]:
+        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through;
+        ``span`` (a traced request's) gets an event when the template is rendered and
+        when each prompt is tokenized."""
+        if isinstance(request, ChatCompletionRequest):
+            # The rendered text is encoded with special tokens parsed, because the template's
+            # role markers must become control ids. The users' message text is part of that
+            # text, so "<|im_start|>" typed in a message also becomes a control id: keeping
+            # user text plain would mean encoding the template's pieces separately. vLLM and
+            # llama.cpp's server behave the same way.
+            images: list[ImageRef] = []
+            text = self._render(request, images)
+            if span is not None:
+                span.add_event("template_rendered", {"llm_pipeline.prompt_chars": len(text)})
+            ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
+            tools, constraint = output_structure(request, self._tool_format)
+            leg = self._leg(request, ids, "messages", "")
+            leg.images = images
+            leg.request.tools = tools
+            leg.request.constraint = constraint
+            return [leg]
+        legs = []
+        echo = request.echo
+        batch = len(request.prompts) > 1
+        for position, prompt in enumerate(request.prompts):
+            param = f"prompt.{position}" if batch else "prompt"
+            if isinstance(prompt, str):
+                # A completions prompt is raw model input that the client owns whole, so
+                # control-token texts in it are parsed (vLLM and llama.cpp's server do the
+                # same): that is how clients write their own chat formats. There is no
+                # template here whose structure user text could escape from.
+                ids = self._tokenizer.encode(prompt, add_special_tokens=True, parse_special=True)
+                shown = prompt
+            else:
+                ids = list(prompt)
+                self._check_token_ids(ids, param)
+                shown = self._tokenizer.decode(ids) if echo else ""
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
+            legs.append(self._leg(request, ids, param, shown if echo else ""))
+        return legs
+
+    def _leg(self, request: OpenAIRequest, ids: list[int], param: str, echo: str) -> _Leg:
+        prompt_len = len(ids)
+        what = "messages" if param == "messages" else "prompt"
+        if prompt_len == 0:
+            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
+        max_tokens, max_param = request.requested_max_tokens
+        limit = self._max_model_len
+        if limit is not None:
+            if prompt_len >= limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens, but the {what} "
+                    f"has {prompt_len} tokens, which leaves no room for a completion. "
+                    f"Shorten the {what}.",
+                    param=param,
+                )
+            if max_tokens is not None and prompt_len + max_tokens > limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
+                    f"'{max_param}'.",
+                    param=max_param,
+                )
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens
+            if limit is not None:
+                room = limit - prompt_len
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        preprocessed = PreprocessedRequest(
+            token_ids=ids,
+            stop=request.stop_conditions(max_tokens=max_tokens, eos_token_ids=self._eos_token_ids),
+            sampling=request.sampling_options(),
+            output=request.output_options(),
+            model=request.model or self._model_name,
+            n=request.n,
+        )
+        return _Leg(preprocessed, echo)
+
+    def _refuse_unfittable(self, request: OpenAIRequest) -> int:
+        """Refuse a prompt that cannot fit the context whatever its token count (without
+        encoding it: :mod:`.prompt_size`); the prompts' total size otherwise."""
+        sizes = prompt_sizes(request)
+        refuse_unfittable(
+            request,
+            sizes,
+            max_model_len=self._max_model_len,
+            max_token_chars=self._max_token_chars,
+        )
+        return sum(size.size for size in sizes)
+
+    async def _prepare(self, request: OpenAIRequest, span: Span | None = None) -> list[_Leg]:
+        """:meth:`_legs`, in a worker thread when the prompts are large.
+
+        Rendering and encoding a large prompt take long enough to stall every other request
+        if done on the event loop; one large request at a time is prepared in a thread (the
+        tokenizer encodes long texts in short pieces, and stops between them once the request
+        is cancelled). Those that cannot fit the context are refused first, on the loop.
+        """
+        if self._refuse_unfittable(request) <= OFF_LOOP_CHARS:
+            return self._legs(request, span)
+        if self._large is None:
+            self._large = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(self._legs, request, span, limiter=self._large)
+
+    def _check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab_size = self._vocab_size
+        if vocab_size is not None:
+            for position, token_id in enumerate(ids):
+                if token_id >= vocab_size:
+                    raise InvalidRequest(
+                        f"token id {token_id} is outside the vocabulary (size {vocab_size})",
+                        param=f"{param}.{position}",
+                    )
+
+    # ---------------------------------------------------------------------- the stream
+
+    async def generate(
+        self,
+        ctx: Context[OpenAIRequest],
+        downstream: Engine[PreprocessedRequest, BackendOutput],
+    ) -> Stream[OpenAIEvent]:
+        """Serve one OpenAI request with ``downstream``, yielding its response events.
+
+        A completions batch (several prompts) runs its prompts one after another, each as
+        a child leg with its own state scope, so the Backends' decoders never collide.
+
+        Raises:
+            InvalidRequest: see :meth:`preprocess`; downstream errors pass unchanged.
+        """
+        request = ctx.data
+        span = ctx.span
+        legs = await self._prepare(request, span)
+        model = request.model or self._model_name
+        chunks: ChatChunks | CompletionChunks
+        if isinstance(request, ChatCompletionRequest):
+            chunks = ChatChunks(
+                model=model,
+                logprobs=request.logprobs_count,
+                texts=self._token_texts,
+                request_id=ctx.id,
+            )
+        else:
+            chunks = CompletionChunks(
+                model=model,
+                logprobs=request.logprobs_count,
+                texts=self._token_texts,
+                request_id=ctx.id,
+            )
+        n = request.n
+        for leg in legs:
+            if leg.images:
+                multimodal = await load_images(leg.images, self._images)
+                leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
+                if span is not None:
+                    span.add_event("images_loaded", {"llm_pipeline.images": len(multimodal)})
+        yield chunks.head
+        cached: int | None = None
+        for position, leg in enumerate(legs):
+            chunks.start_prompt(position * n, leg.echo)
+            leg_ctx = (
+                ctx.replace(leg.request)
+                if len(legs) == 1
+                else ctx.child(leg.request, state=State())
+            )
+            async with aclosing(downstream.generate(leg_ctx)) as stream:
+                async for output in stream:
+                    for event in chunks.feed(output):
+                        yield event
+            hits = leg_ctx.state.get(CACHED_TOKENS, None)
+            if hits is not None:  # (a retry's prompt includes replayed output: clamp)
+                cached = (cached or 0) + min(hits, leg.request.prompt_tokens)
+        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs), cached)
+
+
+@dataclass(slots=True)
+class _Leg:
+    request: PreprocessedRequest
+    #: completions ``echo``: the prompt text the first chunk of each choice starts with
+    echo: str
+    #: image content parts, loaded (decoded or fetched) just before the request goes on
+    images: list[ImageRef] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _eos_token_id(tokenizer: TokenizerLike) -> int | None:
+    declared: int | None = getattr(tokenizer, "eos_token_id", None)
+    if declared is not None:
+        return declared
+    return min(tokenizer.eos_token_ids) if tokenizer.eos_token_ids else None
+
+
+def _token_text(tokenizer: TokenizerLike, token_id: int | None) -> str | None:
+    if token_id is None:
+        return None
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _template_messages(
+    messages: Sequence[ChatMessage], images: list[ImageRef]
+) -> list[dict[str, Any]]:
+    """Messages as the dicts chat templates expect: string content, optional extras.
+
+    Image parts are appended to ``images`` (in order) instead of the text.
+
+    ``developer`` (OpenAI's newer name for the system role) becomes ``system``: most
+    open-model templates predate it.
+    """
+    rendered = []
+    for position, message in enumerate(messages):
+        item: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _content_text(message.content, position, images),
+        }
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_calls is not None:
+            item["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        rendered.append(item)
+    return rendered
+
+
+def _content_text(
+    content: str | list[ContentPart] | None, position: int, images: list[ImageRef]
+) -> str:
+    """A message's text: text parts joined by newlines (as vLLM joins them)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        if part.type == "image_url" and part.image_url is not None:
+            images.append(ImageRef(f"messages.{position}.content.{index}", part.image_url.url))
+        else:
+            texts.append(part.text or "")
+    return "\n".join(texts)

@@ -1,0 +1,139 @@
+"""The span of one request at the HTTP edge: HTTP and GenAI semantic conventions.
+
+:class:`~.server.OpenAIApp` starts it when a generation request arrives (a child of the
+client's span when it sent a W3C ``traceparent``), puts it in the request's Context so
+that the graph's stages hang under it, and ends it with the response's status. What it
+records, with OpenTelemetry's attribute names:
+
+* HTTP: ``http.request.method``, ``http.route``, ``url.path``, ``url.scheme``,
+  ``client.address``, ``user_agent.original``, ``http.response.status_code``,
+  ``error.type`` (a 5xx);
+* GenAI: ``gen_ai.operation.name`` (``chat`` / ``text_completion``),
+  ``gen_ai.request.model``, ``gen_ai.request.max_tokens``, ``temperature``, ``top_p``,
+  ``gen_ai.request.stream``, ``gen_ai.response.model``, ``gen_ai.response.id``,
+  ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
+  ``gen_ai.usage.cache_read.input_tokens`` (when the engine reported its cache),
+  ``gen_ai.response.finish_reasons``, ``gen_ai.response.time_to_first_chunk``;
+* ``llm_pipeline.request.id`` (the ``x-request-id``), and the events ``first_token``
+  (the first text written) and ``finish`` (the finish reasons).
+
+Nothing here runs per token: the first token and the usage are moments the server
+already singles out.
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Final
+
+from .events import Usage
+
+if TYPE_CHECKING:
+    from pipeline.tracing import Span, Tracer
+
+    from .asgi import Scope
+    from .preprocessor import OpenAIRequest
+
+__all__ = (
+    "REQUEST_ID",
+    "finish_request",
+    "record_first_token",
+    "record_request",
+    "record_usage",
+    "start_request",
+)
+
+#: the attribute holding the request's id (its ``x-request-id``)
+REQUEST_ID: Final = "llm_pipeline.request.id"
+_OPERATIONS: Final = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+def start_request(tracer: Tracer, scope: Scope, route: str) -> Span:
+    """The span of a request to ``route`` (``POST /v1/chat/completions``), joining the
+    trace of the client's ``traceparent`` header when it sent a valid one."""
+    method = scope.get("method", "POST")
+    span = tracer.start(f"{method} {route}", traceparent=_header(scope, b"traceparent"))
+    span.set("http.request.method", method)
+    span.set("http.route", route)
+    span.set("url.path", scope.get("path", route))
+    span.set("url.scheme", scope.get("scheme", "http"))
+    client = scope.get("client")
+    if client:
+        span.set("client.address", str(client[0]))
+    agent = _header(scope, b"user-agent")
+    if agent is not None:
+        span.set("user_agent.original", agent)
+    request_id = _header(scope, b"x-request-id")
+    if request_id is not None:  # (a request refused before it has a Context keeps it too)
+        span.set(REQUEST_ID, request_id[:128])
+    operation = _OPERATIONS.get(route)
+    if operation is not None:
+        span.set("gen_ai.operation.name", operation)
+    return span
+
+
+def record_request(span: Span, request: OpenAIRequest, request_id: str, served: str) -> None:
+    """What the client asked for, once the body parsed."""
+    span.set(REQUEST_ID, request_id)
+    span.set("gen_ai.request.model", request.model or served)
+    span.set("gen_ai.response.model", served)
+    span.set("gen_ai.request.stream", bool(request.stream))
+    chat = _OPERATIONS.get(str(span.attributes.get("http.route"))) == "chat"
+    prefix = "chatcmpl" if chat else "cmpl"
+    span.set("gen_ai.response.id", f"{prefix}-{request_id}")
+    for name, attribute in (
+        ("max_tokens", "gen_ai.request.max_tokens"),
+        ("temperature", "gen_ai.request.temperature"),
+        ("top_p", "gen_ai.request.top_p"),
+        ("seed", "gen_ai.request.seed"),
+        ("n", "gen_ai.request.choice.count"),
+    ):
+        value: Any = getattr(request, name, None)
+        if name == "max_tokens" and value is None:
+            value = getattr(request, "max_completion_tokens", None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            span.set(attribute, value)
+    stop = getattr(request, "stop", None)
+    if isinstance(stop, str):
+        span.set("gen_ai.request.stop_sequences", [stop])
+    elif isinstance(stop, list) and stop:
+        span.set("gen_ai.request.stop_sequences", [str(s) for s in stop])
+
+
+def record_first_token(span: Span, started: float) -> None:
+    """The first text reached the client (``started``: the request's ``perf_counter``)."""
+    span.add_event("first_token")
+    span.set("gen_ai.response.time_to_first_chunk", perf_counter() - started)
+
+
+def record_usage(span: Span, usage: Usage | dict[str, Any], finish_reasons: list[str]) -> None:
+    """The response's token counts (``Usage`` or OpenAI's ``usage`` object) and its
+    choices' finish reasons: the ``finish`` event."""
+    if isinstance(usage, Usage):
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        cached = usage.cached_tokens
+    else:
+        prompt, completion = usage["prompt_tokens"], usage["completion_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    span.set("gen_ai.usage.input_tokens", prompt)
+    span.set("gen_ai.usage.output_tokens", completion)
+    if cached is not None:
+        span.set("gen_ai.usage.cache_read.input_tokens", cached)
+    span.set("gen_ai.response.finish_reasons", list(finish_reasons))
+    span.add_event("finish", {"gen_ai.response.finish_reasons": list(finish_reasons)})
+
+
+def finish_request(span: Span, status: int, error: BaseException | None = None) -> None:
+    """End the request's span with the status the client got (499: it went away)."""
+    span.set("http.response.status_code", status)
+    if status >= 500:
+        span.set("error.type", type(error).__name__ if error is not None else str(status))
+        span.set_error(f"HTTP {status}" if error is None else f"{type(error).__name__}: {error}")
+    span.end()
