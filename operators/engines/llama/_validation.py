@@ -57,10 +57,11 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             param="top_p",
             request_id=request_id,
         )
-    if sampling.top_k is not None and sampling.top_k < 0:
+    unsupported = _unsupported_sampling(request)
+    if unsupported is not None:
         raise InvalidRequest(
-            f"top_k must be >= 0, got {sampling.top_k}",
-            param="top_k",
+            f"the llama engine does not support {unsupported}",
+            param=unsupported,
             request_id=request_id,
         )
     max_tokens = request.stop.max_tokens
@@ -81,3 +82,13 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             request_id=request_id,
         )
     return max_tokens
+
+
+def _unsupported_sampling(request: PreprocessedRequest) -> str | None:
+    """The first sampling option set to something the llama engine's sampler does not do."""
+    sampling = request.sampling
+    if sampling.min_p not in (None, 0.0):
+        return "min_p"
+    if sampling.repetition_penalty not in (None, 1.0):
+        return "repetition_penalty"
+    return None
