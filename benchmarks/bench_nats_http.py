@@ -49,15 +49,21 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextmanager
-def process(command: Sequence[str], *, ready: str | None = None) -> Iterator[tuple[int, str]]:
-    """Run ``command``; yields (pid, its first stdout line) once that line is printed."""
-    popen = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def process(
+    command: Sequence[str], *, ready: str | None = None, stderr: str | None = None
+) -> Iterator[tuple[int, str]]:
+    """Run ``command``; yields (pid, its first stdout line) once that line is printed.
+
+    Its stderr goes to the file ``stderr`` (None: nowhere)."""
+    with ExitStack() as files:
+        log = subprocess.DEVNULL if stderr is None else files.enter_context(open(stderr, "wb"))
+        popen = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     try:
         line = ""
         if ready is not None:

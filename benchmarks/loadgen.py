@@ -3,6 +3,10 @@
     python benchmarks/loadgen.py --url http://127.0.0.1:8000 --concurrency 64 --requests 2000 \\
         --prompt-tokens 128 --max-tokens 256 --chat --server-pid PID
 
+``--api`` picks the edge: ``chat`` (the default), ``completions``, ``responses`` (OpenAI's
+Responses API, ``--store`` or not) or ``messages`` (Anthropic's): the same workload through
+each, so their server CPU per token compares directly (``benchmarks/bench_edges.py``).
+
 Each of ``--concurrency`` workers sends streamed requests back to back until ``--requests``
 have been sent. The client is raw HTTP/1.1 on an asyncio Protocol (uvloop when installed)
 with keep-alive connections, so it costs a few microseconds per token and is not the
@@ -27,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 try:
@@ -62,10 +66,11 @@ _HEADERS, _SIZE, _DATA, _DATA_END, _TRAILER, _FIXED = range(6)
 class _Connection(asyncio.Protocol):
     """One keep-alive HTTP/1.1 connection; one request at a time."""
 
-    def __init__(self, markers: tuple[bytes, bytes]) -> None:
+    def __init__(self, markers: tuple[bytes, bytes], api: Api) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = asyncio.get_running_loop().create_future()
         self._marker, self._empty = markers
+        self._api = api
         self._buffer = b""
         self._state = _HEADERS
         self._remaining = 0
@@ -185,7 +190,7 @@ class _Connection(asyncio.Protocol):
             else:
                 result.itl.append(now - self._last)
             self._last = now
-        if b'"usage":{' in piece or b'"error":' in piece or self._tail:
+        if self._tail or any(mark in piece for mark in self._api.tail_marks):
             self._tail += piece
 
     def _finish(self) -> None:
@@ -201,21 +206,72 @@ class _Connection(asyncio.Protocol):
 
     def _read_tail(self, result: RequestResult) -> None:
         for block in self._tail.split(b"\n\n"):
-            if not block.startswith(b"data: {"):
+            start = block.find(b"data: {")
+            if start < 0:
                 continue
-            event = json.loads(block[6:])
-            if "error" in event:
-                result.error = f"stream error: {event['error'].get('message')}"
+            event = json.loads(block[start + 6 :])
+            error = self._api.error_of(event)
+            if error is not None:
+                result.error = f"stream error: {error}"
                 return
-            usage = event.get("usage")
-            if usage:
-                result.tokens = usage["completion_tokens"]
+            tokens = self._api.tokens_of(event)
+            if tokens:
+                result.tokens = tokens
         if result.status != 200:
             result.error = f"HTTP {result.status}"
         elif not result.tokens:
             result.error = "no usage in the stream"
         else:
             result.ok = True
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """How one edge's streams are asked for and read."""
+
+    path: str
+    #: a token-bearing event contains the first, an empty one the second
+    markers: tuple[bytes, bytes]
+    #: events that carry the usage or an error: kept to be parsed at the end
+    tail_marks: tuple[bytes, ...]
+
+    def tokens_of(self, event: dict[str, object]) -> int:
+        """The output tokens an end event reports (0: not an end event)."""
+        usage: Any = event.get("usage")
+        if self.path == "/v1/responses":
+            response: Any = event.get("response") or {}
+            usage = response.get("usage")
+            return int((usage or {}).get("output_tokens") or 0)
+        if self.path == "/v1/messages":
+            return int((usage or {}).get("output_tokens") or 0)
+        return int((usage or {}).get("completion_tokens") or 0)
+
+    def error_of(self, event: dict[str, object]) -> str | None:
+        """The message of an error event (None: not one)."""
+        error: Any = event.get("error")
+        if event.get("type") == "response.failed":
+            error = (event.get("response") or {}).get("error")  # type: ignore[union-attr]
+        if isinstance(error, dict):
+            return str(error.get("message"))
+        return None
+
+
+APIS: dict[str, Api] = {
+    "chat": Api(
+        "/v1/chat/completions", (b'"content":"', b'"content":""'), (b'"usage":{', b'"error":')
+    ),
+    "completions": Api("/v1/completions", (b'"text":"', b'"text":""'), (b'"usage":{', b'"error":')),
+    "responses": Api(
+        "/v1/responses",
+        (b'"type":"response.output_text.delta"', b'"delta":"",'),
+        (b'"type":"response.completed"', b'"type":"response.incomplete"', b"response.failed"),
+    ),
+    "messages": Api(
+        "/v1/messages",
+        (b'"type":"text_delta"', b'"text_delta","text":""'),
+        (b'"type":"message_delta"', b'"type":"error"'),
+    ),
+}
 
 
 @dataclass(slots=True)
@@ -226,6 +282,33 @@ class Workload:
     payload: bytes
     markers: tuple[bytes, bytes]
     reuse: bool
+    api: Api
+
+
+def request_body(api: str, model: str, prompt: str, max_tokens: int, store: bool) -> dict[str, Any]:
+    """The streamed request of ``api`` for ``prompt``."""
+    if api == "responses":
+        return {
+            "model": model,
+            "input": prompt,
+            "max_output_tokens": max_tokens,
+            "stream": True,
+            "store": store,
+        }
+    if api == "messages":
+        messages = [{"role": "user", "content": prompt}]
+        return {"model": model, "max_tokens": max_tokens, "messages": messages, "stream": True}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -233,20 +316,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
     host = url.hostname or "127.0.0.1"
     port = url.port or 80
     prompt = build_prompt(args.prompt_tokens)
-    body: dict[str, object] = {
-        "model": args.model,
-        "max_tokens": args.max_tokens,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if args.chat:
-        path = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": prompt}]
-        markers = (b'"content":"', b'"content":""')
-    else:
-        path = "/v1/completions"
-        body["prompt"] = prompt
-        markers = (b'"text":"', b'"text":""')
+    api = APIS[args.api]
+    path = api.path
+    markers = api.markers
+    body = request_body(args.api, args.model, prompt, args.max_tokens, args.store)
     data = json.dumps(body).encode()
     connection = b"keep-alive" if args.reuse_connections else b"close"
     payload = (
@@ -254,7 +327,7 @@ def build_workload(args: argparse.Namespace) -> Workload:
         b"Accept: text/event-stream\r\nConnection: %s\r\nContent-Length: %d\r\n\r\n"
         % (path.encode(), host.encode(), port, connection, len(data))
     ) + data
-    return Workload(host, port, path, payload, markers, args.reuse_connections)
+    return Workload(host, port, path, payload, markers, args.reuse_connections, api)
 
 
 def build_prompt(tokens: int) -> str:
@@ -284,7 +357,7 @@ class Worker:
             loop = asyncio.get_running_loop()
             workload = self._workload
             _, self._connection = await loop.create_connection(
-                lambda: _Connection(workload.markers), workload.host, workload.port
+                lambda: _Connection(workload.markers, workload.api), workload.host, workload.port
             )
 
     async def run(self, counter: list[int], results: list[RequestResult]) -> None:
@@ -396,8 +469,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length")
     parser.add_argument("--max-tokens", type=int, default=256, help="output tokens")
     kind = parser.add_mutually_exclusive_group()
-    kind.add_argument("--chat", dest="chat", action="store_true", default=True)
-    kind.add_argument("--completions", dest="chat", action="store_false")
+    kind.add_argument("--api", choices=sorted(APIS), default="chat", help="the edge to drive")
+    kind.add_argument("--chat", dest="api", action="store_const", const="chat")
+    kind.add_argument("--completions", dest="api", action="store_const", const="completions")
+    parser.add_argument(
+        "--store",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="--api responses: ask the server to store each response",
+    )
     parser.add_argument(
         "--reuse-connections",
         action=argparse.BooleanOptionalAction,

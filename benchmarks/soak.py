@@ -1,22 +1,30 @@
-"""A soak: thousands of mixed requests, clients that leave, bad bodies, one worker killed.
+"""A soak: thousands of mixed requests, clients that leave, bad bodies, and faults.
 
-    python benchmarks/soak.py [--requests 10000] [--concurrency 32] [--kill-at 0.4]
+    python benchmarks/soak.py [--requests 10000] [--concurrency 32] [--outage 3] \\
+        [--restart-at 0.2] [--kill-at 0.4] [--stop-at 0.6] [--stop-seconds 5]
 
-Starts a ``nats-server``, two ``llm-pipeline worker --engine echo --echo-delay-ms 2``
-processes and ``llm-pipeline serve --nats`` in front of them, then sends ``--requests``
+Starts a ``nats-server``, three ``llm-pipeline worker --engine echo --echo-delay-ms 2``
+processes and ``llm-pipeline serve --nats`` in front of them (and, as the reference of what
+every answer must be, the embedded ``serve --engine echo``), then sends ``--requests``
 requests from ``--concurrency`` clients, each drawn at random (seeded):
 
 * streamed chat or completions (8-64 tokens, sometimes ``n=2`` or logprobs); a fifth of the
   streams are abandoned by their client after a few events;
 * non-streamed chat or completions;
 * bad bodies: broken JSON, invalid UTF-8, wrong types, unsupported features, hostile image
-  URLs (each must be a 4xx);
+  URLs, integers no engine can hold (each must be a 4xx);
 * ``GET /v1/models`` and ``/health``.
 
-When ``--kill-at`` of the requests have been sent, one worker is killed with SIGKILL
-(Migration must move its streams to the other). Printed: requests by outcome, HTTP
-statuses, errors by class (client exceptions and error events), the 5xx count, the
-frontend's in-flight gauge at the end, its RSS and thread count before and after.
+The faults, each when its fraction of the requests has been sent: ``--restart-at``, the
+nats-server is killed (SIGKILL) and started again ``--outage`` seconds later on the same
+port and store; ``--kill-at``, worker 0 is killed (SIGKILL); ``--stop-at``, worker 1 is
+stopped (SIGSTOP) for ``--stop-seconds``. A fraction of 0 skips that fault.
+
+Printed: requests by outcome, HTTP statuses, errors by class, the 5xx count, the frontend's
+in-flight gauge at the end; for each fault, the streams in flight when it hit, how many
+completed with exactly the reference's text, how many ended with an error event (and
+why), and the longest stall any of them saw; RSS, threads and open fds of every process
+before and after.
 """
 
 from __future__ import annotations
@@ -28,25 +36,28 @@ import json
 import os
 import random
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
-from bench_nats_http import CLI, base_url, nats_server, process
+from bench_nats_http import CLI, base_url, process
 
 BAD_BODIES: list[bytes] = [
     b"{", b"", b"null", b"[]", b'{"messages": "hi"}', b"\xff\xfe\x00",
     b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "n": "two"}',
-    b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
-    b'"function", "function": {"name": "f"}}]}',
     b'{"model": "echo", "messages": [{"role": "user", "content": "hi"}], "response_format": '
     b'{"type": "json_object"}}',
     b'{"model": "echo", "messages": [{"role": "user", "content": [{"type": "image_url", '
     b'"image_url": {"url": "http://[::1"}}]}]}',
     b'{"model": "echo", "prompt": "hi", "max_tokens": -1}',
+    b'{"model": "echo", "prompt": "hi", "max_tokens": 9223372036854775808}',
+    b'{"model": "echo", "prompt": [1, 4294967296]}',
     b'{"model": "echo", "prompt": "hi", "temperature": 9}',
     b'{"model": "other", "prompt": "hi"}',
     b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",
@@ -54,13 +65,35 @@ BAD_BODIES: list[bytes] = [
 
 
 def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS (KiB) and Threads of ``pid``."""
+    """RSS (KiB), threads and open file descriptors of ``pid``."""
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
         if key in ("VmRSS", "Threads"):
             fields[key] = int(value.split()[0])
+    fields["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     return fields
+
+
+@dataclass
+class Stream:
+    """One streamed request as its client saw it."""
+
+    path: str
+    body: dict[str, Any]
+    started: float
+    ended: float = 0.0
+    longest_stall: float = 0.0
+    texts: dict[int, str] = field(default_factory=dict)
+    error: str | None = None
+    abandoned: bool = False
+
+
+@dataclass
+class Fault:
+    name: str
+    at: float = 0.0  # when it hit (time.monotonic)
+    over: float = 0.0  # when it was undone (the server restarted, the worker continued)
 
 
 class Tally:
@@ -68,6 +101,7 @@ class Tally:
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.statuses: collections.Counter[int] = collections.Counter()
         self.errors: collections.Counter[str] = collections.Counter()
+        self.streams: list[Stream] = []
 
 
 def _generation(rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
@@ -87,6 +121,49 @@ def _generation(rng: random.Random, stream: bool) -> tuple[str, dict[str, Any]]:
     if rng.random() < 0.05:
         body["n"] = 2
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
+
+
+def _texts(event: dict[str, Any], texts: dict[int, str]) -> None:
+    for choice in event.get("choices", ()):
+        delta = choice.get("delta")
+        piece = (delta or {}).get("content") if delta is not None else choice.get("text")
+        texts[choice["index"]] = texts.get(choice["index"], "") + (piece or "")
+
+
+async def read_stream(http: httpx.AsyncClient, stream: Stream, leave_after: int | None) -> int:
+    """Stream ``stream``'s request; its HTTP status."""
+    async with http.stream("POST", stream.path, json=stream.body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            error = response.json()["error"]
+            n = stream.body.get("n", 1)
+            stream.error = f"{response.status_code} {error['type']}: {error['message'][:80]}" + (
+                f" (n={n}: not migrated)" if n > 1 else ""
+            )
+            return response.status_code
+        events, last = 0, stream.started  # (the wait for the first event is a stall too)
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now = time.monotonic()
+            stream.longest_stall, last = max(stream.longest_stall, now - last), now
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                error = event["error"]
+                n = stream.body.get("n", 1)
+                stream.error = f"event {error.get('type')}: {error.get('message', '')[:80]}" + (
+                    f" (n={n}: not migrated)" if n > 1 else ""
+                )
+                break
+            _texts(event, stream.texts)
+            events += 1
+            if leave_after is not None and events >= leave_after:
+                stream.abandoned = True
+                break
+        return 200
 
 
 async def one(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
@@ -116,52 +193,54 @@ async def one(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None
             tally.outcomes["complete"] += 1
             return
         leave_after = rng.randint(1, 6) if rng.random() < 0.2 else None
-        async with http.stream("POST", path, json=body) as response:
-            tally.statuses[response.status_code] += 1
-            if response.status_code != 200:
-                await response.aread()
-                tally.errors[f"{response.status_code} {response.json()['error']['type']}"] += 1
-                tally.outcomes["stream refused"] += 1
-                return
-            events = 0
-            last = ""
-            async for line in response.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                last = line.removeprefix("data: ")
-                events += 1
-                if leave_after is not None and events >= leave_after:
-                    tally.outcomes["stream abandoned by its client"] += 1
-                    return
-            if last == "[DONE]":
-                tally.outcomes["stream complete"] += 1
-            else:
-                error = json.loads(last).get("error", {})
-                tally.errors[f"event {error.get('type')}: {error.get('message', '')[:60]}"] += 1
-                tally.outcomes["stream ended by an error event"] += 1
+        stream = Stream(path, body, started=time.monotonic())
+        tally.streams.append(stream)
+        tally.statuses[await read_stream(http, stream, leave_after)] += 1
+        stream.ended = time.monotonic()
+        if stream.abandoned:
+            tally.outcomes["stream abandoned by its client"] += 1
+        elif stream.error is None:
+            tally.outcomes["stream complete"] += 1
+        else:
+            tally.errors[stream.error] += 1
+            tally.outcomes["stream ended by an error"] += 1
     except httpx.HTTPError as exc:
         tally.errors[f"client {type(exc).__name__}"] += 1
         tally.outcomes["client exception"] += 1
 
 
-async def drive(url: str, args: argparse.Namespace, kill: Any) -> Tally:
+async def drive(url: str, args: argparse.Namespace, triggers: dict[int, Any]) -> Tally:
     tally = Tally()
     rng = random.Random(args.seed)
     sent = 0
-    kill_at = int(args.requests * args.kill_at)
     limits = httpx.Limits(max_connections=args.concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
 
         async def client() -> None:
             nonlocal sent
             while sent < args.requests:
                 sent += 1
-                if sent == kill_at:
-                    kill()
+                trigger = triggers.get(sent)
+                if trigger is not None:
+                    asyncio.get_running_loop().run_in_executor(None, trigger)
                 await one(http, random.Random(rng.random()), tally)
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
     return tally
+
+
+async def references(url: str, streams: list[Stream]) -> list[dict[int, str] | None]:
+    """What the embedded reference server answers each completed stream's request."""
+    out: list[dict[int, str] | None] = []
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        for stream in streams:
+            if stream.abandoned or stream.error is not None:
+                out.append(None)
+                continue
+            want = Stream(stream.path, stream.body, started=0.0)
+            await read_stream(http, want, None)
+            out.append(want.texts)
+    return out
 
 
 def inflight(url: str) -> float:
@@ -172,50 +251,155 @@ def inflight(url: str) -> float:
     raise RuntimeError("no in-flight gauge in /metrics")
 
 
+class Nats:
+    """A nats-server on a fixed port and store, killed and started again by the soak."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.port = 0
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> str:
+        binary = Path(sys.executable).parent / "nats-server"
+        port = str(self.port) if self.port else "-1"
+        self.popen = subprocess.Popen(
+            [str(binary), "-a", "127.0.0.1", "-p", port, "-js", "-sd",
+             f"{self.directory}/js", "--ports_file_dir", self.directory],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        ports = Path(self.directory) / f"nats-server_{self.popen.pid}.ports"
+        deadline = time.monotonic() + 10
+        while not (ports.exists() and ports.read_text().strip()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("nats-server wrote no ports file")
+            time.sleep(0.005)
+        url: str = json.loads(ports.read_text())["nats"][0]
+        self.port = int(url.rsplit(":", 1)[1])
+        return url
+
+    def kill(self) -> None:
+        if self.popen is not None:
+            self.popen.kill()
+            self.popen.wait()
+
+    def close(self) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            self.popen.terminate()
+            self.popen.wait(10)
+
+
+def report_fault(fault: Fault, streams: list[Stream], wanted: list[dict[int, str] | None]) -> None:
+    hit = [
+        (stream, want)
+        for stream, want in zip(streams, wanted, strict=True)
+        if stream.started <= fault.at <= stream.ended and not stream.abandoned
+    ]
+    same = sum(want is not None and stream.texts == want for stream, want in hit)
+    errors = collections.Counter(stream.error for stream, _ in hit if stream.error is not None)
+    stall = max((stream.longest_stall for stream, _ in hit), default=0.0)
+    print(f"  {fault.name}: {len(hit)} streams in flight; {same} completed identically; "
+          f"{sum(errors.values())} ended with an error {dict(errors) or ''}; "
+          f"longest stall {stall:.2f} s")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--restart-at", type=float, default=0.2, help="fraction sent before")
+    parser.add_argument("--outage", type=float, default=3.0, help="seconds without nats-server")
     parser.add_argument("--kill-at", type=float, default=0.4, help="fraction sent before")
+    parser.add_argument("--stop-at", type=float, default=0.6, help="fraction sent before")
+    parser.add_argument("--stop-seconds", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--logs", metavar="DIR", help="write each process's log there")
     args = parser.parse_args()
     echo = ["--engine", "echo", "--echo-delay-ms", "2"]
-    with nats_server() as (_, nats_url), ExitStack() as stack:
+    with tempfile.TemporaryDirectory() as directory, ExitStack() as stack:
+        nats = Nats(directory)
+        stack.callback(nats.close)
+        nats_url = nats.start()
         workers = [
             stack.enter_context(process(
-                [*CLI, "worker", "--nats", nats_url, *echo, "--worker-id", f"soak-{i}"],
-                ready="serving",
+                [*CLI, "worker", "--nats", nats_url, *echo, "--worker-id", f"soak-{i}",
+                 "--log-level", "info"],
+                ready="serving", stderr=args.logs and f"{args.logs}/worker-{i}.log",
             ))[0]
-            for i in range(2)
+            for i in range(3)
         ]  # fmt: skip
         pid, line = stack.enter_context(
-            process([*CLI, "serve", "--port", "0", "--nats", nats_url], ready="serving")
+            process(
+                [*CLI, "serve", "--port", "0", "--nats", nats_url, "--log-level", "info"],
+                ready="serving",
+                stderr=args.logs and f"{args.logs}/frontend.log",
+            )
+        )
+        _, reference = stack.enter_context(
+            process([*CLI, "serve", "--port", "0", "--engine", "echo"], ready="serving")
         )
         url = base_url(line).removesuffix("/v1")
         time.sleep(0.5)  # discovery
         httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=30)
-        before = proc_status(pid)
-        killed: list[float] = []
+        processes = {"frontend": pid, **{f"worker {i}": w for i, w in enumerate(workers)}}
+        before = {name: proc_status(p) for name, p in processes.items()}
+        faults: list[Fault] = []
+
+        def restart() -> None:
+            fault = Fault(f"nats-server killed, restarted {args.outage:g} s later")
+            faults.append(fault)
+            fault.at = time.monotonic()
+            nats.kill()
+            time.sleep(args.outage)
+            nats.start()
+            fault.over = time.monotonic()
 
         def kill() -> None:
+            faults.append(Fault("worker 0 killed (SIGKILL)", at=time.monotonic()))
             os.kill(workers[0], signal.SIGKILL)
-            killed.append(time.monotonic())
 
+        def stop() -> None:
+            fault = Fault(f"worker 1 stopped (SIGSTOP) for {args.stop_seconds:g} s")
+            faults.append(fault)
+            fault.at = time.monotonic()
+            os.kill(workers[1], signal.SIGSTOP)
+            time.sleep(args.stop_seconds)
+            os.kill(workers[1], signal.SIGCONT)
+            fault.over = time.monotonic()
+
+        triggers = {
+            int(args.requests * at): action
+            for at, action in ((args.restart_at, restart), (args.kill_at, kill),
+                               (args.stop_at, stop))
+            if at > 0
+        }  # fmt: skip
         started = time.monotonic()
-        tally = asyncio.run(drive(url, args, kill))
+        tally = asyncio.run(drive(url, args, triggers))
         elapsed = time.monotonic() - started
-        time.sleep(0.5)
-        after = proc_status(pid)
+        time.sleep(1.0)
+        after = {name: proc_status(p) for name, p in processes.items() if name != "worker 0"}
         left = inflight(url)
+        wanted = asyncio.run(references(base_url(reference).removesuffix("/v1"), tally.streams))
+    complete = [(s, w) for s, w in zip(tally.streams, wanted, strict=True) if w is not None]
     print(f"{args.requests} requests, concurrency {args.concurrency}, {elapsed:.1f} s, "
-          f"worker killed: {bool(killed)}, {os.cpu_count()} CPUs")  # fmt: skip
+          f"{os.cpu_count()} CPUs")  # fmt: skip
     print("outcomes:", dict(tally.outcomes.most_common()))
     print("HTTP statuses:", dict(sorted(tally.statuses.items())))
     print("errors by class:", dict(tally.errors.most_common()) or "none")
     print("5xx responses:", sum(n for status, n in tally.statuses.items() if status >= 500))
+    print(f"completed streams identical to the reference: "
+          f"{sum(s.texts == w for s, w in complete)} of {len(complete)}")  # fmt: skip
     print("in flight at the end:", left)
-    print(f"frontend RSS {before['VmRSS'] / 1024:.1f} -> {after['VmRSS'] / 1024:.1f} MiB, "
-          f"threads {before['Threads']} -> {after['Threads']}")  # fmt: skip
+    print("faults:")
+    for fault in faults:
+        report_fault(fault, tally.streams, wanted)
+    for name, was in before.items():
+        now = after.get(name)
+        if now is None:
+            print(f"{name}: killed")
+            continue
+        rss = f"RSS {was['VmRSS'] / 1024:.1f} -> {now['VmRSS'] / 1024:.1f} MiB"
+        print(f"{name}: {rss}, threads {was['Threads']} -> {now['Threads']}, "
+              f"fds {was['fds']} -> {now['fds']}")  # fmt: skip
     sys.stdout.flush()
 
 

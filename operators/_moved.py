@@ -47,18 +47,32 @@ MOVED: Final[Mapping[str, str]] = MappingProxyType(
             f"operators.{name}": f"operators.contracts.{name}"
             for name in ("llm", "resumption", "rewriting", "constraint_guard", "transport")
         },
+        # the HTTP plumbing every edge shares, out of the OpenAI edge
+        **{
+            f"operators.edges.openai.{name}": f"operators.edges.http.{name}"
+            for name in ("asgi", "guard", "metrics", "runner", "sse_writer", "request_span")
+        },
     }
 )
 
 
 def new_name(fullname: str) -> str | None:
-    """Where the module once called ``fullname`` lives now, or None if it did not move."""
-    head, dot, rest = fullname.partition(".")
-    if head != "operators" or not dot:
+    """Where the module once called ``fullname`` lives now, or None if it did not move.
+
+    The longest moved prefix decides; a new name that moved again later is followed
+    (``operators.openai.guard`` -> ``operators.edges.openai.guard`` ->
+    ``operators.edges.http.guard``).
+    """
+    if not fullname.startswith("operators."):
         return None
-    old = f"operators.{rest.partition('.')[0]}"
-    new = MOVED.get(old)
-    return None if new is None else new + fullname[len(old) :]
+    parts = fullname.split(".")
+    for end in range(len(parts), 1, -1):
+        old = ".".join(parts[:end])
+        new = MOVED.get(old)
+        if new is not None:
+            moved = new + fullname[len(old) :]
+            return new_name(moved) or moved
+    return None
 
 
 @final

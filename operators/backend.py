@@ -338,6 +338,10 @@ class Backend:
                     if not choice.finished and choice.withheld:
                         yield choice.flush(None)
             raise
+        if ctx.is_killed:
+            # Killed (a deadline, a drain's abort, a client gone): an engine that saw it
+            # before the cancellation did ends quietly, which is no finish to report.
+            return
         for index in range(n):  # the stream ended without finishing these choices
             choice = self._choice(state, request, index)
             if not choice.finished:

@@ -50,7 +50,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
-from pipeline import Engine, Operator, chain, link
+from pipeline import Engine, Operator, chain, link, named
 
 from .backend import Backend
 from .contracts.constraint_guard import ConstraintGuard
@@ -225,6 +225,8 @@ class Stages:
     ) -> Engine[OpenAIRequest, OpenAIEvent]:
         """The graph: every operator linked, front to back, onto ``engine``.
 
+        Each stage is :func:`pipeline.named` after its field, so a traced request's spans
+        say ``preprocessor``, ``migration``, ... (an inserted operator's, its class name).
         Each point's inserted operators are one :func:`pipeline.chain` (spliced in place by
         ``link``, so an empty point costs nothing), which keeps the link typed stage by
         stage (``link(*self, engine)`` would not type-check). Eleven operators are more
@@ -242,22 +244,22 @@ class Stages:
         )
         routers = link(
             chain(*at("encoder_router", ())),
-            self.encoder_router,
+            named("encoder_router", self.encoder_router),
             chain(*at("prefill_router", ())),
-            self.prefill_router,
+            named("prefill_router", self.prefill_router),
             chain(*at("engine", ())),
             guard,
             engine,
         )
         return link(
             chain(*at("preprocessor", ())),
-            self.preprocessor,
+            named("preprocessor", self.preprocessor),
             chain(*at("parser", ())),
-            self.parser,
+            named("parser", self.parser),
             chain(*at("migration", ())),
-            self.migration,
+            named("migration", self.migration),
             chain(*at("backend", ())),
-            self.backend,
+            named("backend", self.backend),
             routers,
         )
 

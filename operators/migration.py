@@ -11,9 +11,14 @@ Migration is the retrier of the contract in :mod:`operators.contracts.resumption
 :data:`~operators.contracts.resumption.RESUMABLE` for each attempt, and must be linked upstream of
 the Backend (it raises :class:`~operators.contracts.resumption.ResumptionOrderError` below one).
 
-It never migrates n>1 requests (their engine state cannot be rebuilt from the prompt), a
-request the client cancelled, or one that would exceed the maximum
-sequence length; and it lets every error that is not ``WorkerLost`` through unchanged.
+Traced, each attempt is a child span of Migration's (``attempt``, with
+``llm_pipeline.attempt``, and for a lost worker the error, an event ``retry`` and
+``llm_pipeline.retry_reason``); the stages below hang under their attempt.
+
+It never migrates an n>1 request once an output of it has gone out (its choices' engine
+state cannot be rebuilt from one prompt; lost before its first output, it is simply sent
+again), a request the client cancelled, or one that would exceed the maximum sequence
+length; and it lets every error that is not ``WorkerLost`` through unchanged.
 """
 
 from __future__ import annotations
@@ -72,22 +77,40 @@ class Migration:
         """
         check_retrier(ctx, self)
         original = ctx.data
-        retries_left = self.limit if self._migratable(original) else 0
+        migratable = self._migratable(original)
+        retries_left = self.limit
         generated: list[int] = []
+        produced = False  # an output has gone out (an n>1 request is retried only before)
         attempt = original
         bounded = self._max_seq_len is not None  # else no per-output length check
+        span = ctx.span
+        number = 0
         while True:
-            armed = retries_left > 0 and self._fits(original, generated)
+            armed = (
+                retries_left > 0
+                and (migratable or not produced)
+                and self._fits(original, generated)
+            )
             ctx.state.set(RESUMABLE, armed)
             started = False
+            number += 1
+            attempt_span = None
+            if span is not None:
+                attempt_span = span.child("attempt")
+                attempt_span.set("llm_pipeline.attempt", number)
+                attempt_span.set("llm_pipeline.replayed_tokens", len(generated))
             try:
                 leg = ctx.child(attempt)
+                if attempt_span is not None:
+                    leg = leg.with_span(attempt_span)
                 async with aclosing(downstream.generate(leg)) as stream:
                     async for output in stream:
-                        started = True
+                        started = produced = True
                         generated.extend(output.token_ids)
-                        if bounded and armed and not self._fits(original, generated):
-                            armed = False  # too long to replay: this attempt is the last
+                        if armed and not (
+                            migratable and (not bounded or self._fits(original, generated))
+                        ):
+                            armed = False  # too long to replay, or n>1: the last attempt
                             ctx.state.set(RESUMABLE, False)
                         yield output
                 return
@@ -95,11 +118,17 @@ class Migration:
                 where: Literal["connect", "stream"] = (
                     "connect" if isinstance(exc, ConnectFailed) or not started else "stream"
                 )
+                if attempt_span is not None:
+                    attempt_span.set_error(f"worker lost at {where}: {exc}")
                 if not armed or ctx.is_stopped:
-                    if self._on_event is not None and self._migratable(original):
+                    if self._on_event is not None and (migratable or not produced):
                         self._on_event(where, "exhausted")
                     raise
                 retries_left -= 1
+                if attempt_span is not None:
+                    reason = f"{type(exc).__name__} at {where}: {exc}"
+                    attempt_span.set("llm_pipeline.retry_reason", reason)
+                    attempt_span.add_event("retry", {"llm_pipeline.retry_reason": reason})
                 logger.info(
                     "request %s: worker lost at %s after %d tokens (%s); retrying, %d left",
                     ctx.id,
@@ -111,8 +140,14 @@ class Migration:
                 if self._on_event is not None:
                     self._on_event(where, "retried")
                 attempt = continuation(original, generated)
+            except Exception as exc:
+                if attempt_span is not None:
+                    attempt_span.set_error(f"{type(exc).__name__}: {exc}")
+                raise
             finally:
                 ctx.state.set(RESUMABLE, False)
+                if attempt_span is not None:
+                    attempt_span.end()
 
     def _fits(self, request: PreprocessedRequest, generated: list[int]) -> bool:
         if self._max_seq_len is None:

@@ -26,16 +26,29 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Unpack
 
-from .edges.openai.guard import Guard
-from .edges.openai.metrics import ServerMetrics
-from .edges.openai.runner import serve
+from pipeline import Router
+from pipeline.tracing import Tracer
+
+from .contracts.llm import embedder_of
+from .edges.anthropic import AnthropicEdge
+from .edges.http.guard import Guard
+from .edges.http.metrics import ServerMetrics
+from .edges.http.runner import serve
+from .edges.openai.embeddings import embedding_routes
+from .edges.openai.preprocessor import OpenAIPreprocessor
 from .edges.openai.server import OpenAIApp
-from .graph import GraphOptions, Point, default_graph
+from .edges.openai.tokenize import tokenize_routes
+from .edges.responses import ResponsesEdge
+from .graph import GraphOptions, Point, default_stages
+from .telemetry import SpanBuffer
+from .ui import WorkerGroups, attach_ui
 
 if TYPE_CHECKING:
     from pipeline import Engine, Operator
 
-    from .contracts.llm import EngineOutput, PreprocessedRequest
+    from .contracts.llm import Embedder, EngineOutput, PreprocessedRequest
+    from .edges.http.routes import Edge
+    from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
 
 __all__ = ("build_app", "serve")
@@ -49,6 +62,11 @@ def build_app(
     guard: Guard | None = None,
     metrics: ServerMetrics | None = None,
     before: Mapping[Point, Sequence[Operator[Any, Any, Any, Any]]] | None = None,
+    responses_store: ResponseStore | None = None,
+    embedder: Embedder | None = None,
+    edges: Sequence[Edge] = (),
+    tracer: Tracer | None = None,
+    ui: bool = False,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``.
@@ -58,12 +76,69 @@ def build_app(
     ``graph_options`` go to :func:`~operators.graph.default_stages` (``max_model_len``,
     ``default_max_tokens``, ``chat_template``, ``migration_limit``, worker sets...);
     ``guard`` sets API keys, admission control and deadlines. Migrations are counted in
-    ``app.metrics`` unless ``on_migration`` is given.
+    ``app.metrics`` unless ``on_migration`` is given. ``tracer`` traces every request
+    (:mod:`pipeline.tracing`; e.g. exporting over OTLP, :mod:`operators.telemetry`);
+    ``ui=True`` serves the web UI at ``/`` and its status view at ``/status``, with the
+    last requests' stage timings (it records spans in process, in ``tracer`` if given).
+
+    Besides chat completions and completions the app serves the Responses API (its
+    responses kept in ``responses_store``: a bounded in-memory store by default), Anthropic's
+    Messages API, ``/v1/embeddings`` (through ``embedder``, by default the engine itself if
+    it has ``embed``), ``/tokenize`` and ``/detokenize``; ``edges`` adds APIs of your own
+    (:class:`operators.edges.http.routes.Edge`).
 
     Raises:
         ValueError: a key of ``before`` names no stage of the default graph.
     """
     metrics = metrics if metrics is not None else ServerMetrics()
     graph_options.setdefault("on_migration", metrics.count_migration)
-    graph = default_graph(engine, tokenizer, model_name=model_name, before=before, **graph_options)
-    return OpenAIApp(graph, model_name=model_name, metrics=metrics, guard=guard)
+    stages = default_stages(tokenizer, model_name=model_name, **graph_options)
+    graph = stages.insert(before or {}).link(engine)
+    reasoning = graph_options.get("reasoning_parser") is not None
+    preprocessor = stages.preprocessor
+    own = preprocessor if isinstance(preprocessor, OpenAIPreprocessor) else None
+    served: list[Edge] = [ResponsesEdge(responses_store, reasoning=reasoning), AnthropicEdge(own)]
+    routes = [embedding_routes(embedder or embedder_of(engine), tokenizer)]
+    if own is not None:
+        context = getattr(engine, "n_ctx", None)  # (the llama engine's context length)
+        routes.append(tokenize_routes(own, context=context if isinstance(context, int) else None))
+    buffer = None
+    if ui:
+        buffer = SpanBuffer()
+        if tracer is None:
+            tracer = Tracer(buffer)
+        else:
+            tracer.add_sink(buffer)
+    app = OpenAIApp(
+        graph,
+        model_name=model_name,
+        metrics=metrics,
+        guard=guard,
+        edges=[*served, *edges],
+        openai_routes=routes,
+        tracer=tracer,
+    )
+    if ui:
+        groups = _worker_groups(engine, graph_options)
+        attach_ui(
+            app,
+            buffer=buffer,
+            workers=None if groups is None else lambda: groups,
+            engine_name=type(engine).__name__,
+        )
+    return app
+
+
+def _worker_groups(engine: object, options: GraphOptions) -> WorkerGroups | None:
+    """The worker sets behind ``engine`` and the graph's routers, by role (None: the
+    engine is a single one)."""
+    prefill = options.get("prefill_workers")
+    encode = options.get("encode_workers")
+    decode = engine.workers if isinstance(engine, Router) else None
+    if decode is None and prefill is None and encode is None:
+        return None
+    return {
+        "decode" if prefill is not None else "aggregated": decode,
+        "prefill": prefill,
+        "encode": encode,
+    }

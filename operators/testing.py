@@ -18,6 +18,8 @@ stream's chunks all arrive at the end (use a real server to observe timing)::
 
 from __future__ import annotations
 
+import importlib
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,16 +38,17 @@ from .contracts.llm import (
 )
 
 if TYPE_CHECKING:
+    import anthropic
     import openai
 
     from pipeline import Engine
 
-    from .edges.openai.server import OpenAIApp
+    from .edges.http.app import EdgeApp
 
-__all__ = ("EngineFactory", "check_engine", "openai_client")
+__all__ = ("EngineFactory", "anthropic_client", "check_engine", "openai_client")
 
 
-def openai_client(app: OpenAIApp, *, api_key: str = "test", **options: Any) -> openai.AsyncOpenAI:
+def openai_client(app: EdgeApp, *, api_key: str = "test", **options: Any) -> openai.AsyncOpenAI:
     """An ``openai.AsyncOpenAI`` client for ``app``, in-process; close it (``async with``).
 
     ``options`` go to the client (``max_retries`` is 0 unless given: a test sees the first
@@ -64,6 +67,32 @@ def openai_client(app: OpenAIApp, *, api_key: str = "test", **options: Any) -> o
     client: Any = http
     return openai.AsyncOpenAI(
         base_url="http://app/v1", api_key=api_key, http_client=client, **options
+    )
+
+
+def anthropic_client(
+    app: EdgeApp, *, api_key: str = "test", **options: Any
+) -> anthropic.AsyncAnthropic:
+    """An ``anthropic.AsyncAnthropic`` client for ``app`` (its Messages edge), in-process;
+    close it (``async with``). ``max_retries`` is 0 unless given.
+
+    Raises:
+        ImportError: the ``anthropic`` package is not installed.
+    """
+    try:
+        import anthropic
+    except ImportError as exc:  # a test dependency, not the framework's
+        raise ImportError("anthropic_client needs the anthropic package") from exc
+    try:  # the SDK's own httpx (recent versions ship a fork, httpx2)
+        http_module: Any = importlib.import_module("httpx2")
+    except ImportError:
+        http_module = httpx
+    options.setdefault("max_retries", 0)
+    http = http_module.AsyncClient(
+        transport=http_module.ASGITransport(app=app), base_url="http://app"
+    )
+    return anthropic.AsyncAnthropic(
+        base_url="http://app", api_key=api_key, http_client=http, **options
     )
 
 
@@ -94,7 +123,11 @@ async def check_engine(
        gets the rest of that answer and counts ``max_tokens`` from there;
     5. raise only :class:`pipeline.RequestError` subclasses (an empty prompt: raise
        :class:`~pipeline.InvalidRequest` or end every choice);
-    6. leave no task running behind it.
+    6. if it has ``embed`` (the optional part of the contract): one vector per input, all
+       of one length, finite numbers, the same vector alone, in a batch, in another order
+       and a second time; an empty input raises :class:`~pipeline.InvalidRequest` naming
+       it (``input...``);
+    7. leave no task running behind it.
 
     Each check runs in its own cancel scope and time limit, so one failure cannot poison
     the next.
@@ -104,7 +137,7 @@ async def check_engine(
     """
     name = getattr(factory, "__name__", repr(factory))
     checks = (_ends_every_choice, _stops_promptly, _dies_promptly, _continues_replayed,
-              _raises_request_errors)  # fmt: skip
+              _raises_request_errors, _embeds)  # fmt: skip
     before = {task.id for task in anyio.get_running_tasks()}
     for check in checks:
         if check is _continues_replayed and not deterministic:
@@ -119,6 +152,40 @@ async def check_engine(
     leftover = {task.id for task in anyio.get_running_tasks()} - before
     if leftover:
         raise AssertionError(f"{name}: left {len(leftover)} task(s) running behind its streams")
+
+
+async def _embeds(name: str, factory: EngineFactory, prompt: list[int]) -> None:
+    """embeds: one fixed-length vector per input, the same alone or batched"""
+    embed = getattr(factory(), "embed", None)
+    if embed is not None:
+        inputs = [prompt, prompt[: max(1, len(prompt) // 2)], prompt[::-1]]
+        batched = await embed(inputs)
+        if len(batched) != len(inputs):
+            raise AssertionError(
+                f"{name}: embed gave {len(batched)} vectors for {len(inputs)} inputs"
+            )
+        sizes = {len(vector) for vector in batched}
+        if len(sizes) != 1 or 0 in sizes:
+            raise AssertionError(f"{name}: embed gave vectors of lengths {sorted(sizes)}")
+        if not all(math.isfinite(x) for vector in batched for x in vector):
+            raise AssertionError(f"{name}: embed gave a number that is not finite")
+        alone = [(await embed([tokens]))[0] for tokens in inputs]
+        reversed_order = (await embed(inputs[::-1]))[::-1]
+        again = await embed(inputs)
+        for label, other in (("alone", alone), ("in another order", reversed_order),
+                             ("a second time", again)):  # fmt: skip
+            if [list(v) for v in other] != [list(v) for v in batched]:
+                raise AssertionError(f"{name}: embed gave other vectors {label} than batched")
+        try:
+            await embed([[]])
+        except InvalidRequest as exc:
+            if not (exc.param or "").startswith("input"):
+                raise AssertionError(
+                    f"{name}: an empty input to embed must be refused naming 'input...', "
+                    f"not {exc.param!r}"
+                ) from exc
+        else:
+            raise AssertionError(f"{name}: embed accepted an empty input")
 
 
 def _request(prompt: list[int], *, max_tokens: int | None, n: int = 1, logprobs: int | None = None,

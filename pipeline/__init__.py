@@ -16,6 +16,9 @@ The parts:
   its working cache (:class:`MemoryKvTier`, :class:`DiskKvTier`), by block id.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
+- :mod:`pipeline.tracing` — spans per request and stage (``ctx.span``), started by an edge's
+  :class:`~pipeline.tracing.Tracer`; :func:`link` gives every linked operator its own
+  (:func:`named` names a stage's).
 
 This package knows nothing about LLMs: it imports no pydantic, no tokenizers and nothing
 from ``operators``.
@@ -53,6 +56,7 @@ from .kv_tier import KvTier as KvTier
 from .kv_tier import MemoryKvTier as MemoryKvTier
 from .link import chain as chain
 from .link import link as link
+from .link import named as named
 from .operator import Engine as Engine
 from .operator import Operator as Operator
 from .operator import Stream as Stream
@@ -117,6 +121,7 @@ __all__ = (
     "chain",
     "event_from_dict",
     "link",
+    "named",
     "next_or_wait",
     "open_stream",
 )

@@ -29,6 +29,8 @@ import anyio
 if TYPE_CHECKING:
     from anyio import CancelScope
 
+    from .tracing import Span
+
 __all__ = ("Context", "State", "StateKey", "StateKeyError")
 
 T = TypeVar("T")
@@ -207,7 +209,7 @@ class Context(Generic[T_co]):
     downstream.
     """
 
-    __slots__ = ("_controller", "_data", "_id", "_metadata", "_state")
+    __slots__ = ("_controller", "_data", "_id", "_metadata", "_span", "_state")
 
     def __init__(
         self,
@@ -217,12 +219,14 @@ class Context(Generic[T_co]):
         metadata: Mapping[str, str],
         state: State,
         controller: _Controller,
+        span: Span | None = None,
     ) -> None:
         self._data = data
         self._id = id
         self._metadata = metadata
         self._state = state
         self._controller = controller
+        self._span = span
 
     @classmethod
     def new(
@@ -232,11 +236,12 @@ class Context(Generic[T_co]):
         id: str | None = None,  # noqa: A002
         metadata: Mapping[str, str] | None = None,
         deadline: float | None = None,
+        span: Span | None = None,
     ) -> Context[T]:
         """Start a new request.
 
         ``deadline`` is an absolute time on the event loop's clock (``anyio.current_time()``);
-        when it passes the request is killed.
+        when it passes the request is killed. ``span`` traces it (:mod:`pipeline.tracing`).
         """
         return Context(
             data,
@@ -244,6 +249,7 @@ class Context(Generic[T_co]):
             metadata=dict(metadata or {}),
             state=State(),
             controller=_Controller(math.inf if deadline is None else deadline),
+            span=span,
         )
 
     @property
@@ -265,6 +271,12 @@ class Context(Generic[T_co]):
     def state(self) -> State:
         """The request-scoped typed store (see :class:`StateKey`)."""
         return self._state
+
+    @property
+    def span(self) -> Span | None:
+        """The span of the stage this context was given to, when the request is traced
+        (:mod:`pipeline.tracing`); None otherwise. Replaced and child contexts keep it."""
+        return self._span
 
     @property
     def deadline(self) -> float | None:
@@ -290,6 +302,19 @@ class Context(Generic[T_co]):
             metadata=self._metadata,
             state=self._state,
             controller=self._controller,
+            span=self._span,
+        )
+
+    def with_span(self, span: Span | None) -> Context[T_co]:
+        """The same request (payload, id, state, cancellation) traced under ``span``: what
+        a stage passes on so that the spans of what it calls hang under its own."""
+        return Context(
+            self._data,
+            id=self._id,
+            metadata=self._metadata,
+            state=self._state,
+            controller=self._controller,
+            span=span,
         )
 
     def child(
@@ -313,6 +338,7 @@ class Context(Generic[T_co]):
             metadata=dict(self._metadata if metadata is None else metadata),
             state=self._state if state is None else state,
             controller=self._controller.spawn(math.inf if deadline is None else deadline),
+            span=self._span,
         )
 
     def stop_generating(self) -> None:

@@ -209,6 +209,10 @@ class KvRouter:
             self._remember(worker.id, keys, overlaps.get(worker.id, 0), now + self._ttl)
         if self._on_decision is not None:
             self._on_decision(worker.id, hit, total - hit)
+        span = ctx.span
+        if span is not None:  # a traced request: what the chosen worker had of its prompt
+            span.set("llm_pipeline.kv.prompt_blocks", total)
+            span.set("llm_pipeline.kv.overlap_blocks", hit)
         return worker
 
     def _held(self, found: int, keys: Sequence[Hashable], total: int) -> int:

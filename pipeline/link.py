@@ -10,20 +10,35 @@ An operator that returns downstream's own stream (a passthrough) gets it back un
 Composition is typed: every adjacent pair must fit (operator K's downstream types are
 stage K+1's own), checked by overloads up to ten operators and by nesting beyond that;
 ``docs/design.md`` ("Typed composition") says why overloads and not a builder.
+
+Tracing is the link's job too, so that every operator is traced without code of its own:
+a request whose Context carries a span (:mod:`pipeline.tracing`) gets a child span per
+linked operator, named after its class or the name given with :func:`named`, and one
+named ``"engine"`` for the engine below the last operator. The check is one attribute
+read per stage and request; an untraced request runs exactly the code it always ran.
+Traced, a span ends when its stream is closed, with no extra hop per item except where the
+untraced link had none to piggyback on (the engine's stream, and a passthrough's).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, TypeVar, final, overload
+import time
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final, overload
 
 from .errors import LinkError
 
 if TYPE_CHECKING:
     from .context import Context
     from .operator import Engine, Operator, Stream
+    from .tracing import Span
 
-__all__ = ("chain", "link")
+__all__ = ("ENGINE_SPAN", "chain", "link", "named")
+
+#: the name of the span of the engine at the bottom of a traced graph
+ENGINE_SPAN: Final = "engine"
+#: the attribute naming the class behind a stage's or the engine's span
+OPERATOR_ATTRIBUTE: Final = "llm_pipeline.operator"
 
 T = TypeVar("T")
 # Req{k}/Item{k}: the request and item types on the edge below operator k (0: the graph's
@@ -173,16 +188,104 @@ class _LinkedStream:
                     await aclose()
 
 
+class _SpanStream:
+    """A traced stream: closing it closes what it opened (as :class:`_LinkedStream`), then
+    ends its spans (its own, and those of passthrough stages above that returned it)."""
+
+    __slots__ = ("_next", "_opened", "_stream", "spans")
+
+    def __init__(
+        self, stream: Stream[Any], opened: list[Stream[Any]], span: Span, *, engine: bool = False
+    ) -> None:
+        self._stream = stream
+        self._opened = opened
+        self.spans = [span]
+        self._next: Any = self._first if engine else stream.__anext__
+
+    def __aiter__(self) -> _SpanStream:
+        return self
+
+    def __anext__(self) -> Any:
+        return self._next()
+
+    async def _first(self) -> Any:
+        """The engine's first output: an event on its span (and an error before it)."""
+        try:
+            item = await self._stream.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            self.spans[0].set_error(f"{type(exc).__name__}: {exc}")
+            raise
+        self.spans[0].add_event("first_token")
+        self._next = self._stream.__anext__
+        return item
+
+    def athrow(self, *args: Any) -> Any:
+        return self._stream.athrow(*args)  # type: ignore[attr-defined]
+
+    async def aclose(self) -> None:
+        try:
+            aclose = getattr(self._stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        finally:
+            try:
+                for opened in self._opened:
+                    aclose = getattr(opened, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+            finally:
+                now = time.time_ns()
+                for span in self.spans:
+                    span.end(now)
+
+
+class _TracedDownstream(_Downstream):
+    """The downstream of a traced operator whose downstream is the engine: the engine's
+    stream gets a span of its own."""
+
+    __slots__ = ()
+
+    def generate(self, ctx: Context[Any], /) -> Stream[Any]:
+        parent = ctx.span
+        if parent is None:  # the operator passed on a context of its own making
+            return super().generate(ctx)
+        engine = self._engine
+        span = parent.child(ENGINE_SPAN)
+        span.set(OPERATOR_ATTRIBUTE, _name(engine))
+        try:
+            stream = _as_stream(engine.generate(ctx.with_span(span)), engine)
+        except BaseException as exc:
+            span.set_error(f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        traced = _SpanStream(stream, [], span, engine=True)
+        self.opened.append(traced)
+        return traced
+
+
 class _Linked:
     """An operator bound to its downstream: itself an Engine."""
 
-    __slots__ = ("_downstream", "_operator")
+    __slots__ = ("_downstream", "_leaf", "_name", "_operator")
 
-    def __init__(self, operator: Operator[Any, Any, Any, Any], downstream: Engine[Any, Any]):
+    def __init__(
+        self,
+        operator: Operator[Any, Any, Any, Any],
+        downstream: Engine[Any, Any],
+        name: str | None = None,
+    ):
         self._operator = operator
         self._downstream = downstream
+        #: the name of this stage's span
+        self._name = name if name is not None else _name(operator)
+        #: whether ``downstream`` is the engine (it gets the engine's span)
+        self._leaf = not isinstance(downstream, (_Linked, _Downstream))
 
     def generate(self, ctx: Context[Any], /) -> Stream[Any]:
+        if ctx.span is not None:
+            return self._traced(ctx)
         downstream = _Downstream(self._downstream)
         stream = _as_stream(self._operator.generate(ctx, downstream), self._operator)
         opened = downstream.opened
@@ -191,6 +294,28 @@ class _Linked:
             # operator opened, so there is nothing to record and no hop to add.
             return stream
         return _LinkedStream(stream, downstream)
+
+    def _traced(self, ctx: Context[Any]) -> Stream[Any]:
+        """``generate`` for a traced request: the operator runs under a span of its own."""
+        assert ctx.span is not None
+        span = ctx.span.child(self._name)
+        operator = self._operator
+        span.set(OPERATOR_ATTRIBUTE, _name(operator))
+        downstream = (
+            _TracedDownstream(self._downstream) if self._leaf else _Downstream(self._downstream)
+        )
+        try:
+            stream = _as_stream(operator.generate(ctx.with_span(span), downstream), operator)
+        except BaseException as exc:
+            span.set_error(f"{type(exc).__name__}: {exc}")
+            span.end()
+            raise
+        opened = downstream.opened
+        if len(opened) == 1 and opened[0] is stream and isinstance(stream, _SpanStream):
+            # A passthrough: its span ends with the stream it handed through (no hop).
+            stream.spans.append(span)
+            return stream
+        return _SpanStream(stream, opened, span)
 
     def __repr__(self) -> str:
         return f"link({self._operator!r}, {self._downstream!r})"
@@ -323,8 +448,8 @@ def link(*stages: Any) -> Engine[Any, Any]:
     for index, operator in enumerate(operators):
         _check_stage(operator, position=f"operator #{index + 1}", arity=2)
     linked: Engine[Any, Any] = engine
-    for operator in reversed(_flatten(operators)):
-        linked = _Linked(operator, linked)
+    for operator, name in reversed(_flatten(operators)):
+        linked = _Linked(operator, linked, name)
     return linked
 
 
@@ -344,31 +469,56 @@ def chain(*operators: Operator[Req0, Item0, Req0, Item0]) -> Operator[Req0, Item
     return _Chain(_flatten(list(operators)))
 
 
-def _flatten(operators: list[Any]) -> tuple[Any, ...]:
-    flat: list[Any] = []
+def named(
+    name: str, operator: Operator[Req0, Item0, Req1, Item1]
+) -> Operator[Req0, Item0, Req1, Item1]:
+    """``operator``, whose span in a traced request is called ``name`` instead of its
+    class's name (the default graph names its stages so: ``"backend"``, ``"migration"``).
+
+    ``link`` unwraps it like a :func:`chain`: it costs nothing per request or item.
+
+    Raises:
+        LinkError: when ``operator`` is not an operator, or ``name`` is empty.
+    """
+    if not name:
+        raise LinkError("named() needs a non-empty name")
+    _check_stage(operator, position=f"named({name!r}, ...) operator", arity=2)
+    if isinstance(operator, _Chain):
+        raise LinkError(f"named({name!r}, ...) names one operator, not a chain")
+    return _Chain(((operator, name),))
+
+
+def _flatten(operators: list[Any]) -> tuple[tuple[Any, str | None], ...]:
+    """Each operator with its span name (None: its class's), chains spliced in."""
+    flat: list[tuple[Any, str | None]] = []
     for operator in operators:
         if isinstance(operator, _Chain):
             flat.extend(operator.operators)
         else:
-            flat.append(operator)
+            flat.append((operator, None))
     return tuple(flat)
 
 
 @final
 class _Chain:
-    """What :func:`chain` returns: an operator that links its operators per request."""
+    """What :func:`chain` and :func:`named` return: an operator that links its operators
+    per request (``link`` splices them in place instead)."""
 
     __slots__ = ("operators",)
 
-    def __init__(self, operators: tuple[Operator[Any, Any, Any, Any], ...]) -> None:
+    def __init__(self, operators: tuple[tuple[Operator[Any, Any, Any, Any], str | None], ...]):
+        #: the operators, front to back, each with its span name (None: its class's)
         self.operators = operators
 
     def generate(self, ctx: Context[Any], downstream: Engine[Any, Any], /) -> Stream[Any]:
         """Serve ``ctx`` through the chained operators onto ``downstream``."""
         linked = downstream
-        for operator in reversed(self.operators):
-            linked = _Linked(operator, linked)
+        for operator, name in reversed(self.operators):
+            linked = _Linked(operator, linked, name)
         return linked.generate(ctx)
 
     def __repr__(self) -> str:
-        return f"chain({', '.join(map(repr, self.operators))})"
+        parts = (
+            repr(op) if name is None else f"named({name!r}, {op!r})" for op, name in self.operators
+        )
+        return f"chain({', '.join(parts)})"

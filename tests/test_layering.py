@@ -8,8 +8,10 @@
    that entered them.
 3. The floors of operators/: each kind of module imports only from the kinds below it
    (contracts/ and text/ at the ground, the API edges and the engines never of each other,
-   the entry points on top), and the project's own code imports moved modules by their new
-   paths only (the old ones are aliases for users, ``operators._moved``).
+   the entry points on top); within edges/, the shared plumbing (http/) knows no API and no
+   edge imports one beside it but the OpenAI edge (what the graph speaks); and the
+   project's own code imports moved modules by their new paths only (the old ones are
+   aliases for users, ``operators._moved``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ PUBLIC_MODULES = frozenset(
         "pipeline.errors",
         "pipeline.routers",
         "pipeline.testing",
+        "pipeline.tracing",
         "pipeline.transports",
         "pipeline.transports.codec",
         "pipeline.transports.nats",
@@ -353,6 +356,10 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     # an engine knows no API edge, and an edge no engine: the graph joins them
     "engines": frozenset({"contracts", "text", "routing"}),
     "edges": frozenset({"contracts", "text", "parsers", "backend"}),
+    # what the server tells about itself: spans kept, exported, logged (LLM-agnostic)
+    "telemetry": frozenset(),
+    # the web UI served by the HTTP edge: its status view reads the edge and the spans
+    "ui": frozenset({"contracts", "edges", "telemetry"}),
 }
 
 
@@ -438,6 +445,67 @@ def old_path_imports(source: str, module: str, package: bool = False) -> list[st
 )
 def test_the_floor_checker_itself(module: str, source: str, bad: bool) -> None:
     assert bool(floor_violations(source, module)) == bad
+
+
+#: within edges/: what each edge may import of the others. The plumbing every edge shares
+#: (``http``) knows no API; the OpenAI edge holds what the graph speaks (its requests and
+#: events), so the Responses and Anthropic edges build on it, and never on each other.
+EDGE_MAY_IMPORT: dict[str, frozenset[str]] = {
+    "http": frozenset(),
+    "openai": frozenset({"http"}),
+    "responses": frozenset({"http", "openai"}),
+    "anthropic": frozenset({"http", "openai"}),
+}
+
+
+def _edge(module: str) -> str | None:
+    """The edge of an ``operators.edges`` module: its name under ``edges``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["operators", "edges"] else None
+
+
+def edge_violations(source: str, module: str, package: bool = False) -> list[str]:
+    """The imports of an edge's module that reach an edge its floor may not."""
+    edge = _edge(module)
+    allowed = EDGE_MAY_IMPORT.get(edge or "")
+    if allowed is None:
+        return []
+    return sorted(
+        {
+            f"line {line}: {imported} (edges/{other}/)"
+            for line, imported in _absolute_imports(source, module, package)
+            if (other := _edge(imported)) is not None and other != edge and other not in allowed
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "bad"),
+    [
+        ("operators.edges.http.app", "from .failures import ApiError", False),
+        ("operators.edges.http.app", "from operators.edges.openai.errors import x", True),
+        ("operators.edges.http.sse_writer", "from ..openai.events import Usage", True),
+        ("operators.edges.openai.edge", "from operators.edges.http.routes import Route", False),
+        ("operators.edges.openai.edge", "from operators.edges.responses import x", True),
+        ("operators.edges.responses.edge", "from operators.edges.openai import errors", False),
+        ("operators.edges.responses.edge", "from ..anthropic.errors import x", True),
+        ("operators.edges.anthropic.edge", "from operators.edges.responses.store import x", True),
+        ("operators.edges.anthropic.edge", "from ..http.generation import Exchange", False),
+    ],
+)
+def test_the_edge_floor_checker_itself(module: str, source: str, bad: bool) -> None:
+    assert bool(edge_violations(source, module)) == bad
+
+
+@pytest.mark.parametrize("path", _sources("operators/edges"), ids=_relative)
+def test_edges_import_only_the_edges_below_them(path: Path) -> None:
+    problems = edge_violations(path.read_text(), *_module_name(path))
+    assert not problems, f"{_relative(path)} imports another edge: " + "; ".join(problems)
+
+
+def test_every_edge_has_a_floor() -> None:
+    edges = {path.name for path in (ROOT / "operators" / "edges").iterdir() if path.is_dir()}
+    assert edges - {"__pycache__"} == set(EDGE_MAY_IMPORT)
 
 
 @pytest.mark.parametrize(

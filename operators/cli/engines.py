@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.openai.metrics import BatchingCounts, KvCounts, ServerMetrics
+from operators.edges.http.metrics import BatchingCounts, EngineLoad, KvCounts, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
@@ -26,11 +26,15 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 __all__ = (
+    "load_engine",
     "load_llama",
     "load_llama_workers",
     "load_tokenizer",
+    "load_vllm",
     "make_engine",
+    "watch_engine",
     "watch_llama",
+    "watch_vllm",
     "worker_set",
 )
 
@@ -161,6 +165,71 @@ async def load_llama_workers(
             engine.close()
         raise
     return WorkerSet(role, engines)
+
+
+async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
+    """The vLLM engine ``config`` describes, started in a thread (it spawns vLLM's
+    processes and loads the model: seconds to a minute). Cancelled meanwhile (a signal),
+    the engine is stopped as soon as it is up: its processes must not outlive the call."""
+    from operators.engines.vllm import VllmEngine
+
+    started: list[VllmEngine] = []
+
+    def start() -> VllmEngine:
+        started.append(
+            VllmEngine(
+                config.model,
+                dtype=config.dtype,
+                max_model_len=config.max_model_len,
+                max_num_seqs=config.max_num_seqs,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                tensor_parallel_size=config.tensor_parallel_size,
+                vllm_block_size=config.block_size,
+                block_size=config.kv_block_size,
+                fail_after_tokens=config.fail_after_tokens,
+                log_level=log_level,
+            )
+        )
+        return started[0]
+
+    try:
+        return await anyio.to_thread.run_sync(start)
+    except BaseException:
+        if started:
+            await started[0].aclose()
+        raise
+
+
+async def load_engine(config: EngineConfig, *, log_level: str = "warning") -> Any:
+    """The model engine (llama or vllm) ``config`` asks for."""
+    if config.engine == "vllm":
+        return await load_vllm(config, log_level=log_level)
+    return await load_llama(config)
+
+
+def watch_engine(metrics: ServerMetrics, engine: Any) -> None:
+    """Export a model engine's statistics in ``metrics`` (llama's or vllm's)."""
+    if hasattr(engine, "recent_steps"):
+        watch_llama(metrics, engine)
+    else:
+        watch_vllm(metrics, engine)
+
+
+def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
+    """Export the vLLM engine's scheduler load (as vLLM last reported it) in ``metrics``."""
+
+    def load() -> EngineLoad:
+        stats = engine.statistics()
+        return EngineLoad(
+            running=stats.running_requests,
+            waiting=stats.waiting_requests,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits,
+            preemptions=stats.preemptions,
+        )
+
+    metrics.watch_engine("vllm", load)
 
 
 def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = ()) -> None:

@@ -28,7 +28,14 @@ if TYPE_CHECKING:
 
     from pipeline import WorkerSet
 
-__all__ = ("OneLineErrors", "close_nats", "connect_nats", "follow_kv_events", "publish_kv_events")
+__all__ = (
+    "OneLineErrors",
+    "close_nats",
+    "connect_nats",
+    "follow_kv_events",
+    "one_line",
+    "publish_kv_events",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,13 @@ async def connect_nats(url: str, *, name: str) -> Client | None:
     except ConnectFailed as exc:
         print(f"llm-pipeline: {exc}", file=sys.stderr)
         return None
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong, in one line: the leaves of an exception group, not the group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(one_line(inner) for inner in exc.exceptions)
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 async def close_nats(nc: Client) -> None:

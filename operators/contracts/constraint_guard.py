@@ -6,18 +6,34 @@ engine, a user's engine) would answer it like any other, and the client, told 20
 believe the output had been constrained. Engines declare the feature
 (:data:`~operators.contracts.llm.CONSTRAINED_DECODING` in ``engine.features``); the default
 graph puts this operator in front of one that does not, so the client gets a 400 naming the
-field instead. Unconstrained requests pass through without a hop.
+field instead. Unconstrained requests pass through without a hop. A NATS worker does the
+same with :func:`guarded` (its frontend cannot know what the worker's engine honours).
 """
 
 from __future__ import annotations
 
 from typing import final
 
-from pipeline import Context, Engine, InvalidRequest, Stream
+from pipeline import Context, Engine, InvalidRequest, Stream, link
 
-from .llm import Constraint, EngineOutput, PreprocessedRequest
+from .llm import (
+    CONSTRAINED_DECODING,
+    Constraint,
+    EngineOutput,
+    PreprocessedRequest,
+    engine_features,
+)
 
-__all__ = ("ConstraintGuard",)
+__all__ = ("ConstraintGuard", "guarded")
+
+
+def guarded(
+    engine: Engine[PreprocessedRequest, EngineOutput],
+) -> Engine[PreprocessedRequest, EngineOutput]:
+    """``engine``, behind a :class:`ConstraintGuard` unless it decodes under constraints."""
+    if CONSTRAINED_DECODING in engine_features(engine):
+        return engine
+    return link(ConstraintGuard(type(engine).__name__), engine)
 
 
 @final

@@ -11,7 +11,7 @@ Keep this module to type definitions; behaviour lives in the operator that owns 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
@@ -19,6 +19,7 @@ __all__ = (
     "CONSTRAINED_DECODING",
     "BackendOutput",
     "Constraint",
+    "Embedder",
     "EngineOutput",
     "FinishReason",
     "HasFeatures",
@@ -30,6 +31,7 @@ __all__ = (
     "Tool",
     "ToolCallDelta",
     "TopLogprobs",
+    "embedder_of",
     "engine_features",
 )
 
@@ -69,6 +71,13 @@ class SamplingOptions:
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: sample among the k most likely tokens only (None, 0 or -1: all of them)
+    top_k: int | None = None
+    #: drop tokens less likely than ``min_p`` times the most likely one (None or 0: none)
+    min_p: float | None = None
+    #: divide (or multiply, when negative) the logits of tokens already in prompt or output
+    #: (None or 1: none)
+    repetition_penalty: float | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -138,6 +147,22 @@ def engine_features(engine: object) -> frozenset[str]:
     """
     features = getattr(engine, "features", None)
     return frozenset(features) if features is not None else frozenset()
+
+
+class Embedder(Protocol):
+    """An engine that also embeds (the optional part of the engine contract,
+    ``docs/engines.md``): ``/v1/embeddings`` calls it with each input's token ids."""
+
+    async def embed(self, token_ids: Sequence[Sequence[int]], /) -> list[list[float]]:
+        """One vector per input, all of one length; deterministic, and the same vector for
+        an input alone or in any batch. An input it cannot take raises
+        ``InvalidRequest(param="input.<i>")``."""
+        ...
+
+
+def embedder_of(engine: object) -> Embedder | None:
+    """``engine`` if it embeds (has an ``embed`` method), else None."""
+    return engine if callable(getattr(engine, "embed", None)) else None  # type: ignore[return-value]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -41,12 +41,15 @@ from pipeline.transports.nats import NatsDiscovery, NatsTimeouts
 
 from .llm import (
     BackendOutput,
+    Constraint,
     EngineOutput,
     MultimodalItem,
     OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    Tool,
+    ToolCallDelta,
 )
 
 if TYPE_CHECKING:
@@ -70,8 +73,11 @@ LLM_TYPES: Final = (
     SamplingOptions,
     OutputOptions,
     MultimodalItem,
+    Tool,
+    Constraint,
     EngineOutput,
     BackendOutput,
+    ToolCallDelta,
 )
 
 

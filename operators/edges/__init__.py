@@ -6,9 +6,11 @@ wire format (JSON bodies, server-sent events). Everything between the two ends â
 the Backend's stop jail, output parsers, admission, deadlines, metrics â€” is the graph's and is
 written once, so a new edge is only a request module and a rendering module.
 
-:mod:`operators.edges.openai` speaks chat completions and completions. The Responses and
-Anthropic Messages edges will sit beside it as ``responses/`` and ``anthropic/``, sharing its
-plumbing (the guard, the SSE writer, errors, metrics) rather than copying it.
+:mod:`operators.edges.openai` speaks chat completions, completions, embeddings and
+tokenize (and holds what the graph speaks); :mod:`operators.edges.responses` the Responses
+API and its store; :mod:`operators.edges.anthropic` Messages. :mod:`operators.edges.http`
+is the plumbing they all share (the app, the guard, generations, the SSE writer, errors,
+metrics), written once; ``examples/custom_edge.py`` is an edge of a user's own.
 """
 
 from __future__ import annotations

@@ -273,6 +273,8 @@ class MockerEngine:
             return _Plan(replayed, 1, len(request.token_ids) + self._image_tokens(ctx))
         if request.prefill_result is not None:
             self._check_handle(ctx)
+            if ctx.span is not None:
+                ctx.span.add_event("kv_transfer", {"llm_pipeline.worker.id": self.worker_id})
             # The first token came from the prefill worker: continue after it.
             return _Plan(replayed + 1, max(budget - 1, 0), 0)
         return _Plan(replayed, budget, len(request.token_ids) + self._image_tokens(ctx))
@@ -313,6 +315,9 @@ class MockerEngine:
             await self._slots.acquire()
         finally:
             self._waiting -= 1
+        span = ctx.span
+        if span is not None:  # a traced request: queue wait, prefill and decode as events
+            span.add_event("scheduled")
         hit: int | None = None  # reported on the first output when there is a cache
         if cache is not None:  # leading cached blocks skip prefill (not the images)
             hit = cache.lookup(blocks, len(request.token_ids))
@@ -346,8 +351,17 @@ class MockerEngine:
                 await clock.wait_step(first + emitted)
                 if ctx.is_stopped:
                     return
-                if emitted == 0 and cache is not None:
-                    cache.store(blocks)  # prefilled: the prompt's blocks are now cached
+                if emitted == 0:
+                    if cache is not None:
+                        cache.store(blocks)  # prefilled: the prompt's blocks are now cached
+                    if span is not None:
+                        span.add_event(
+                            "prefilled",
+                            {
+                                "llm_pipeline.prefill_tokens": plan.prefill_tokens,
+                                "llm_pipeline.cached_tokens": hit or 0,
+                            },
+                        )
                 token_id = next(sequence)
                 finish: FinishReason | None = "length" if emitted == final else None
                 handle = None

@@ -65,9 +65,25 @@ class EncoderRouter:
         )
 
     async def _encode(self, ctx: Context[PreprocessedRequest]) -> dict[str, Any] | None:
-        """Run the encode leg; its encoder_result, or None when it failed (logged)."""
-        assert self._router is not None
+        """Run the encode leg; its encoder_result, or None when it failed (logged). A
+        traced request's leg gets a span, ``encode``, naming the worker chosen."""
         leg = ctx.child(ctx.data)
+        span = None if ctx.span is None else ctx.span.child("encode", kind="client")
+        if span is None:
+            return await self._run_encode(ctx, leg)
+        try:
+            result = await self._run_encode(ctx, leg.with_span(span))
+            if result is None:
+                span.set_error("encoding failed: the request is encoded inline")
+            return result
+        finally:
+            span.end()
+
+    async def _run_encode(
+        self, ctx: Context[PreprocessedRequest], leg: Context[PreprocessedRequest]
+    ) -> dict[str, Any] | None:
+        """The encode leg ``leg``, run by the encode router; its result or None."""
+        assert self._router is not None
         terminal: EngineOutput | None = None
         try:
             async with open_stream(self._router, leg) as stream:

@@ -100,9 +100,10 @@ class PrefillRouter:
     async def _prefill(self, ctx: Context[PreprocessedRequest]) -> EngineOutput | None:
         """Run the prefill leg to its end; one output holding its token and handle.
 
-        None when the request was stopped or killed before the token arrived.
+        None when the request was stopped or killed before the token arrived. A traced
+        request's leg gets a span, ``prefill``, naming the worker chosen (and, under a
+        :class:`pipeline.KvRouter`, the KV overlap it had).
         """
-        assert self._router is not None
         request = ctx.data
         # The first token is chosen as the aggregated request's would be: with min_tokens
         # its stop ids are masked out.
@@ -110,6 +111,28 @@ class PrefillRouter:
             request.stop, max_tokens=1, min_tokens=min(request.stop.min_tokens, 1)
         )
         leg = ctx.child(dataclasses.replace(request, stop=stop, prefill_result=None))
+        span = None if ctx.span is None else ctx.span.child("prefill", kind="client")
+        if span is not None:
+            leg = leg.with_span(span)
+        try:
+            first = await self._run_prefill(ctx, leg)
+            if span is not None and first is not None and first.cached_tokens is not None:
+                span.set("gen_ai.usage.cache_read.input_tokens", first.cached_tokens)
+        except Exception as exc:
+            if span is not None:
+                span.set_error(f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if span is not None:
+                span.end()
+        return first
+
+    async def _run_prefill(
+        self, ctx: Context[PreprocessedRequest], leg: Context[PreprocessedRequest]
+    ) -> EngineOutput | None:
+        """The prefill leg ``leg`` (traced under its own span, when ``ctx`` is), run to its
+        end by the prefill router."""
+        assert self._router is not None
         token_ids: list[int] = []
         logprobs: list[float] = []
         top_logprobs: list[TopLogprobs] = []

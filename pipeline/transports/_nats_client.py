@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, TypeAlias, TypeVar, final
 
@@ -14,6 +15,7 @@ from nats.aio.msg import Msg
 from pipeline.errors import ConnectFailed, EngineError, ResponseTimeout, StreamDisconnected
 
 from . import _wire
+from ._nats_bus import POLL, bus_of
 from ._nats_inbox import IDLE, STOPPED, ClientStream, Signal
 from ._wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, control_codec, quietly
 from .codec import Codec, MsgpackCodec
@@ -51,6 +53,9 @@ class RemoteEngine(Generic[In, Out]):
     that worker (what :class:`NatsDiscovery` puts in a WorkerSet). ``codec`` must match the
     worker's. ``subject``/``control_subject`` override the names derived from ``namespace``.
 
+    A traced request (``ctx.span``) carries its span's W3C ``traceparent`` in its
+    metadata, so that a worker that traces hangs its spans under it.
+
     The stream raises what the remote engine raised (the same :mod:`pipeline.errors`
     type; anything else as :class:`~pipeline.EngineError`), or:
 
@@ -70,6 +75,15 @@ class RemoteEngine(Generic[In, Out]):
     when nobody listens on its control subject (it is gone, with its streams).
     :class:`NatsDiscovery` evicts the worker from its WorkerSet there, so that a retry
     never goes back to it, whatever the router's policy.
+
+    Bus outages: while this process's own connection to NATS is down, a silent worker is
+    not a dead one. A stream then waits (no ping, no verdict) for up to
+    ``timeouts.outage`` seconds, or its deadline; a request waits to be sent. Once the
+    connection is back, the stream pings its worker at once (the ping tells a worker that
+    held its outputs during the outage to send them), and for ``timeouts.settle`` seconds
+    a worker that does not answer, or has no responders, is given time to reconnect too.
+    Outputs lost with the connection show as a gap in the frames' sequence: the stream
+    fails with StreamDisconnected, and Migration resumes it elsewhere.
     """
 
     def __init__(
@@ -117,6 +131,7 @@ class RemoteEngine(Generic[In, Out]):
         self._codec: Codec = codec if codec is not None else MsgpackCodec()
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
         self._tick = min(0.05, self._timeouts.idle / 4)
+        self._bus = bus_of(nc)
         self._streams: set[ClientStream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -150,13 +165,19 @@ class RemoteEngine(Generic[In, Out]):
         nc = self._nc
         codec = self._codec
         deadline = ctx.deadline
+        metadata = dict(ctx.metadata)
+        span = ctx.span
+        if span is not None:  # the worker's spans join the trace, under this one
+            metadata["traceparent"] = span.traceparent
+            if self.worker_id is not None:
+                span.set("llm_pipeline.remote.worker.id", self.worker_id)
         try:
             request = codec.encode(
                 {
                     "id": ctx.id,
                     "data": ctx.data,
                     "timeout": None if deadline is None else deadline - anyio.current_time(),
-                    "metadata": dict(ctx.metadata),
+                    "metadata": metadata,
                     "wire": _wire.WIRE_VERSION,
                     "window": self._window,
                 }
@@ -165,6 +186,20 @@ class RemoteEngine(Generic[In, Out]):
             raise EngineError(
                 f"cannot encode the request for {self.subject}: {exc}", request_id=ctx.id
             ) from exc
+        timeouts = self._timeouts
+        bus = self._bus
+        if not bus.connected:
+            # Our own connection is down: a request published now would only wait in
+            # nats-py's buffer, and its start timeout would run meanwhile.
+            while not bus.connected:
+                if ctx.is_stopped:
+                    return
+                if bus.down_for() >= timeouts.outage:
+                    raise ConnectFailed(
+                        f"the NATS connection has been down for {timeouts.outage:g}s",
+                        request_id=ctx.id,
+                    )
+                await anyio.sleep(POLL)
         inbox = nc.new_inbox()
         stream = ClientStream(ctx)
         try:
@@ -184,13 +219,8 @@ class RemoteEngine(Generic[In, Out]):
         read = 0  # outputs the consumer has taken
         regrant = step  # ``read`` at which to grant more
         try:
-            try:
-                await nc.publish(self.subject, request, reply=inbox)
-            except nats.errors.Error as exc:
-                raise ConnectFailed(
-                    f"cannot send the request to {self.subject}: {exc!r}", request_id=ctx.id
-                ) from exc
-            sent_at = anyio.current_time()
+            await self._publish(request, inbox, ctx)
+            sent_at = time.monotonic()
             while True:
                 msg = await stream.next()
                 if isinstance(msg, Signal):
@@ -199,15 +229,28 @@ class RemoteEngine(Generic[In, Out]):
                             stop_sent = True
                             await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
                     elif msg is IDLE:
-                        if expected == 0 and anyio.current_time() - sent_at >= self._timeouts.start:
+                        stream.idle_pending = False
+                        if not bus.connected:
+                            # Our own connection is down: the worker's silence says nothing.
+                            if bus.down_for() >= timeouts.outage:
+                                raise StreamDisconnected(
+                                    f"the NATS connection has been down for {timeouts.outage:g}s",
+                                    request_id=ctx.id,
+                                )
+                            continue
+                        if (
+                            expected == 0
+                            and time.monotonic() - sent_at >= timeouts.start
+                            and not bus.disturbed_since(sent_at, timeouts.settle)
+                        ):
                             raise ResponseTimeout(
                                 f"no worker on {self.subject} took the request within "
-                                f"{self._timeouts.start:g}s",
+                                f"{timeouts.start:g}s",
                                 request_id=ctx.id,
                             )
                         if (
                             control is not None
-                            and not await self._ping(control, worker, ctx, inbox, expected > 0)
+                            and await self._ping(control, worker, ctx, inbox, expected) is False
                             and expected > 0
                             and not stream.pending
                         ):
@@ -216,12 +259,17 @@ class RemoteEngine(Generic[In, Out]):
                             raise StreamDisconnected(
                                 f"worker {worker} no longer serves this stream", request_id=ctx.id
                             )
-                        stream.idle_pending = False
                     else:
                         raise StreamDisconnected(msg.reason, request_id=ctx.id)
                     continue
                 data = msg.data
                 if not data:
+                    if expected == 0 and not bus.settled(timeouts.settle):
+                        # Nobody listens yet, just after a reconnection: the worker may not
+                        # be back yet. Ask again shortly (nobody received the request).
+                        await anyio.sleep(POLL)
+                        await self._publish(request, inbox, ctx)
+                        continue
                     raise self._status_error(msg, ctx, started=expected > 0)
                 try:
                     seq, kind, body = codec.decode(data)
@@ -231,6 +279,11 @@ class RemoteEngine(Generic[In, Out]):
                         request_id=ctx.id,
                     ) from exc
                 if seq != expected:
+                    if seq < expected or (seq > expected and not bus.settled(timeouts.settle)):
+                        # A frame sent again after an outage, or one nats-py flushed from
+                        # its buffer ahead of a lost one: the worker sends from `expected`
+                        # when this stream's next ping tells it to.
+                        continue
                     raise StreamDisconnected(
                         f"frames from worker {worker} were lost (expected #{expected}, got #{seq})",
                         request_id=ctx.id,
@@ -272,7 +325,7 @@ class RemoteEngine(Generic[In, Out]):
                 if read >= regrant and control is not None:
                     # The consumer read half a window: let the worker run a window ahead.
                     regrant = read + step
-                    credit = control_codec.encode([_wire.CREDIT, read + window, inbox])
+                    credit = control_codec.encode([_wire.CREDIT, read + window, expected, inbox])
                     await quietly(nc.publish, control, credit)
         finally:
             self._unwatch(stream)
@@ -283,6 +336,14 @@ class RemoteEngine(Generic[In, Out]):
                     # The consumer went away (closed the stream, was killed or failed):
                     # the worker must stop now rather than at its next frame.
                     await self._send_control(control, ctx, inbox, kill=True)
+
+    async def _publish(self, request: bytes, inbox: str, ctx: Context[Any]) -> None:
+        try:
+            await self._nc.publish(self.subject, request, reply=inbox)
+        except nats.errors.Error as exc:
+            raise ConnectFailed(
+                f"cannot send the request to {self.subject}: {exc!r}", request_id=ctx.id
+            ) from exc
 
     def _status_error(self, msg: Msg, ctx: Context[Any], *, started: bool) -> Exception:
         status = (msg.headers or {}).get("Status")
@@ -296,37 +357,55 @@ class RemoteEngine(Generic[In, Out]):
         )
 
     async def _ping(
-        self, control: str, worker: str | None, ctx: Context[Any], inbox: str, started: bool
-    ) -> bool:
-        """Ask a quiet stream's worker whether it still serves the stream.
+        self, control: str, worker: str | None, ctx: Context[Any], inbox: str, expected: int
+    ) -> bool | None:
+        """Ask a quiet stream's worker whether it still serves the stream (None: no
+        verdict, because the bus went down or came back meanwhile, or only just did).
+
+        ``expected`` is the next frame's sequence number: after an outage, the worker
+        sends again from there.
 
         Raises:
             ConnectFailed: (before the stream started) or
             StreamDisconnected: (after) when the worker is gone.
             ResponseTimeout: when it does not answer in time.
         """
+        sent = time.monotonic()
         try:
             reply = await self._nc.request(
-                control, control_codec.encode([_wire.PING, inbox]), timeout=self._timeouts.ping
+                control,
+                control_codec.encode([_wire.PING, inbox, expected]),
+                timeout=self._timeouts.ping,
             )
-        except nats.errors.NoRespondersError as exc:
+        except nats.errors.Error as exc:
+            if self._bus.disturbed_since(sent, self._timeouts.settle):
+                return None  # the worker may be reconnecting, like us
+            raise self._ping_error(exc, worker, ctx, control, expected > 0) from exc
+        return reply.data == _wire.KNOWN
+
+    def _ping_error(
+        self,
+        exc: nats.errors.Error,
+        worker: str | None,
+        ctx: Context[Any],
+        control: str,
+        started: bool,
+    ) -> Exception:
+        """What a failed ping says of the worker."""
+        if isinstance(exc, nats.errors.NoRespondersError):
             if self._on_no_responders is not None and control == self._control:
                 self._on_no_responders("control")
             cls = StreamDisconnected if started else ConnectFailed
-            raise cls(
+            return cls(
                 f"worker {worker} is gone (its control subject has no responders)",
                 request_id=ctx.id,
-            ) from exc
-        except nats.errors.TimeoutError as exc:
-            raise ResponseTimeout(
+            )
+        if isinstance(exc, nats.errors.TimeoutError):
+            return ResponseTimeout(
                 f"worker {worker} did not answer a liveness ping within {self._timeouts.ping:g}s",
                 request_id=ctx.id,
-            ) from exc
-        except nats.errors.Error as exc:
-            raise StreamDisconnected(
-                f"cannot reach worker {worker}: {exc!r}", request_id=ctx.id
-            ) from exc
-        return reply.data == _wire.KNOWN
+            )
+        return StreamDisconnected(f"cannot reach worker {worker}: {exc!r}", request_id=ctx.id)
 
     async def _send_control(
         self, control: str, ctx: Context[Any], inbox: str, *, kill: bool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final
@@ -13,6 +14,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import _wire
+from ._nats_bus import bus_of
 from ._nats_client import RemoteEngine
 from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, open_bucket
 
@@ -39,7 +41,7 @@ _RECONNECT_POLL = 0.25
 class _Registry(Generic[In, Out]):
     """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""
 
-    __slots__ = ("evicted", "known", "workers")
+    __slots__ = ("evicted", "known", "unconfirmed", "workers")
 
     def __init__(self, workers: WorkerSet[In, Out]) -> None:
         self.workers = workers
@@ -49,6 +51,10 @@ class _Registry(Generic[In, Out]):
         #: replayed after a reconnection, must not bring it back; a newer one (the worker
         #: refreshed it, so it is alive) does
         self.evicted: dict[str, int] = {}
+        #: worker id -> when (time.monotonic) to declare it lost: its registration went
+        #: missing or expired around a NATS outage, when a live worker could not refresh
+        #: it either; registering again before then confirms it
+        self.unconfirmed: dict[str, float] = {}
 
 
 @final
@@ -62,7 +68,10 @@ class NatsDiscovery(Generic[In, Out]):
     found nobody on its subject, or a ping nobody on its control subject, when its
     in-flight streams fail too), without waiting for its key to expire; it comes back
     when it refreshes its registration, which only a live worker does. After a
-    reconnection the watch is renewed and the set re-synchronised. ``codec``, ``timeouts``
+    reconnection the watch is renewed and the set re-synchronised; a worker whose key
+    expired during the outage (it could not refresh it either) stays, with its streams,
+    for ``timeouts.ttl + timeouts.settle`` seconds, and is lost only if it does not
+    register again by then. ``codec``, ``timeouts``
     and ``window`` are the engines' (see :class:`RemoteEngine`). Use either::
 
         async with discovery.watch(worker_set):   # returns once the set is in sync
@@ -91,20 +100,28 @@ class NatsDiscovery(Generic[In, Out]):
         self._timeouts = timeouts
         self._window = window
         self._filter = f"{_wire.escape_token(model)}.{role}.*"
+        timing = timeouts if timeouts is not None else NatsTimeouts()
+        #: how long after a reconnection a missing registration is given to come back
+        self._grace = timing.ttl + timing.settle
+        self._bus = bus_of(nc)
 
     @asynccontextmanager
     async def watch(self, worker_set: WorkerSet[In, Out]) -> AsyncGenerator[WorkerSet[In, Out]]:
         """Feed ``worker_set`` while the block runs; entering waits for the first sync.
 
         Raises:
-            nats.errors.Error: when the bucket cannot be reached at first.
+            JetStreamUnavailable: when the bucket cannot be watched at first.
         """
-        async with anyio.create_task_group() as tg:
-            await tg.start(self.run, worker_set)
-            try:
-                yield worker_set
-            finally:
-                tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(self.run, worker_set)
+                try:
+                    yield worker_set
+                finally:
+                    tg.cancel_scope.cancel()
+        except* _wire.JetStreamUnavailable as group:
+            # It failed before it started: the one error, not a group of one.
+            raise group.exceptions[0] from None
 
     async def run(
         self,
@@ -117,20 +134,23 @@ class NatsDiscovery(Generic[In, Out]):
         Only the workers this call added are ever removed; when it ends they stay.
 
         Raises:
-            nats.errors.Error: when the bucket cannot be reached at first (later failures,
-                like a server restart, are retried).
+            JetStreamUnavailable: when the bucket cannot be watched at first (later
+                failures, like a server restart, are retried).
         """
         registry: _Registry[In, Out] = _Registry(worker_set)
         started = False
         while True:
             reconnects = self._nc.stats["reconnects"]
             try:
-                kv = await open_bucket(self._nc.jetstream(), self._bucket)
+                kv = await open_bucket(self._nc.jetstream(), self._bucket, nc=self._nc)
                 watcher = await kv.watch(self._filter)
             except Exception as exc:  # nats and JetStream API errors
                 if not started:
-                    raise
-                logger.warning("discovery of %s: cannot watch the bucket yet: %r", self.model, exc)
+                    raise _wire.jetstream_unavailable("watch", self._bucket, exc, self._nc) from exc
+                if self._bus.connected:
+                    logger.warning(
+                        "discovery of %s: cannot watch the bucket yet: %r", self.model, exc
+                    )
                 await anyio.sleep(_RECONNECT_POLL)
                 continue
             try:
@@ -163,12 +183,13 @@ class NatsDiscovery(Generic[In, Out]):
                 # An existing watch does not survive a server restart: renew it.
                 logger.info("discovery of %s: reconnected, renewing the watch", self.model)
                 return
+            self._expire_unconfirmed(registry)
             if entry is _NOTHING:
                 continue
             if entry is None:  # the initial replay is complete
                 if snapshot is not None:
                     for gone in set(registry.known) - snapshot:
-                        self._forget(registry, gone, lost="its registration is gone")
+                        self._doubt(registry, gone, lost="its registration is gone")
                     snapshot = None
                     if task_status is not None:
                         task_status.started()
@@ -187,9 +208,11 @@ class NatsDiscovery(Generic[In, Out]):
             return None
         if entry.operation is not None:  # PURGE: an expired TTL, or purged by an operator
             registry.evicted.pop(worker_id, None)
-            self._forget(registry, worker_id, lost="its discovery key expired")
+            self._doubt(registry, worker_id, lost="its discovery key expired")
             return None
         revision = entry.revision or 0
+        if registry.unconfirmed.pop(worker_id, None) is not None:
+            logger.info("discovery of %s: worker %s registered again", self.model, worker_id)
         evicted = registry.evicted.get(worker_id)
         if evicted is not None:
             if revision <= evicted:
@@ -225,6 +248,27 @@ class NatsDiscovery(Generic[In, Out]):
         logger.info("discovery of %s: worker %s joined", self.model, worker_id)
         return worker_id
 
+    def _doubt(self, registry: _Registry[In, Out], worker_id: str, *, lost: str) -> None:
+        """A registration went missing or expired: the worker is lost, unless this follows
+        an outage of our connection (see the class docstring)."""
+        if worker_id not in registry.known or worker_id in registry.unconfirmed:
+            return
+        if self._bus.settled(self._grace):
+            self._forget(registry, worker_id, lost=lost)
+        else:
+            registry.unconfirmed[worker_id] = time.monotonic() + self._grace
+
+    def _expire_unconfirmed(self, registry: _Registry[In, Out]) -> None:
+        """Forget the unconfirmed workers whose time to register again is up."""
+        if not registry.unconfirmed:
+            return
+        now = time.monotonic()
+        for worker_id, deadline in list(registry.unconfirmed.items()):
+            if deadline <= now:
+                del registry.unconfirmed[worker_id]
+                lost = "it did not register again after the NATS outage"
+                self._forget(registry, worker_id, lost=lost)
+
     def _evict(
         self,
         registry: _Registry[In, Out],
@@ -255,6 +299,7 @@ class NatsDiscovery(Generic[In, Out]):
     ) -> None:
         """Remove a worker this discovery added; when ``lost`` (and ``abort``), fail its
         in-flight streams."""
+        registry.unconfirmed.pop(worker_id, None)
         previous = registry.known.pop(worker_id, None)
         if previous is None:
             return

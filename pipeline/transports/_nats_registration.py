@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING, final
 
 import anyio
 
+from ._nats_bus import bus_of
+
 if TYPE_CHECKING:
+    from nats.aio.client import Client
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
@@ -46,17 +49,31 @@ class Registration:
             headers={"Nats-TTL": f"{math.ceil(self._ttl)}s"},
         )
 
-    async def refresh(self, js: JetStreamContext, scope: anyio.CancelScope) -> None:
-        """Announce every third of the TTL until ``scope`` is cancelled."""
+    async def refresh(self, js: JetStreamContext, nc: Client, scope: anyio.CancelScope) -> None:
+        """Announce every third of the TTL until ``scope`` is cancelled.
+
+        Not while the connection is down (the outage is logged once, by the connection),
+        and a run of failures is one warning.
+        """
+        bus = bus_of(nc)
+        failing = False
         with scope:
             while True:
                 await anyio.sleep(self._ttl / 3)
+                if not bus.connected:
+                    continue
                 try:
                     await self.announce(js)
                 except Exception as exc:  # nats or JetStream API errors: retry next round
-                    logger.warning(
-                        "worker %s could not refresh its registration: %r", self._worker_id, exc
-                    )
+                    if not failing:
+                        logger.warning(
+                            "worker %s could not refresh its registration: %r",
+                            self._worker_id,
+                            exc,
+                        )
+                    failing = True
+                else:
+                    failing = False
 
     async def withdraw(self, kv: KeyValue) -> None:
         """Delete the record (giving up after a second: the TTL will expire it anyway)."""

@@ -21,6 +21,18 @@ busy worker). What it holds goes out as one BATCH message (one output: DATA)
 A batch over the server's payload limit is split in halves; an output that cannot be
 encoded fails the stream (EngineError) after the outputs before it went out.
 
+Bus outages. While the worker's connection to NATS is down, frames are not handed to
+nats-py (whose buffer would flush them the moment the connection is back, before the
+client has resubscribed its inbox: lost, and answered "no responders"). Every stream is
+*parked* instead: its frames wait, in order, with their sequence numbers, until its client
+pings it from its own re-established connection (:meth:`StreamServer.resume`). The ping
+says which frame the client expects next: the frames lost with the connection are sent
+again first (a flow-controlled stream keeps what it sent until the client acknowledges
+it, in its CREDIT messages), so the stream resumes with no gap. What waits is bounded by
+flow control: no credit arrives meanwhile, so the engine is paused after a window's
+worth of outputs. A parked stream whose client never comes back is cut off (see
+:class:`~._nats_worker.NatsWorker`).
+
 Flow control (wire version 3). A client that sent a ``window`` has granted that many
 outputs; the server sends no more than the client granted. When it pulls an output past
 the credit it sends the ones before it, holds that one, and waits for a CREDIT without
@@ -34,6 +46,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
@@ -52,6 +65,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
 
     from pipeline.operator import Engine
+    from pipeline.tracing import Span, Tracer
 
     from .codec import Codec
 
@@ -85,7 +99,12 @@ class Served:
         "inbox",
         "kill_early",
         "limit",
+        "parked",
+        "parked_at",
+        "received_ns",
         "reply",
+        "resuming",
+        "retained",
         "seq",
         "shutdown",
         "stop_early",
@@ -94,6 +113,7 @@ class Served:
     def __init__(self, inbox: str, reply: str) -> None:
         self.inbox = inbox  # the client's reply inbox: the stream's identity
         self.reply = reply  # where NATS reports "no responders" on that inbox
+        self.received_ns = time.time_ns()  # when the request arrived (a traced one's start)
         self.ctx: Context[Any] | None = None
         self.seq = 0  # messages sent
         self.beat = 0  # ``seq`` at the previous heartbeat round
@@ -106,6 +126,24 @@ class Served:
         self.limit: float = math.inf  # outputs the client granted in all (flow control)
         self.credit: anyio.Event | None = None  # set when more is granted, while waiting
         self.beats_out_of_band = False  # heartbeats without a sequence number (wire 3)
+        #: (seq, frame) held through a bus outage, in order
+        self.parked: list[tuple[int, bytes]] | None = None
+        self.parked_at = 0.0  # when it was parked (time.monotonic)
+        self.resuming = False  # parked frames are being sent
+        #: (seq, frame) sent and not acknowledged yet (flow-controlled streams only)
+        self.retained: deque[tuple[int, bytes]] | None = None
+
+    def acknowledge(self, next_seq: int) -> None:
+        """The client has every frame before ``next_seq``: forget them."""
+        retained = self.retained
+        while retained and retained[0][0] < next_seq:
+            retained.popleft()
+
+    def park(self) -> None:
+        """Hold every frame from now on until :meth:`StreamServer.resume` (a bus outage)."""
+        if self.parked is None and not self.gone:
+            self.parked = []
+            self.parked_at = time.monotonic()
 
     def grant(self, total: int) -> None:
         """The client granted ``total`` outputs in all (a CREDIT); stale grants are no-ops."""
@@ -137,6 +175,7 @@ class StreamServer(Generic[In, Out]):
     __slots__ = (
         "_codec",
         "_engine",
+        "_tracer",
         "clients_gone",
         "messages",
         "nc",
@@ -146,10 +185,17 @@ class StreamServer(Generic[In, Out]):
         "worker_id",
     )
 
-    def __init__(self, engine: Engine[In, Out], codec: Codec, worker_id: str) -> None:
+    def __init__(
+        self,
+        engine: Engine[In, Out],
+        codec: Codec,
+        worker_id: str,
+        tracer: Tracer | None = None,
+    ) -> None:
         self._engine = engine
         self._codec = codec
         self.worker_id = worker_id
+        self._tracer = tracer
         #: the worker's connection, set while it serves
         self.nc: Client | None = None
         #: stream messages published (every frame kind)
@@ -186,13 +232,42 @@ class StreamServer(Generic[In, Out]):
             window = request.get("window")
             if batching and window is not None:  # (flow control rides on the batching pump)
                 served.limit = max(1, int(window))
+                served.retained = deque()
             served.beats_out_of_band = wire >= 3
         except Exception as exc:
             undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
             await self.send(served, _wire.ERR, _wire.error_body(undecodable, ""))
             return
-        request_id = ctx.id
+        tracer = self._tracer
+        span = None
+        if tracer is not None:
+            span = self._worker_span(served, ctx)
+            if tracer.stages:
+                ctx = ctx.with_span(span)
         served.ctx = ctx
+        try:
+            await self._serve(served, ctx, batching, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _worker_span(self, served: Served, ctx: Context[Any]) -> Span:
+        """A traced request's first span here: from its arrival, under the client's span
+        (the ``traceparent`` its metadata carries)."""
+        assert self._tracer is not None
+        span = self._tracer.start("worker", traceparent=ctx.metadata.get("traceparent"))
+        span.start_ns = served.received_ns
+        span.set("llm_pipeline.worker.id", self.worker_id)
+        span.set("llm_pipeline.request.id", ctx.id)
+        span.add_event("dequeued")  # the request's task started: the queue wait ends
+        return span
+
+    async def _serve(
+        self, served: Served, ctx: Context[Any], batching: bool, span: Span | None
+    ) -> None:
+        """Stream ``ctx``'s outputs to ``served``'s client; END or ERR at the end (a
+        failure also marks the request's ``span``)."""
+        request_id = ctx.id
         if served.kill_early:
             ctx.kill()
         elif served.stop_early:
@@ -215,6 +290,8 @@ class StreamServer(Generic[In, Out]):
         except Exception as exc:  # an output that cannot be encoded or is too large
             error = error or exc
         if error is not None:
+            if span is not None:
+                span.set_error(f"{type(error).__name__}: {error}")
             await self.send(served, _wire.ERR, _wire.error_body(error, request_id))
         elif served.shutdown:
             lost = StreamDisconnected(f"worker {self.worker_id} shut down", request_id=request_id)
@@ -283,9 +360,53 @@ class StreamServer(Generic[In, Out]):
             served.credit = None
             self.paused -= 1
 
+    async def resume(self, served: Served, next_seq: int | None) -> None:
+        """Send what ``served`` held through a bus outage, in order, then stream as before.
+
+        Called when its client pinged it: the client is connected and subscribed again,
+        and expects frame ``next_seq`` next (None: a client that does not say). The frames
+        from there that were sent and lost go out again first; frames produced meanwhile
+        are parked behind the ones being sent.
+        """
+        frames = served.parked
+        if frames is None or served.resuming:
+            return
+        served.resuming = True
+        try:
+            if next_seq is not None and served.retained:
+                served.acknowledge(next_seq)
+                for _, data in list(served.retained):
+                    if not await self._publish(served, data):
+                        return
+            while frames and not served.gone:
+                seq, data = frames[0]
+                if not await self._publish(served, data):
+                    return
+                del frames[0]
+                if served.retained is not None:
+                    served.retained.append((seq, data))
+            served.parked = None
+        finally:
+            served.resuming = False
+
+    async def _publish(self, served: Served, data: bytes) -> bool:
+        """Publish one frame of ``served``; False (and the client is gone) when it fails."""
+        nc = self.nc
+        if nc is None or served.gone:
+            return False
+        try:
+            await nc.publish(served.inbox, data, reply=served.reply)
+        except nats.errors.Error as exc:
+            logger.warning("worker %s cannot reach its client: %r", self.worker_id, exc)
+            self.client_gone(served)
+            return False
+        return True
+
     async def heartbeat(self, served: Served) -> None:
         """Tell a quiet stream's client that the worker is alive (and learn if it is not)."""
         nc = self.nc
+        if served.parked is not None:
+            return  # its client will ping it once it is back
         if not served.beats_out_of_band:
             await self.send(served, _wire.HB, None)
         elif not served.gone and nc is not None:
@@ -328,33 +449,55 @@ class StreamServer(Generic[In, Out]):
             raise EngineError(
                 f"worker {self.worker_id} cannot encode a {type(body).__name__} output: {exc}"
             ) from exc
+        outputs = 1 if kind == DATA else len(body) if kind == BATCH else 0
+        if served.parked is not None or not nc.is_connected:
+            if len(data) > nc.max_payload:
+                await self._too_large(served, kind, body, len(data))
+                return
+            served.park()
+            if served.parked is not None:
+                served.parked.append((served.seq, data))
+                served.seq += 1
+                self.messages += 1
+                self.outputs += outputs
+            return
         # Counted before the publish, which may suspend: the client can have the message
         # before this task runs again.
+        seq = served.seq
         served.seq += 1
         self.messages += 1
-        outputs = 1 if kind == DATA else len(body) if kind == BATCH else 0
         self.outputs += outputs
+        if served.retained is not None:
+            served.retained.append((seq, data))
         try:
             # The reply subject is how a vanished client is noticed: NATS answers a publish
             # nobody receives with "no responders" there (NatsWorker._on_gone).
             await nc.publish(served.inbox, data, reply=served.reply)
-        except nats.errors.MaxPayloadError as exc:
+        except nats.errors.MaxPayloadError:
+            if served.retained:
+                served.retained.pop()
             # Nothing was sent (the size is checked before anything is queued, so nothing
             # else could send meanwhile either).
             served.seq -= 1
             self.messages -= 1
             self.outputs -= outputs
-            if kind == BATCH:
-                half = len(body) // 2
-                await self._send_outputs(served, body[:half])
-                await self._send_outputs(served, body[half:])
-                return
-            raise EngineError(
-                f"a {type(body).__name__} output of {len(data)} bytes is over the NATS limit"
-            ) from exc
+            await self._too_large(served, kind, body, len(data))
         except nats.errors.Error as exc:
             logger.warning("worker %s cannot reach its client: %r", self.worker_id, exc)
             self.client_gone(served)
+
+    async def _too_large(self, served: Served, kind: int, body: Any, size: int) -> None:
+        """A frame over the server's payload limit: a batch goes out in halves.
+
+        Raises:
+            EngineError: for one output that is too large on its own.
+        """
+        if kind == BATCH:
+            half = len(body) // 2
+            await self._send_outputs(served, body[:half])
+            await self._send_outputs(served, body[half:])
+            return
+        raise EngineError(f"a {type(body).__name__} output of {size} bytes is over the NATS limit")
 
     async def _send_encodable_prefix(self, served: Served, items: list[Any]) -> None:
         """A batch failed to encode: send the outputs before the first bad one, then raise.

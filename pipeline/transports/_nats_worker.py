@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -13,6 +14,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import _wire
+from ._nats_bus import bus_of
 from ._nats_registration import Registration
 from ._nats_serving import Served, StreamServer
 from ._wire import (
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
     from nats.js.kv import KeyValue
 
     from pipeline.operator import Engine
+    from pipeline.tracing import Tracer
 
 __all__ = ("NatsWorker", "NatsWorkerStatistics", "serve")
 
@@ -78,7 +81,9 @@ class NatsWorker(Generic[In, Out]):
     cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
     instead of noticing the silence at its next idle ping. Pass ``nc`` (a connected
     client, left open) or ``url`` (connected and closed here). ``register=False`` serves
-    without discovery (no JetStream needed).
+    without discovery (no JetStream needed). ``tracer`` traces every request served
+    (:mod:`pipeline.tracing`): a span ``worker`` from its arrival, under the client's span
+    when the request carries a ``traceparent``, and the engine's below it.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class NatsWorker(Generic[In, Out]):
         bucket: str = DEFAULT_BUCKET,
         timeouts: NatsTimeouts | None = None,
         register: bool = True,
+        tracer: Tracer | None = None,
     ) -> None:
         if (nc is None) == (url is None):
             raise ValueError("pass exactly one of nc= (a connected client) or url=")
@@ -113,7 +119,7 @@ class NatsWorker(Generic[In, Out]):
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
         self._streams: StreamServer[In, Out] = StreamServer(
-            engine, codec if codec is not None else MsgpackCodec(), self.worker_id
+            engine, codec if codec is not None else MsgpackCodec(), self.worker_id, tracer
         )
         self._bucket = bucket
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
@@ -207,7 +213,7 @@ class NatsWorker(Generic[In, Out]):
         subscriptions: list[Subscription] = []
         try:
             js = nc.jetstream()
-            kv = await open_bucket(js, self._bucket) if self._register else None
+            kv = await open_bucket(js, self._bucket, nc=nc) if self._register else None
             self._gone_prefix = nc.new_inbox()
             async with anyio.create_task_group() as tg:
                 # The task group exists before the first request can arrive.
@@ -223,8 +229,13 @@ class NatsWorker(Generic[In, Out]):
                     await settle(nc)  # subscribed for real before anyone hears of us
                     refresh = anyio.CancelScope()
                     if kv is not None:
-                        await self._registration.announce(js)
-                        tg.start_soon(self._registration.refresh, js, refresh)
+                        try:
+                            await self._registration.announce(js)
+                        except Exception as exc:  # nats and JetStream API errors
+                            raise _wire.jetstream_unavailable(
+                                "register in", self._bucket, exc, nc
+                            ) from exc
+                        tg.start_soon(self._registration.refresh, js, nc, refresh)
                     tg.start_soon(self._heartbeats)
                     logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)
                     graceful = False
@@ -289,13 +300,38 @@ class NatsWorker(Generic[In, Out]):
                 await self._drained.wait()
 
     async def _heartbeats(self) -> None:
-        interval = self._timeouts.heartbeat
+        """Heartbeats for quiet streams; and through a bus outage, park every stream (see
+        ``_nats_serving``) and cut off those whose clients do not come back for them."""
+        assert self._nc is not None
+        bus = bus_of(self._nc)
         while True:
-            await anyio.sleep(interval)
+            await anyio.sleep(self._timeouts.heartbeat)
+            down = not bus.connected
+            now = time.monotonic()
             for served in list(self._served.values()):
-                if served.ctx is not None and served.seq == served.beat and not served.gone:
+                if down:
+                    served.park()
+                elif served.parked is not None:
+                    if self._abandoned(served, now):
+                        logger.warning(
+                            "worker %s: the client of a stream held through a NATS outage "
+                            "did not come back for it",
+                            self.worker_id,
+                        )
+                        self._streams.client_gone(served)
+                elif served.ctx is not None and served.seq == served.beat and not served.gone:
                     await self._streams.heartbeat(served)
                 served.beat = served.seq
+
+    def _abandoned(self, served: Served, now: float) -> bool:
+        """Whether a parked stream's client had its chance to come back for it: a live one
+        pings within moments of its own reconnection (peers get ``settle`` seconds)."""
+        timeouts = self._timeouts
+        assert self._nc is not None
+        parked_for = now - served.parked_at
+        if parked_for >= timeouts.outage:
+            return True
+        return bus_of(self._nc).settled(2 * timeouts.settle) and parked_for >= 2 * timeouts.settle
 
     # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
 
@@ -318,17 +354,24 @@ class NatsWorker(Generic[In, Out]):
         except Exception:
             logger.warning("worker %s: malformed control message %r", self.worker_id, msg.data)
             return
-        if op == _wire.PING:
+        if op == _wire.PING:  # [PING, inbox] or [PING, inbox, next seq]
+            served = self._served.get(args[0]) if args else None
             if msg.reply and self._nc is not None:
-                known = args and args[0] in self._served
-                await quietly(self._nc.publish, msg.reply, _wire.KNOWN if known else _wire.UNKNOWN)
+                reply = _wire.UNKNOWN if served is None else _wire.KNOWN
+                await quietly(self._nc.publish, msg.reply, reply)
+            if served is not None and served.parked is not None and self._tg is not None:
+                # Its client is connected and subscribed again: what was held goes out.
+                next_seq = args[1] if len(args) > 1 and isinstance(args[1], int) else None
+                self._tg.start_soon(self._streams.resume, served, next_seq)
             return
         served = self._served.get(args[-1]) if args else None
         if served is None:
             return
-        if op == _wire.CREDIT:
+        if op == _wire.CREDIT:  # [CREDIT, total, inbox] or [CREDIT, total, next seq, inbox]
             if isinstance(args[0], int):
                 served.grant(args[0])
+            if len(args) > 2 and isinstance(args[1], int):
+                served.acknowledge(args[1])
         elif op == _wire.KILL:
             self._streams.client_gone(served)
         elif op == _wire.STOP:
@@ -338,6 +381,8 @@ class NatsWorker(Generic[In, Out]):
         # A frame reached no subscriber: the client's inbox is gone (it crashed or closed).
         served = self._by_reply.get(msg.subject)
         if served is not None and (msg.headers or {}).get("Status") == "503":
+            if served.parked is not None:
+                return  # a frame flushed after an outage, before the client was back
             self._streams.client_gone(served)
 
     # -- serving one request
@@ -378,6 +423,7 @@ def serve(
     bucket: str = DEFAULT_BUCKET,
     timeouts: NatsTimeouts | None = None,
     register: bool = True,
+    tracer: Tracer | None = None,
 ) -> NatsWorker[In, Out]:
     """Expose ``engine`` as a NATS worker for ``model`` in ``role``.
 
@@ -396,4 +442,5 @@ def serve(
         bucket=bucket,
         timeouts=timeouts,
         register=register,
+        tracer=tracer,
     )

@@ -4,8 +4,9 @@ Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
 
     {ns}.model.{model}.{role}     requests, load-balanced over a queue group of that name
     {ns}.worker.{worker_id}       requests for one worker (direct routing)
-    {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox], [PING, inbox],
-                                  [CREDIT, outputs granted in all, reply inbox]
+    {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox],
+                                  [PING, inbox, next seq], [CREDIT, outputs granted in all,
+                                  next seq, reply inbox] (next seq: see "Bus outages")
 
 A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata", "wire",
 "window"}``, ``wire`` being the highest wire version the client reads (absent: 1) and
@@ -38,6 +39,15 @@ no sequence number): the client counts them as signs of life and never queues th
 paused stream's heartbeats do not pile up either. A worker one version behind ignores the
 window and the CREDIT messages (no flow control, as before); a client one version behind
 sends no window and gets HB frames.
+
+Bus outages. Frames in flight when the NATS connection of either side breaks are lost (a
+killed nats-server loses what it held). So a worker serving a flow-controlled stream
+keeps the frames it sent until the client acknowledges them: PING and CREDIT carry the
+sequence number the client expects next, and frames before it are dropped. Through an
+outage the worker holds new frames back (``_nats_serving``); the client's first ping from
+its re-established connection tells it where to resume, and it sends again from there,
+so the stream goes on with no gap and no migration. (Senders of the older two-element
+PING and three-element CREDIT are read as before: no resumption point, no retransmission.)
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from nats.js.api import KeyValueConfig
 from pipeline import errors
 from pipeline.errors import ConnectFailed, EngineError, InvalidRequest, RequestError
 
+from ._nats_bus import bus_of
 from .codec import MsgpackCodec
 from .roles import ROLES
 
@@ -78,6 +89,7 @@ __all__ = (
     "ERR",
     "HB",
     "HEARTBEAT",
+    "JetStreamUnavailable",
     "KILL",
     "KNOWN",
     "MARKER_TTL",
@@ -96,6 +108,7 @@ __all__ = (
     "error_body",
     "error_from_body",
     "escape_token",
+    "jetstream_unavailable",
     "open_bucket",
     "quietly",
     "settle",
@@ -259,9 +272,15 @@ class NatsTimeouts:
     ttl: float = 3.0
     #: worker: a graceful stop waits this long for in-flight requests, then cuts them off
     drain: float = 10.0
+    #: all: after this process reconnects to the bus, how long its peers get to reconnect
+    #: too before their silence counts against them again (they retry every 0.5 s)
+    settle: float = 2.0
+    #: all: how long a stream rides out its process's lost bus connection (never past the
+    #: request's deadline) before it fails, and migrates
+    outage: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("idle", "ping", "start", "heartbeat", "ttl", "drain"):
+        for name in ("idle", "ping", "start", "heartbeat", "ttl", "drain", "settle", "outage"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"NatsTimeouts.{name} must be > 0, got {value!r}")
@@ -279,8 +298,10 @@ async def connect(
     """A NATS connection for serving or discovery: once connected, it reconnects forever.
 
     Workers and frontends outlive server restarts (it retries every 0.5 s); a connection
-    that gave up would not. The first connection, though, is bounded: no server at ``url``
-    within ``give_up_after`` seconds is a mistake to report, not to wait out.
+    that gave up would not. An outage is logged twice: when the connection is lost, and
+    when it is back (with how long it was away). The first connection, though, is
+    bounded: no server at ``url`` within ``give_up_after`` seconds is a mistake to report,
+    not to wait out.
 
     Raises:
         ConnectFailed: when no server at ``url`` accepted the connection within
@@ -288,6 +309,7 @@ async def connect(
             ``url`` is malformed; chained from nats-py's last error.
     """
     nc = NatsClient()
+    bus = bus_of(nc)
     try:
         with anyio.fail_after(give_up_after):
             await nc.connect(
@@ -296,6 +318,10 @@ async def connect(
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds, annotated int
                 connect_timeout=2,
+                # An outage is two log lines, not one per reconnection attempt.
+                error_cb=bus.on_error,
+                disconnected_cb=bus.on_disconnected,
+                reconnected_cb=bus.on_reconnected,
             )
     except TimeoutError as exc:
         last = nc.last_error
@@ -353,19 +379,52 @@ async def quietly(call: Callable[..., Any], *args: Any) -> None:
         logger.debug("ignored during cleanup: %r", exc)
 
 
-async def open_bucket(js: JetStreamContext, bucket: str = DEFAULT_BUCKET) -> KeyValue:
-    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on)."""
+class JetStreamUnavailable(RuntimeError):
+    """Discovery's JetStream KV bucket cannot be used: the server has no JetStream, or this
+    connection may not create, read or write the bucket. A mistake in the deployment, said
+    once at start (the message names the bucket and what the server answered)."""
+
+
+def jetstream_unavailable(
+    what: str, bucket: str, exc: BaseException, nc: Client | None = None
+) -> JetStreamUnavailable:
+    """The error for ``exc`` while doing ``what`` with ``bucket``, with the server's last
+    complaint on ``nc`` (a permissions violation is reported apart from the request it
+    made fail, which only times out)."""
+    if isinstance(exc, JetStreamUnavailable):
+        return exc
+    reason = str(exc) or type(exc).__name__
+    told = bus_of(nc).last_error if nc is not None else None
+    if told is not None:
+        reason += f"; the server said: {told}"
+    return JetStreamUnavailable(
+        f"cannot {what} the JetStream KV bucket {bucket!r} (workers register there): {reason}"
+    )
+
+
+async def open_bucket(
+    js: JetStreamContext, bucket: str = DEFAULT_BUCKET, *, nc: Client | None = None
+) -> KeyValue:
+    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on).
+
+    Raises:
+        JetStreamUnavailable: when the server has no JetStream, or the bucket cannot be
+            opened or created (permissions; JetStream's own timeout bounds the wait).
+    """
     try:
-        return await js.key_value(bucket)
-    except nats.js.errors.BucketNotFoundError:
-        pass
+        try:
+            return await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
+        try:
+            return await js.create_key_value(config)
+        except nats.js.errors.APIError:
+            return await js.key_value(bucket)  # another process created it first
     except nats.js.errors.ServiceUnavailableError as exc:
-        raise RuntimeError(
+        raise JetStreamUnavailable(
             "the NATS server has no JetStream, which discovery needs: start nats-server "
-            "with -js, or serve with register=False (load-balanced requests only)"
+            "with -js (from Python, NatsWorker(register=False) serves without discovery)"
         ) from exc
-    config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
-    try:
-        return await js.create_key_value(config)
-    except nats.js.errors.APIError:
-        return await js.key_value(bucket)  # another process created it first
+    except (nats.errors.Error, OSError) as exc:
+        raise jetstream_unavailable("open", bucket, exc, nc) from exc

@@ -36,7 +36,12 @@
   expire.
 * :func:`connect` makes the connection workers and frontends use: reconnecting forever
   once connected, :class:`~pipeline.ConnectFailed` when the first connection does not
-  succeed within ``give_up_after`` seconds.
+  succeed within ``give_up_after`` seconds. An outage of the bus is ridden out: while a
+  process's own connection is down it judges no peer, streams wait (up to
+  ``NatsTimeouts.outage``, never past their deadline), workers hold their frames, and once
+  the bus is back each stream resumes where it stopped (frames lost with the connection
+  are sent again); see ``_nats_bus``. :class:`JetStreamUnavailable` says at start that
+  discovery's bucket cannot be used.
 
 Cancellation travels both ways. The client's stop and kill are control messages to the
 worker's control subject. A client that vanished is noticed by the worker on its next
@@ -94,6 +99,7 @@ from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
 from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
 from ._wire import DEFAULT_WINDOW as DEFAULT_WINDOW
 from ._wire import ROLES as ROLES
+from ._wire import JetStreamUnavailable as JetStreamUnavailable
 from ._wire import NatsTimeouts as NatsTimeouts
 from ._wire import connect as connect
 
@@ -103,6 +109,7 @@ __all__ = (
     "DEFAULT_NAMESPACE",
     "DEFAULT_WINDOW",
     "ROLES",
+    "JetStreamUnavailable",
     "KvReporter",
     "NatsDiscovery",
     "NatsKvEvents",

@@ -1,4 +1,5 @@
-"""The tests below ``tests/operators`` share its helpers (``byte_tokenizer``, ``shout``): put
+"""The tests below ``tests/operators`` share its helpers (``byte_tokenizer``, ``shout``,
+``server_process``, ``client_view``, ``output_scripts``): put
 that directory on the import path, as pytest does for the test modules that live in it, so
 the tests that mirror the package's folders (``text/``, ``routing/``, ``edges/openai/``...)
 import them the same way."""

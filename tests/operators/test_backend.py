@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +15,7 @@ from operators.backend import RESUMABLE, Backend
 from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
 from operators.text.stop_jail import find_stop
 from operators.text.tokenizer import Tokenizer
-from pipeline import EngineError, StreamDisconnected, link
+from pipeline import Context, EngineError, FunctionEngine, StreamDisconnected, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
 EOS = ByteTokenizer.EOS
@@ -128,6 +129,23 @@ async def test_stream_end_without_finish_flushes_once_with_stop() -> None:
     assert joined(outputs) == "hi oz"
     assert [o.finish_reason for o in outputs] == [None, None, "stop"]
     assert outputs[-1].token_ids == []
+
+
+async def test_a_killed_request_gets_no_finish_from_an_engine_that_ended_quietly() -> None:
+    # An engine that sees the kill (a deadline, a drain's abort) before the cancellation
+    # reaches it ends its stream normally; that must not read as a finished answer.
+    tok = ByteTokenizer()
+    ctx = make_context(request())
+
+    async def killed_midway(leg: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+        yield EngineOutput(token_ids=tok.tokenize([b"hi"]))
+        ctx.kill()
+        if leg.is_stopped:
+            return
+
+    outputs = [o async for o in link(Backend(tok), FunctionEngine(killed_midway)).generate(ctx)]
+    assert joined(outputs) == "hi"
+    assert [o.finish_reason for o in outputs] == [None]
 
 
 async def test_error_flushes_withheld_text_then_raises_without_finish() -> None:

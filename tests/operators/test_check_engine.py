@@ -102,3 +102,47 @@ async def test_a_correct_engine_passes() -> None:
 async def test_a_broken_engine_fails_its_rule(fn: Any, message: str) -> None:
     with anyio.fail_after(30), pytest.raises(AssertionError, match=message):
         await check_engine(engine_of(fn), time_limit=5)
+
+
+class Embedding(FunctionEngine[PreprocessedRequest, EngineOutput]):
+    """``counting``, plus an ``embed`` that breaks the rule ``broken`` names (or none)."""
+
+    def __init__(self, broken: str | None = None) -> None:
+        super().__init__(counting)
+        self.broken = broken
+        self.calls = 0
+
+    async def embed(self, token_ids: Any, /) -> list[list[float]]:
+        self.calls += 1
+        if any(not tokens for tokens in token_ids) and self.broken != "empty":
+            from pipeline import InvalidRequest
+
+            raise InvalidRequest("an input is empty", param="input.0")
+        vectors = [[float(sum(tokens)), float(len(tokens))] for tokens in token_ids]
+        if self.broken == "count":
+            return vectors[:1]
+        if self.broken == "lengths":
+            return [vector[: 1 + index % 2] for index, vector in enumerate(vectors)]
+        if self.broken == "batch" and len(token_ids) > 1:  # a batch shifts every vector
+            return [[x + 1e-6 for x in vector] for vector in vectors]
+        return vectors
+
+
+async def test_an_engine_that_embeds_correctly_passes() -> None:
+    engine = Embedding()
+    await check_engine(lambda: engine)
+    assert engine.calls >= 5  # batched, alone (x3), reversed, again, empty
+
+
+@pytest.mark.parametrize(
+    ("broken", "message"),
+    [
+        ("count", "vectors for 3 inputs"),
+        ("lengths", "vectors of lengths"),
+        ("batch", "other vectors alone than batched"),
+        ("empty", "accepted an empty input"),
+    ],
+)
+async def test_an_engine_that_embeds_wrongly_fails_its_rule(broken: str, message: str) -> None:
+    with anyio.fail_after(30), pytest.raises(AssertionError, match=message):
+        await check_engine(lambda: Embedding(broken), time_limit=5)

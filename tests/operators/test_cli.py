@@ -13,7 +13,7 @@ from operators import cli
 from operators.cli.defaults import ROLES
 from operators.cli.insertions import load_operator
 from operators.cli.serve import run_serve
-from operators.edges.openai.metrics import ServerMetrics
+from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
 from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_MS, DEFAULT_STEP_TOKENS
 from operators.testing import openai_client

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "edges" / "openai"), str(HERE.parent / "pipeline" / "transports")]
+sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
 
 from client_view import chat_once, chat_stream  # noqa: E402
 from nats_server import NatsServer  # noqa: E402

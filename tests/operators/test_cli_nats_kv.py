@@ -20,7 +20,7 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 from prometheus_client.parser import text_string_to_metric_families
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "edges" / "openai"), str(HERE.parent / "pipeline" / "transports")]
+sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
 
 from nats_server import NatsServer  # noqa: E402
 from server_process import ServerProcess  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from operators import cli
-from operators.edges.openai.metrics import ServerMetrics
+from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
 from operators.testing import openai_client
 from operators.text.tokenizer import Tokenizer

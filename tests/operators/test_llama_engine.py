@@ -769,3 +769,35 @@ async def test_the_llama_engine_passes_check_engine(
 
     prompt = tokenizer.encode("The capital of France is")
     await check_engine(lambda: engine, prompt=prompt)
+
+
+@pytest.mark.llama
+async def test_a_traced_request_has_its_steps_as_span_events(
+    chunked_engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    from pipeline.tracing import Span, Tracer
+
+    ended: list[Span] = []
+
+    class Sink:
+        def on_end(self, span: Span, /) -> None:
+            ended.append(span)
+
+    span = Tracer(Sink()).start("engine")
+    req = request(tokenizer, REPEAT, max_tokens=8)
+    outputs = await collect(chunked_engine, Context.new(req, span=span))
+    span.end()
+    assert len(ids(outputs)) == 8
+    names = [event.name for event in span.events]
+    assert names[0] == "slot_acquired"
+    chunks = [e for e in span.events if e.name == "prefill_chunk"]
+    # a prompt longer than a step's 32 tokens goes in several chunks, every token once
+    assert len(chunks) >= 2
+    assert sum(int(e.attributes["llm_pipeline.prefill_tokens"]) for e in chunks) <= len(
+        req.token_ids
+    )
+    assert names.index("prefilled") > names.index("prefill_chunk")
+    (decode,) = (e for e in span.events if e.name == "decode")
+    assert decode.attributes["llm_pipeline.outputs"] == len(outputs)
+    times = [event.time_ns for event in span.events]
+    assert times == sorted(times)

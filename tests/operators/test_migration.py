@@ -217,7 +217,31 @@ async def test_limit_exhausted_gives_one_clean_error_and_nothing_duplicated() ->
     assert events == [("stream", "retried"), ("stream", "retried"), ("stream", "exhausted")]
 
 
-async def test_never_migrates_n_above_one() -> None:
+async def test_an_n_above_one_request_is_sent_again_when_lost_before_its_first_output() -> None:
+    # Nothing of it reached the Backend yet: there is no state to rebuild, only a request.
+    tok = ByteTokenizer()
+    attempts = 0
+
+    async def lost_at_connect(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise ConnectFailed("no worker")
+        for index in range(2):
+            yield EngineOutput(token_ids=tok.tokenize([b"ok"]), index=index, finish_reason="stop")
+
+    events: list[tuple[str, str]] = []
+    graph = link(
+        Migration(on_event=lambda w, o: events.append((w, o))), Backend(tok),
+        FunctionEngine(lost_at_connect),
+    )  # fmt: skip
+    seen = await collect(graph, make_context(request(n=2)))
+    assert sorted(o.index for o in seen if o.finish_reason) == [0, 1]
+    assert attempts == 2
+    assert events == [("connect", "retried")]
+
+
+async def test_never_migrates_n_above_one_once_an_output_went_out() -> None:
     req = request(n=2)
     tok = ByteTokenizer()
     engine = ScriptedEngine(

@@ -96,6 +96,10 @@ def test_only_moved_names_are_redirected() -> None:
         "operators.edges.openai.protocol.requests"
     )
     assert new_name("operators.stop_jail") == "operators.text.stop_jail"
+    # moved twice: into edges/openai, then into the plumbing every edge shares
+    assert new_name("operators.openai.guard") == "operators.edges.http.guard"
+    assert new_name("operators.edges.openai.sse_writer") == "operators.edges.http.sse_writer"
+    assert new_name("operators.edges.openai.server") is None
     for name in ("operators", "operators.backend", "operators.llmx", "openai", "operators.edges"):
         assert new_name(name) is None
     with pytest.raises(AttributeError):
@@ -114,8 +118,12 @@ def test_only_moved_names_are_redirected() -> None:
         "assert TokenizerMetadata is New",
         "import operators\n"
         "assert operators.llm.PreprocessedRequest is operators.PreprocessedRequest",
+        "from operators.openai.guard import Guard\n"
+        "from operators.edges.openai.guard import Guard as Moved\n"
+        "from operators.edges.http.guard import Guard as New\n"
+        "assert Guard is Moved is New",
     ],
-    ids=["stop_jail", "old-before-new", "from-import", "attribute"],
+    ids=["stop_jail", "old-before-new", "from-import", "attribute", "moved-twice"],
 )
 def test_old_paths_in_a_fresh_interpreter(code: str) -> None:
     result = subprocess.run(

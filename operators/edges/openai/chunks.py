@@ -48,7 +48,16 @@ __all__ = (
 class _Chunks:
     """What chat and completions responses share: the head, the choices, the usage."""
 
-    __slots__ = ("_base", "_choices", "_echo", "_logprobs", "_texts", "completion_tokens", "head")
+    __slots__ = (
+        "_base",
+        "_choices",
+        "_echo",
+        "_logprobs",
+        "_texts",
+        "completion_tokens",
+        "head",
+        "reasoning_tokens",
+    )
 
     #: the response id's prefix and the chunks' ``object`` (set by each kind of response)
     _ID_PREFIX: ClassVar[str]
@@ -61,6 +70,7 @@ class _Chunks:
         logprobs: int | None,
         texts: TokenTexts,
         request_id: str | None = None,
+        prompt_tokens: int | None = None,
     ) -> None:
         """``request_id`` names the response (``chatcmpl-<id>``); a fresh one if None."""
         #: the response's constant part, the first event of its stream
@@ -69,6 +79,7 @@ class _Chunks:
             object=self._OBJECT,
             created=int(time.time()),
             model=model,
+            prompt_tokens=prompt_tokens,
         )
         self._logprobs = logprobs
         self._texts = texts
@@ -77,6 +88,8 @@ class _Chunks:
         self._echo = ""
         #: every token generated so far, over all choices (delivered or not)
         self.completion_tokens = 0
+        #: the tokens generated up to the last output that carried reasoning text
+        self.reasoning_tokens = 0
 
     @property
     def id(self) -> str:
@@ -90,8 +103,15 @@ class _Chunks:
         self._echo = echo
 
     def usage(self, prompt_tokens: int, cached_tokens: int | None = None) -> Usage:
-        """The last event: the response's token counts."""
-        return Usage(prompt_tokens, self.completion_tokens, cached_tokens)
+        """The last event: the response's token counts (and its choices' finish reasons)."""
+        reasons = tuple(
+            choice.finish_reason
+            for _, choice in sorted(self._choices.items())
+            if choice.finish_reason is not None
+        )
+        return Usage(
+            prompt_tokens, self.completion_tokens, cached_tokens, reasons, self.reasoning_tokens
+        )
 
     def _bytes(self, token_id: int, text: str) -> list[int]:
         raw = self._texts.get(token_id)[1]
@@ -129,13 +149,19 @@ class ChatChunks(_Chunks):
                 if content:
                     logprobs = {"content": content, "refusal": None}
         if output.tool_calls or output.reasoning:
+            if output.reasoning:
+                self.reasoning_tokens = self.completion_tokens
             return _rich(events, choice, output, logprobs)
         text = output.text
         finish = output.finish_reason
-        if text or logprobs is not None or finish is not None:
-            if finish is not None:
-                choice.finished = True
-            events.append(ChoiceDelta(index, text, logprobs, finish))
+        if finish is not None:
+            choice.finished = True
+            choice.finish_reason = finish
+            events.append(
+                ChoiceDelta(index, text, logprobs, finish, stop_reason=output.stop_reason)
+            )
+        elif text or logprobs is not None:
+            events.append(ChoiceDelta(index, text, logprobs))
         return events
 
     def _entry(self, entry: tuple[int, str, float, TopLogprobs | None]) -> dict[str, Any]:
@@ -179,8 +205,12 @@ def _rich(
     finish = output.finish_reason
     if finish is not None:
         choice.finished = True
+        choice.finish_reason = finish
     if not calls and not text:  # a reasoning model's thinking: a delta per token
-        events.append(RichDelta(index, "", logprobs, finish, reasoning))
+        delta = RichDelta(index, "", logprobs, finish, reasoning)
+        if finish is not None:
+            delta.stop_reason = output.stop_reason
+        events.append(delta)
         return events
     deltas: list[ChoiceDelta] = []
     if reasoning:
@@ -190,6 +220,8 @@ def _rich(
     deltas.extend(RichDelta(index, "", None, None, "", call) for call in calls or ())
     deltas[0].logprobs = logprobs
     deltas[-1].finish_reason = finish
+    if finish is not None:
+        deltas[-1].stop_reason = output.stop_reason
     events.extend(deltas)
     return events
 
@@ -224,6 +256,7 @@ class CompletionChunks(_Chunks):
             return []
         if finish is not None:
             choice.finished = True
+            choice.finish_reason = finish
         return [ChoiceDelta(index, text, logprobs, finish)]
 
     def _logprobs_of(self, choice: ChoiceState, entries: list[Entry]) -> dict[str, Any] | None:

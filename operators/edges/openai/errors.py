@@ -1,35 +1,53 @@
-"""What goes wrong, as OpenAI says it: exceptions and refusals -> HTTP status and error body.
+"""What goes wrong, as OpenAI says it: :data:`OPENAI_ERRORS`, the OpenAI edge's error style.
 
-Kept apart from the ASGI plumbing (:mod:`.asgi`) and the app's dispatch (:mod:`.server`) so
-that the whole mapping can be read, and changed, in one place. Every error the server sends
-is OpenAI-shaped (``{"error": {"message", "type", "param", "code"}}``)::
+The plumbing decides what went wrong (:class:`~operators.edges.http.failures.ApiError`);
+this module says it in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``)
+and status codes, in one table that can be read, and changed, in one place::
 
-    InvalidRequest (bad JSON, bad UTF-8, bad field)  400 invalid_request_error, param
-    a missing or wrong API key (/v1/*, when set)     401 invalid_request_error, invalid_api_key
-    a model other than the served one                404 invalid_request_error, model_not_found
-    CapacityExhausted, WorkerLost, shutting down,    503 service_unavailable_error
-      max_inflight reached (with Retry-After)
-    past the request's deadline                      504 timeout_error, request_timeout
-    EngineError, RequestError                        500 server_error, the error's message
-    anything else                                    500 server_error, a generic message (logged)
-    a body over the limit / a wrong method / path    413 / 405 / 404 invalid_request_error
+    invalid_request (bad JSON, UTF-8, a field)   400 invalid_request_error, param
+    unauthorized (a missing or wrong API key)    401 invalid_request_error, invalid_api_key
+    not_found (a path, a model, a stored id)     404 invalid_request_error (model_not_found)
+    method_not_allowed / too_large               405 / 413 invalid_request_error
+    overloaded (max_inflight, with Retry-After)  503 service_unavailable_error
+    unavailable (no worker, shutting down)       503 service_unavailable_error
+    timeout (past the request's deadline)        504 timeout_error, request_timeout
+    internal (EngineError, anything else)        500 server_error
 
 An error after a stream has started is sent as one ``data: {"error": {...}}`` event, and
 the stream then closes *without* ``data: [DONE]`` (as OpenAI does), so a client can tell a
-failed stream from a finished one.
+failed stream from a finished one. The Responses edge speaks OpenAI's errors too.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, final
 
 import orjson
 
-from pipeline import CapacityExhausted, EngineError, InvalidRequest, RequestError, WorkerLost
+from operators.edges.http.failures import (
+    INTERNAL_MESSAGE,
+    ApiError,
+    ErrorKind,
+    Rendered,
+    at_capacity,
+    body_too_large,
+    describe_failure,
+    draining,
+    error_headers,
+    method_not_allowed,
+    shut_down,
+    timed_out,
+    unauthorized,
+    unknown_model,
+    unknown_path,
+)
+from pipeline import InvalidRequest
 
 __all__ = (
     "INTERNAL_MESSAGE",
+    "OPENAI_ERRORS",
+    "OpenAIErrors",
     "at_capacity_body",
     "body_too_large_body",
     "describe_failure",
@@ -38,13 +56,24 @@ __all__ = (
     "invalid_request_body",
     "method_not_allowed_body",
     "shut_down_body",
+    "timeout_error_body",
+    "unauthorized_body",
     "unknown_model_body",
     "unknown_path_body",
 )
 
-logger = logging.getLogger("operators.edges.openai.server")
-
-INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
+#: kind -> (status, OpenAI's error type)
+_STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "unauthorized": (401, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "too_large": (413, "invalid_request_error"),
+    "overloaded": (503, "service_unavailable_error"),
+    "unavailable": (503, "service_unavailable_error"),
+    "timeout": (504, "timeout_error"),
+    "internal": (500, "server_error"),
+}
 
 
 def error_body(
@@ -56,18 +85,36 @@ def error_body(
     )
 
 
-def describe_failure(exc: Exception, request_id: str) -> tuple[int, bytes]:
-    """The HTTP status and OpenAI error body for an exception a request raised."""
-    if isinstance(exc, InvalidRequest):
-        return 400, invalid_request_body(exc)
-    if isinstance(exc, CapacityExhausted | WorkerLost):
-        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
-        return 503, error_body(exc.message, "service_unavailable_error")
-    if isinstance(exc, EngineError | RequestError):
-        logger.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-        return 500, error_body(exc.message, "server_error")
-    logger.error("request %s failed unexpectedly", request_id, exc_info=exc)
-    return 500, error_body(f"{INTERNAL_MESSAGE} (request id {request_id})", "server_error")
+@final
+class OpenAIErrors:
+    """The :class:`~operators.edges.http.failures.ErrorStyle` of OpenAI's APIs."""
+
+    __slots__ = ()
+
+    def status(self, error: ApiError) -> int:
+        """The HTTP status OpenAI gives ``error``."""
+        return _STATUS[error.kind][0]
+
+    def body(self, error: ApiError) -> bytes:
+        """``{"error": {...}}`` for ``error``."""
+        return error_body(error.message, _STATUS[error.kind][1], param=error.param, code=error.code)
+
+    def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
+        """``error`` as a whole response (a 401 also says ``WWW-Authenticate: Bearer``)."""
+        status, type_ = _STATUS[error.kind]
+        headers = error_headers(error)
+        if error.kind == "unauthorized":
+            headers += ((b"www-authenticate", b"Bearer"),)
+        return Rendered(
+            status, error_body(error.message, type_, param=error.param, code=error.code), headers
+        )
+
+
+#: the one instance (the style has no state)
+OPENAI_ERRORS: Final = OpenAIErrors()
+
+
+# Bodies by name, as the server's earlier modules offered them.
 
 
 def invalid_request_body(exc: InvalidRequest) -> bytes:
@@ -77,43 +124,44 @@ def invalid_request_body(exc: InvalidRequest) -> bytes:
 
 def body_too_large_body(limit: int) -> bytes:
     """413: the request body is over ``limit`` bytes."""
-    return error_body(f"The request body exceeds {limit} bytes.", "invalid_request_error")
+    return OPENAI_ERRORS.body(body_too_large(limit))
 
 
 def method_not_allowed_body(path: str, allowed: str) -> bytes:
     """405: ``path`` answers only ``allowed``."""
-    return error_body(f"{path} only accepts {allowed}.", "invalid_request_error")
+    return OPENAI_ERRORS.body(method_not_allowed(path, allowed))
 
 
 def unknown_path_body(path: str) -> bytes:
     """404: nothing is served at ``path``."""
-    return error_body(f"Unknown path {path!r}.", "invalid_request_error")
+    return OPENAI_ERRORS.body(unknown_path(path))
 
 
 def unknown_model_body(name: str, served: str) -> bytes:
     """404: the request names a model other than the one served."""
-    return error_body(
-        f"The model {name!r} does not exist; this server serves {served!r}.",
-        "invalid_request_error",
-        param="model",
-        code="model_not_found",
-    )
+    return OPENAI_ERRORS.body(unknown_model(name, served))
 
 
 def draining_body() -> bytes:
     """503: the server is shutting down and takes no new request."""
-    return error_body("The server is shutting down.", "service_unavailable_error")
+    return OPENAI_ERRORS.body(draining())
 
 
 def at_capacity_body(limit: int) -> bytes:
     """503 (with ``Retry-After``): ``limit`` requests are in flight already."""
-    return error_body(
-        f"The server is at its limit of {limit} requests in flight; retry shortly.",
-        "service_unavailable_error",
-    )
+    return OPENAI_ERRORS.body(at_capacity(limit))
 
 
 def shut_down_body() -> bytes:
-    """503: the server ended the request while shutting down (:meth:`OpenAIApp.abort`)."""
-    message = "The server shut down before the request finished."
-    return error_body(message, "service_unavailable_error")
+    """503: the server ended the request while shutting down."""
+    return OPENAI_ERRORS.body(shut_down())
+
+
+def unauthorized_body(presented: bool) -> bytes:
+    """401: OpenAI's shape (``code: invalid_api_key``)."""
+    return OPENAI_ERRORS.body(unauthorized(presented))
+
+
+def timeout_error_body(seconds: float) -> bytes:
+    """504: the request ran past its deadline (or the stream's last event)."""
+    return OPENAI_ERRORS.body(timed_out(seconds))

@@ -6,7 +6,8 @@ request, in this order::
     ResponseHead                       once, first: id, object, created, model
     ChoiceStart | ChoiceDelta ...      chat choices open with a ChoiceStart (the role chunk);
                                        a choice's last delta carries its finish_reason
-    Usage                              once, last: the response's token counts
+    Usage                              once, last: the response's token counts (and the
+                                       finish reasons, for traces and logs)
 
 A chat delta that carries reasoning text or a tool-call piece is a :class:`RichDelta`, a
 :class:`ChoiceDelta` subclass: content-only deltas, nearly every token of nearly every
@@ -25,7 +26,7 @@ fold the same events into a non-streamed response, so both shapes come from one 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeAlias
 
 from operators.contracts.llm import ToolCallDelta
@@ -52,6 +53,9 @@ class ResponseHead:
     object: Literal["chat.completion.chunk", "text_completion"]
     created: int
     model: str
+    #: the prompt's tokens (all prompts' for a batch), known before the first output:
+    #: an edge that reports them up front (Anthropic's ``message_start``) reads them here
+    prompt_tokens: int | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +78,9 @@ class ChoiceDelta:
     text: str
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
+    #: on the finishing delta: the stop string (or stop token id) that ended the choice;
+    #: keyword-only, so that :class:`RichDelta`'s positional fields stay where they were
+    stop_reason: str | int | None = field(default=None, kw_only=True)
 
 
 @dataclass(slots=True)
@@ -102,6 +109,12 @@ class Usage:
     completion_tokens: int
     #: prompt tokens the engines found cached (None: they did not say)
     cached_tokens: int | None = None
+    #: each finished choice's finish_reason, by choice index (for traces and logs; not
+    #: part of OpenAI's ``usage``)
+    finish_reasons: tuple[str, ...] = ()
+    #: completion tokens spent reasoning: every token up to the last one whose output
+    #: carried reasoning text (0 without a reasoning parser); the Responses edge reports it
+    reasoning_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (``prompt_tokens_details`` when the engine reported

@@ -75,13 +75,24 @@ class TokenTexts:
 class ChoiceState:
     """The backward-edge state of one choice."""
 
-    __slots__ = ("echo", "emitted", "finished", "index", "pending", "seen", "text_offset")
+    __slots__ = (
+        "echo",
+        "emitted",
+        "finish_reason",
+        "finished",
+        "index",
+        "pending",
+        "seen",
+        "text_offset",
+    )
 
     def __init__(self, index: int, echo: str = "") -> None:
         #: the choice's index in the response
         self.index = index
         #: True once its finish_reason went out
         self.finished = False
+        #: the finish_reason that went out (None before)
+        self.finish_reason: str | None = None
         #: completions ``echo``: text still to put in front of the first chunk
         self.echo = echo
         #: logprob entries of generated tokens not yet delivered, in generation order

@@ -28,7 +28,7 @@ import logging
 from collections.abc import Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -44,6 +44,9 @@ from .images import ImagePolicy, ImageRef, load_images
 from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
 from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
 from .structure import ConstraintBuilder, involves_tools, output_structure
+
+if TYPE_CHECKING:
+    from pipeline.tracing import Span
 
 __all__ = (
     "OpenAIPreprocessor",
@@ -139,6 +142,16 @@ class OpenAIPreprocessor:
 
     # ------------------------------------------------------------------ forward edge
 
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length prompts (plus their output) must fit (None: unbounded)."""
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> TokenizerLike:
+        """The tokenizer prompts are encoded with."""
+        return self._tokenizer
+
     def render_chat(self, request: ChatCompletionRequest) -> str:
         """The prompt text of a chat request: its messages through the chat template.
 
@@ -149,7 +162,12 @@ class OpenAIPreprocessor:
         """
         return self._render(request, [])
 
-    def _render(self, request: ChatCompletionRequest, images: list[ImageRef]) -> str:
+    def _render(
+        self,
+        request: ChatCompletionRequest,
+        images: list[ImageRef],
+        add_generation_prompt: bool = True,
+    ) -> str:
         template = self._tool_template if involves_tools(request) else self._template
         if template is None:
             raise InvalidRequest(
@@ -159,7 +177,11 @@ class OpenAIPreprocessor:
         tools = None
         if request.effective_tool_choice != "none":
             tools = [tool.as_template_dict() for tool in request.tools or ()]
-        return template.render(_template_messages(request.messages, images), tools=tools)
+        return template.render(
+            _template_messages(request.messages, images),
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+        )
 
     def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
         """The tokenized request: one per prompt (several for a completions batch).
@@ -172,8 +194,29 @@ class OpenAIPreprocessor:
         self._refuse_unfittable(request)
         return [leg.request for leg in self._legs(request)]
 
-    def _legs(self, request: OpenAIRequest) -> list[_Leg]:
-        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through."""
+    async def prepare(
+        self, request: OpenAIRequest, *, add_generation_prompt: bool = True
+    ) -> list[PreprocessedRequest]:
+        """:meth:`preprocess`, in a worker thread when the prompts are large: exactly the
+        token ids a request of the graph gets (``count_tokens`` and ``/tokenize`` count
+        them); ``add_generation_prompt=False`` renders a chat without the assistant's
+        opening.
+
+        Raises:
+            InvalidRequest: as :meth:`preprocess`.
+        """
+        legs = await self._prepare(request, add_generation_prompt=add_generation_prompt)
+        return [leg.request for leg in legs]
+
+    def _legs(
+        self,
+        request: OpenAIRequest,
+        span: Span | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[_Leg]:
+        """The legs of ``request``, which :meth:`_refuse_unfittable` has let through;
+        ``span`` (a traced request's) gets an event when the template is rendered and
+        when each prompt is tokenized."""
         if isinstance(request, ChatCompletionRequest):
             # The rendered text is encoded with special tokens parsed, because the template's
             # role markers must become control ids. The users' message text is part of that
@@ -181,8 +224,12 @@ class OpenAIPreprocessor:
             # user text plain would mean encoding the template's pieces separately. vLLM and
             # llama.cpp's server behave the same way.
             images: list[ImageRef] = []
-            text = self._render(request, images)
+            text = self._render(request, images, add_generation_prompt)
+            if span is not None:
+                span.add_event("template_rendered", {"llm_pipeline.prompt_chars": len(text)})
             ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
             tools, constraint = output_structure(request, self._tool_format)
             leg = self._leg(request, ids, "messages", "")
             leg.images = images
@@ -205,6 +252,8 @@ class OpenAIPreprocessor:
                 ids = list(prompt)
                 self._check_token_ids(ids, param)
                 shown = self._tokenizer.decode(ids) if echo else ""
+            if span is not None:
+                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
             legs.append(self._leg(request, ids, param, shown if echo else ""))
         return legs
 
@@ -258,7 +307,13 @@ class OpenAIPreprocessor:
         )
         return sum(size.size for size in sizes)
 
-    async def _prepare(self, request: OpenAIRequest) -> list[_Leg]:
+    async def _prepare(
+        self,
+        request: OpenAIRequest,
+        span: Span | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[_Leg]:
         """:meth:`_legs`, in a worker thread when the prompts are large.
 
         Rendering and encoding a large prompt take long enough to stall every other request
@@ -267,10 +322,12 @@ class OpenAIPreprocessor:
         is cancelled). Those that cannot fit the context are refused first, on the loop.
         """
         if self._refuse_unfittable(request) <= OFF_LOOP_CHARS:
-            return self._legs(request)
+            return self._legs(request, span, add_generation_prompt)
         if self._large is None:
             self._large = anyio.CapacityLimiter(1)
-        return await anyio.to_thread.run_sync(self._legs, request, limiter=self._large)
+        return await anyio.to_thread.run_sync(
+            self._legs, request, span, add_generation_prompt, limiter=self._large
+        )
 
     def _check_token_ids(self, ids: list[int], param: str) -> None:
         vocab_size = self._vocab_size
@@ -298,28 +355,25 @@ class OpenAIPreprocessor:
             InvalidRequest: see :meth:`preprocess`; downstream errors pass unchanged.
         """
         request = ctx.data
-        legs = await self._prepare(request)
+        span = ctx.span
+        legs = await self._prepare(request, span)
         model = request.model or self._model_name
-        chunks: ChatChunks | CompletionChunks
-        if isinstance(request, ChatCompletionRequest):
-            chunks = ChatChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                texts=self._token_texts,
-                request_id=ctx.id,
-            )
-        else:
-            chunks = CompletionChunks(
-                model=model,
-                logprobs=request.logprobs_count,
-                texts=self._token_texts,
-                request_id=ctx.id,
-            )
+        prompt_tokens = sum(leg.request.prompt_tokens for leg in legs)
+        kind = ChatChunks if isinstance(request, ChatCompletionRequest) else CompletionChunks
+        chunks = kind(
+            model=model,
+            logprobs=request.logprobs_count,
+            texts=self._token_texts,
+            request_id=ctx.id,
+            prompt_tokens=prompt_tokens,
+        )
         n = request.n
         for leg in legs:
             if leg.images:
                 multimodal = await load_images(leg.images, self._images)
                 leg.request = dataclasses.replace(leg.request, multimodal=multimodal)
+                if span is not None:
+                    span.add_event("images_loaded", {"llm_pipeline.images": len(multimodal)})
         yield chunks.head
         cached: int | None = None
         for position, leg in enumerate(legs):
@@ -336,7 +390,7 @@ class OpenAIPreprocessor:
             hits = leg_ctx.state.get(CACHED_TOKENS, None)
             if hits is not None:  # (a retry's prompt includes replayed output: clamp)
                 cached = (cached or 0) + min(hits, leg.request.prompt_tokens)
-        yield chunks.usage(sum(leg.request.prompt_tokens for leg in legs), cached)
+        yield chunks.usage(prompt_tokens, cached)
 
 
 @dataclass(slots=True)

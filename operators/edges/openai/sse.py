@@ -60,9 +60,23 @@ def is_visible(event: OpenAIEvent) -> bool:
 class SseRenderer:
     """Renders the events of one response (the one ``head`` names) as SSE bytes."""
 
-    __slots__ = ("_chat", "_general", "_include_usage", "_reasoning", "_start", "_text", "_usage")
+    __slots__ = (
+        "_chat",
+        "_general",
+        "_include_usage",
+        "_reasoning",
+        "_start",
+        "_text",
+        "_usage",
+        "output_tokens",
+        "usage",
+    )
 
     def __init__(self, head: ResponseHead, *, include_usage: bool) -> None:
+        #: the response's completion tokens, once its Usage went by (for the metrics)
+        self.output_tokens = 0
+        #: the response's Usage event, once it went by (for traces)
+        self.usage: Usage | None = None
         self._chat = head.object == "chat.completion.chunk"
         self._include_usage = include_usage
         common = (
@@ -123,9 +137,12 @@ class SseRenderer:
                 return b""
             return self._start % event.index  # type: ignore[union-attr]
         if kind is Usage:
+            usage: Usage = event  # type: ignore[assignment]
+            self.usage = usage
+            self.output_tokens = usage.completion_tokens
             if not self._include_usage:
                 return b""
-            return self._usage + _dumps(event.as_dict()) + b"}\n\n"  # type: ignore[union-attr]
+            return self._usage + _dumps(usage.as_dict()) + b"}\n\n"
         return b""  # the head: already part of every chunk
 
     def _choice(self, delta: ChoiceDelta) -> dict[str, Any]:

@@ -16,9 +16,8 @@ for llama.cpp's own grammar sampler and seconds of compilation for outlines-core
   on a migration retry, the replayed output first), so a rejected speculative draft never
   touched it and nothing is ever rolled back.
 - **The output's shape is** ``prefix JSON suffix`` (``repeat``: one or more joined by
-  ``separator``), as a Lark grammar around llguidance's ``%json``. Whitespace inside the
-  JSON is fixed to ``", "`` and ``": "``: free whitespace lets a small model emit newlines
-  until ``max_tokens``, and this is the spacing models have seen most.
+  ``separator``), as a Lark grammar around llguidance's ``%json``
+  (:func:`operators.engines._grammar.lark_grammar`, shared with the vLLM engine).
 - **A mask every step, the way llguidance is meant to be driven** (compute the mask, then
   consume a token from it). Computing a mask is not a pure query: where the grammar forces
   text (``{"name": "get_weather"`` of a named call) llguidance lets through only the
@@ -33,13 +32,13 @@ for llama.cpp's own grammar sampler and seconds of compilation for outlines-core
 from __future__ import annotations
 
 import ctypes
-import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, cast, final
 
 from operators.contracts.llm import Constraint, PreprocessedRequest
+from operators.engines._grammar import lark_grammar
 from pipeline import InvalidRequest
 
 try:
@@ -60,37 +59,6 @@ __all__ = ("IMPORT_ERROR", "Grammars", "Matcher", "lark_grammar")
 
 #: compiled grammars kept per engine (a grammar is a few kB to a few MB of automata)
 _CACHED: Final = 64
-
-#: llguidance's JSON options: no free whitespace (see the module docstring)
-_JSON_STYLE: Final[Mapping[str, Any]] = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
-
-
-def lark_grammar(constraint: Constraint) -> str:
-    """The Lark grammar of ``constraint``'s output, for llguidance.
-
-    The JSON is llguidance's ``%json`` of the schema (any object when None); literal texts
-    are Lark strings (JSON's escapes are Lark's).
-    """
-    schema: dict[str, Any] = (
-        {"type": "object"} if constraint.json_schema is None else dict(constraint.json_schema)
-    )
-    schema["x-guidance"] = {**_JSON_STYLE, **dict(schema.get("x-guidance") or {})}
-    piece = " ".join(
-        part for part in (_literal(constraint.prefix), "value", _literal(constraint.suffix)) if part
-    )
-    if constraint.repeat:
-        start = f"start: piece ({_literal(constraint.separator)} piece)*"
-    else:
-        start = "start: piece"
-    return f"{start}\npiece: {piece}\nvalue: %json {json.dumps(schema)}\n"
-
-
-def _literal(text: str) -> str:
-    return json.dumps(text) if text else ""
 
 
 @final

@@ -60,6 +60,7 @@ class Job:
         "resumed",
         "rng_state",
         "running",
+        "timeline",
         "transfer",
         "width",
     )
@@ -104,6 +105,11 @@ class Job:
         self.queued: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished = 0
+        #: a traced request's step timing, appended by the scheduler thread: (event name,
+        #: time.time_ns(), attributes); None when the request is not traced
+        self.timeline: list[tuple[str, int, dict[str, int]]] | None = (
+            None if ctx.span is None else []
+        )
         self._outbox: deque[EngineOutput | Exception | None] = deque()
         self._reader, self._writer = socket.socketpair()
         self._reader.setblocking(False)

@@ -17,12 +17,13 @@ Two halves, because two threads are involved:
   the last kept id as parent), so a decode step hashes a block once in ``block_size``
   steps, and a sync with nothing new is a few comparisons per slot.
 - :class:`KvReporter`, the event loop's: the sink is called on the event loop
-  (``engine.kv_events``, as the mocker's), never from the scheduler thread. Events wait in
-  a deque until the loop drains them; the scheduler asks the loop to, without waiting for
-  it (``call_soon_threadsafe``: a scheduler that waited for a busy loop would stall every
-  sequence of the batch, see ``_job``). The reporter numbers the events as it delivers them
-  and keeps the set they describe, so :meth:`~KvReporter.snapshot` always equals the events
-  delivered so far, with their last ``seq``.
+  (``engine.kv_events``, as the mocker's), never from the scheduler thread. It is a
+  :class:`~operators.engines._kv_delivery.KvDelivery` (shared with the vLLM engine): events
+  wait in a deque until the loop drains them; the scheduler asks the loop to, without
+  waiting for it (a scheduler that waited for a busy loop would stall every sequence of the
+  batch, see ``_job``). They are numbered as they are delivered, and
+  :meth:`~KvReporter.snapshot` always equals the events delivered so far, with their last
+  ``seq``.
 
 Nothing is hashed or queued while no sink is set (the default): the scheduler checks one
 attribute per step. A sink set later gets everything already cached as one
@@ -37,29 +38,15 @@ and its snapshot holds every tier.
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import logging
 import sys
-from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Final, final
 
+from operators.engines._kv_delivery import KvDelivery
 from operators.routing.kv_blocks import block_hashes
-from pipeline import (
-    DEVICE_TIER,
-    KvCleared,
-    KvEvent,
-    KvEventSink,
-    KvRemoved,
-    KvSnapshot,
-    KvStored,
-    KvTier,
-)
+from pipeline import KvCleared, KvEvent, KvRemoved, KvStored, KvTier
 
 __all__ = ("KvLedger", "KvReporter", "TierLedger")
-
-logger = logging.getLogger("operators.engines.llama")
 
 #: a slot not cut since the last sync
 _UNCUT: Final = sys.maxsize
@@ -239,124 +226,19 @@ class TierLedger:
         return set(self._held.get(tier, ()))
 
 
-def _call_soon_threadsafe() -> Callable[[Callable[[], None]], object] | None:
-    """How another thread schedules a callback on the running event loop, if any.
-
-    Both are non-blocking (they write a byte to the loop's wake-up pipe). anyio offers only
-    blocking calls into the loop from a thread (``anyio.from_thread``).
-    """
-    try:
-        return asyncio.get_running_loop().call_soon_threadsafe
-    except RuntimeError:
-        pass
-    trio = sys.modules.get("trio")
-    if trio is not None:
-        try:
-            return trio.lowlevel.current_trio_token().run_sync_soon  # type: ignore[no-any-return]
-        except RuntimeError:
-            pass
-    return None
-
-
 @final
-class KvReporter:
-    """Delivers a :class:`KvLedger`'s events to ``sink`` on the event loop, numbered.
+class KvReporter(KvDelivery):
+    """Delivers a :class:`KvLedger`'s events to ``sink`` on the event loop, numbered
+    (:class:`~operators.engines._kv_delivery.KvDelivery`): the scheduler thread calls
+    :meth:`sync`, the event loop sets the sink and asks for snapshots."""
 
-    The scheduler thread calls :meth:`sync`; the event loop sets :attr:`sink` (with
-    :meth:`set_sink`) and calls :meth:`snapshot`. ``seq`` counts the events delivered: 1, 2,
-    ... from the engine's start; a snapshot carries the last one (0 before the first).
-
-    No lock: the hand-off is a deque (appends and pops are atomic), and the "drain
-    scheduled" flag is a hint; a drain that finds nothing, or one that also takes events
-    queued after it was scheduled, is harmless.
-    """
-
-    __slots__ = (
-        "_call_soon",
-        "_draining",
-        "_held",
-        "_lower",
-        "_pending",
-        "_scheduled",
-        "_seq",
-        "ledger",
-        "sink",
-        "tiers",
-    )
+    __slots__ = ("ledger", "tiers")
 
     def __init__(self, ledger: KvLedger, tiers: TierLedger | None = None) -> None:
+        super().__init__()
         self.ledger = ledger
         #: the KV tiers' ledger (None: no tiers)
         self.tiers = tiers
-        self._pending: deque[KvEvent] = deque()  # synced, not delivered yet
-        self._held: dict[Hashable, None] = {}  # as of the events delivered; parents first
-        self._lower: dict[str, dict[Hashable, None]] = {}  # the same, per lower tier
-        self._seq = 0
-        self._draining = False
-        self._scheduled = False
-        self._call_soon: Callable[[Callable[[], None]], object] | None = None
-        #: receives the events on the event loop; None: nothing is tracked
-        self.sink: KvEventSink | None = None
-
-    # -------------------------------------------------------------- the event loop
-
-    def set_sink(self, sink: KvEventSink | None) -> None:
-        """Report to ``sink`` from now on; None stops tracking (the scheduler's next sync
-        then reports nothing). Set it on the event loop that should receive the events."""
-        self.sink = sink
-        if sink is not None:
-            self.bind()
-
-    def bind(self) -> None:
-        """Deliver to the running event loop (a sink set outside one is bound by the next
-        request); events already waiting are delivered now."""
-        call_soon = _call_soon_threadsafe()
-        if call_soon is not None:
-            self._call_soon = call_soon
-        if self._pending:
-            self.drain()
-
-    def drain(self) -> None:
-        """Number the waiting events, apply them to the snapshot and call the sink.
-
-        Not reentrant: a sink that asks for a snapshot gets the one as of its event.
-        """
-        self._scheduled = False
-        if self._draining:
-            return
-        self._draining = True
-        pending, held = self._pending, self._held
-        try:
-            while pending:
-                event = pending.popleft()
-                self._seq += 1
-                event = dataclasses.replace(event, seq=self._seq)
-                tier = getattr(event, "tier", DEVICE_TIER)
-                blocks = held if tier == DEVICE_TIER else self._lower.setdefault(tier, {})
-                if isinstance(event, KvStored):
-                    blocks.update(dict.fromkeys(event.block_ids))
-                elif isinstance(event, KvRemoved):
-                    for block in event.block_ids:
-                        blocks.pop(block, None)
-                else:
-                    blocks.clear()
-                sink = self.sink
-                if sink is not None:
-                    try:
-                        sink(event)
-                    except Exception:  # one failing consumer must not stop the others
-                        logger.exception("the KV event sink failed on %r", event)
-        finally:
-            self._draining = False
-
-    def snapshot(self) -> KvSnapshot:
-        """Every block held as of the last event delivered (waiting ones are delivered
-        first), parents before children."""
-        self.drain()
-        lower = tuple((tier, tuple(blocks)) for tier, blocks in self._lower.items() if blocks)
-        return KvSnapshot(tuple(self._held), self._seq, lower)
-
-    # --------------------------------------------------------- the scheduler thread
 
     def sync(self, cached: Sequence[Sequence[int]]) -> None:
         """Queue what changed in ``cached`` since the last sync, and have the event loop
@@ -364,15 +246,5 @@ class KvReporter:
         events = self.ledger.sync(cached)
         if self.tiers is not None:
             events += self.tiers.sync()
-        if not events:
-            return
-        self._pending.extend(events)
-        call_soon = self._call_soon
-        if self._scheduled or call_soon is None:
-            return  # a drain is on its way; or none can be: the next bind() delivers
-        self._scheduled = True
-        try:
-            call_soon(self.drain)
-        except Exception:  # the loop is closed: wait for the next bind()
-            self._scheduled = False
-            self._call_soon = None
+        if events:
+            self.push(events)

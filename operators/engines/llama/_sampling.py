@@ -61,7 +61,16 @@ class Sampler:
     """Turns one row of logits into a token: penalties, stop-id suppression, then greedy or
     temperature + top_p sampling with the choice's own seeded generator."""
 
-    __slots__ = ("_counts", "_frequency", "_presence", "_rng", "_temperature", "_top_p", "greedy")
+    __slots__ = (
+        "_counts",
+        "_frequency",
+        "_presence",
+        "_rng",
+        "_temperature",
+        "_top_k",
+        "_top_p",
+        "greedy",
+    )
 
     def __init__(self, request: PreprocessedRequest, rng: np.random.Generator | None) -> None:
         sampling = request.sampling
@@ -69,6 +78,7 @@ class Sampler:
         self.greedy = temperature <= 0.0
         self._temperature = temperature
         self._top_p = 1.0 if sampling.top_p is None else sampling.top_p
+        self._top_k = sampling.top_k or 0
         self._presence = sampling.presence_penalty or 0.0
         self._frequency = sampling.frequency_penalty or 0.0
         self._rng = rng
@@ -152,10 +162,7 @@ class Sampler:
             if allowed[token]:
                 return token
             return self._greedy_allowed(row, allowed) if allowed.any() else NO_TOKEN
-        weights = np.exp((row.astype(np.float64) - float(np.max(row))) / self._temperature)
-        ids_kept: NDArray[np.intp] | None = None
-        if self._top_p < 1.0:
-            ids_kept, weights = nucleus(weights, self._top_p)
+        ids_kept, weights = self._candidates(row)
         token = self._draw(weights, ids_kept)
         if matcher is None:
             return token
@@ -171,11 +178,25 @@ class Sampler:
         masked = np.where(allowed, row, -np.inf)
         if not np.isfinite(masked).any():  # only suppressed ids are allowed: the grammar wins
             masked = np.where(allowed, 0.0, -np.inf)
-        weights = np.exp((masked.astype(np.float64) - float(np.max(masked))) / self._temperature)
-        ids_kept = None
-        if self._top_p < 1.0:
-            ids_kept, weights = nucleus(weights, self._top_p)
+        ids_kept, weights = self._candidates(masked)
         return self._draw(weights, ids_kept)
+
+    def _candidates(
+        self, row: Row | NDArray[np.float64]
+    ) -> tuple[NDArray[np.intp] | None, NDArray[np.float64]]:
+        """The ids a draw may pick (None: every id) and their unnormalized weights: the
+        ``top_k`` most likely, then ``top_p``'s nucleus of those, at the temperature."""
+        size = len(row)
+        top_k = self._top_k
+        ids: NDArray[np.intp] | None = None
+        if 0 < top_k < size:
+            ids = np.argpartition(row, size - top_k)[size - top_k :]
+            row = row[ids]
+        weights = np.exp((row.astype(np.float64) - float(np.max(row))) / self._temperature)
+        if self._top_p < 1.0:
+            kept, weights = nucleus(weights, self._top_p)
+            ids = kept if ids is None else ids[kept]
+        return ids, weights
 
     @staticmethod
     def _greedy_allowed(row: Row, allowed: NDArray[np.bool_]) -> int:

@@ -462,6 +462,12 @@ class Scheduler:
             self._fail([seq.job for seq, _ in work], exc)
             return True
         self._record(record._replace(seconds=time.perf_counter() - started))
+        for seq, size in chunks:
+            timeline = seq.job.timeline
+            if timeline is not None:  # a traced request (prefill only: never per token)
+                timeline.append(
+                    ("prefill_chunk", time.time_ns(), {"llm_pipeline.prefill_tokens": size})
+                )
         try:
             for (seq, feed), offset in zip(work, offsets, strict=True):
                 if seq.pending is not None:
@@ -509,6 +515,9 @@ class Scheduler:
         """``seq``'s prompt is in: its first token, and its followers' (who copy its cells
         before its slot can be vacated)."""
         self._prefilling.remove(seq)
+        timeline = seq.job.timeline
+        if timeline is not None:
+            timeline.append(("prefilled", time.time_ns(), {"llm_pipeline.slot": seq.slot or 0}))
         row = self._runtime.row(index)
         output, _ = seq.emit([row], ())
         followers, seq.followers = seq.followers, []

@@ -57,6 +57,13 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             param="top_p",
             request_id=request_id,
         )
+    unsupported = _unsupported_sampling(request)
+    if unsupported is not None:
+        raise InvalidRequest(
+            f"the llama engine does not support {unsupported}",
+            param=unsupported,
+            request_id=request_id,
+        )
     max_tokens = request.stop.max_tokens
     if max_tokens is None:
         return room
@@ -75,3 +82,13 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             request_id=request_id,
         )
     return max_tokens
+
+
+def _unsupported_sampling(request: PreprocessedRequest) -> str | None:
+    """The first sampling option set to something the llama engine's sampler does not do."""
+    sampling = request.sampling
+    if sampling.min_p not in (None, 0.0):
+        return "min_p"
+    if sampling.repetition_penalty not in (None, 1.0):
+        return "repetition_penalty"
+    return None

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, final
 
@@ -19,11 +21,12 @@ from anyio.lowlevel import checkpoint
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
-from pipeline import EngineError
+from pipeline import EngineError, InvalidRequest
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
 from ._disagg import DEFAULT_TRANSFER_TIMEOUT, Disaggregation, Role
+from ._embed import Embeddings
 from ._job import Job
 from ._kv_events import KvLedger, KvReporter, TierLedger
 from ._kv_moves import KvMover, build_tiers
@@ -43,15 +46,15 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from pipeline import Context, KvEventSink, KvSnapshot, KvTier, Stream
+    from pipeline.tracing import Span
 
 
 __all__ = (
     "DEFAULT_PARALLEL",
     "DEFAULT_STEP_MS",
     "DEFAULT_STEP_TOKENS",
+    "EMBED_MAX_TOKENS",
     "IDLE_STEP_TOKENS",
     "LlamaEngine",
     "LlamaStatistics",
@@ -71,6 +74,9 @@ DEFAULT_STEP_MS: Final = 60.0
 #: tokens a step may evaluate while no sequence waits for its next token (prompts that
 #: arrive together are prefilled together, and their answers then run in step)
 IDLE_STEP_TOKENS: Final = 512
+#: the most tokens one input to :meth:`LlamaEngine.embed` may hold (at most n_ctx): the
+#: embedding context keeps four inputs' KV streams of this size
+EMBED_MAX_TOKENS: Final = 512
 
 
 def _default_threads() -> int:
@@ -281,6 +287,8 @@ class LlamaEngine:
             )
         self._slots = Slots(parallel)
         self._closing = False
+        self._embeddings: Embeddings | None = None  # created by the first embed()
+        self._embedding = anyio.Lock()
         logger.info(
             "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d, role=%s%s)",
             path.name,
@@ -428,6 +436,9 @@ class LlamaEngine:
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
         await self._slots.acquire(width)
+        span = ctx.span
+        if span is not None:  # a traced request: queue wait, prefill chunks, decode as events
+            span.add_event("slot_acquired", {"llm_pipeline.slots": width})
         try:
             if ctx.is_stopped:
                 return
@@ -470,8 +481,54 @@ class LlamaEngine:
             finally:
                 job.close()
                 scheduler.nudge()
+                if span is not None and job.timeline is not None:
+                    _trace_steps(span, job.timeline, sum(job.consumed))
         finally:
             self._slots.release(width)
+
+    # ------------------------------------------------------------------------ embeddings
+
+    async def embed(self, token_ids: Sequence[Sequence[int]], /) -> list[list[float]]:
+        """One embedding per input: the mean of its tokens' last hidden states (the model's
+        pooled "mean" embedding; 576 numbers for SmolLM2-135M). Deterministic, and the
+        same vector alone or in any batch. Runs in a worker thread, one call at a time; the
+        first call creates the embedding context (a second, memory-mapped use of the file).
+
+        Raises:
+            InvalidRequest: an empty input, one longer than :data:`EMBED_MAX_TOKENS` (or
+                the context), ids outside the vocabulary; ``param`` is ``input.<i>``.
+            EngineError: llama.cpp failed, or the engine is closed.
+        """
+        limit = min(EMBED_MAX_TOKENS, self._n_ctx)
+        inputs = [list(tokens) for tokens in token_ids]
+        for position, tokens in enumerate(inputs):
+            param = f"input.{position}" if len(inputs) > 1 else "input"
+            if not tokens:
+                raise InvalidRequest("an input to embed is empty (no tokens)", param=param)
+            if len(tokens) > limit:
+                raise InvalidRequest(
+                    f"an input to embed has {len(tokens)} tokens; at most {limit} are allowed",
+                    param=param,
+                )
+            bad = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (size {self._n_vocab})",
+                    param=param,
+                )
+        if not inputs:
+            return []
+        async with self._embedding:
+            if self._closing:
+                raise EngineError("the llama engine is closed")
+            try:
+                if self._embeddings is None:
+                    self._embeddings = await anyio.to_thread.run_sync(
+                        lambda: Embeddings(self._path, n_ctx=limit, n_threads=self._n_threads)
+                    )
+                return await anyio.to_thread.run_sync(self._embeddings.embed, inputs)
+            except LlamaFailure as exc:
+                raise EngineError(str(exc)) from exc
 
     # --------------------------------------------------------------------------- closing
 
@@ -488,6 +545,9 @@ class LlamaEngine:
         """Free the model now; requests still running fail with EngineError (use
         :meth:`aclose` to wait for them)."""
         self._closing = True
+        embeddings, self._embeddings = self._embeddings, None
+        if embeddings is not None:
+            embeddings.close()
         runtime, self._runtime = self._runtime, None
         if runtime is not None:
             self._disagg.close()
@@ -507,4 +567,20 @@ class LlamaEngine:
         return (
             f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{role}"
             f"{speculative})"
+        )
+
+
+def _trace_steps(span: Span, timeline: list[tuple[str, int, dict[str, int]]], outputs: int) -> None:
+    """A traced request's step timing, recorded by the scheduler thread, as span events:
+    each prefill chunk, the end of prefill (per choice), and one ``decode`` summary."""
+    prefilled = 0
+    for name, time_ns, attributes in list(timeline):
+        span.add_event(name, attributes, time_ns=time_ns)
+        if name == "prefilled" and not prefilled:
+            prefilled = time_ns
+    if prefilled:
+        seconds = (time.time_ns() - prefilled) / 1e9
+        span.add_event(
+            "decode",
+            {"llm_pipeline.outputs": outputs, "llm_pipeline.decode_ms": round(seconds * 1e3, 3)},
         )

@@ -96,6 +96,13 @@ class NatsServer:
             os.kill(process.pid, signal.SIGKILL)
             process.wait(timeout=5)
 
+    def kill(self) -> None:
+        """Kill the server at once (SIGKILL): what it held in flight is lost."""
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait(timeout=5)
+
     def restart(self) -> None:
         """Stop and start again on the same port with the same store directory."""
         self.stop()

@@ -27,7 +27,7 @@ from .tools import (
     ToolDefinition,
 )
 
-__all__ = ("parse_chat_request", "parse_completion_request")
+__all__ = ("from_validation_error", "parse_chat_request", "parse_completion_request")
 
 _M = TypeVar("_M", bound=GenerationRequest)
 
@@ -71,7 +71,7 @@ def _parse(
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _from_validation_error(exc) from exc
+        raise from_validation_error(exc) from exc
 
 
 def _is_utf8(body: bytes) -> bool:
@@ -108,18 +108,21 @@ _FIELDS: Final = _field_names(
 ) | {"schema"}
 
 
-def _param(error: ErrorDetails) -> str | None:
+def _param(error: ErrorDetails, fields: frozenset[str]) -> str | None:
     ctx = error.get("ctx") or {}
     if "param" in ctx:
         return str(ctx["param"])
-    parts = [str(seg) for seg in error["loc"] if isinstance(seg, int) or seg in _FIELDS]
+    parts = [str(seg) for seg in error["loc"] if isinstance(seg, int) or seg in fields]
     return ".".join(parts) or None
 
 
-def _from_validation_error(exc: ValidationError) -> InvalidRequest:
+def from_validation_error(exc: ValidationError, fields: frozenset[str] = _FIELDS) -> InvalidRequest:
+    """A pydantic error as the 400 a client reads: the first error's field as ``param``
+    (a dotted path of the segments in ``fields``, the models' field names; the other
+    segments are union tags), the message naming it."""
     errors = exc.errors(include_url=False, include_input=False)
     first = errors[0]
-    param = _param(first)
+    param = _param(first, fields)
     ctx = first.get("ctx") or {}
     if "param" in ctx:  # a rule across fields: its message names the fields itself
         message = str(ctx["message"])

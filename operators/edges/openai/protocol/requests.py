@@ -99,6 +99,10 @@ class GenerationRequest(Model):
     user: str | None = None
     # Extensions (vLLM's names), sent by OpenAI clients through ``extra_body``.
     min_tokens: int = Field(default=0, strict=True, ge=0, le=MAX_INT)
+    #: (also Anthropic's field) the k most likely tokens only (0 or -1: all of them)
+    top_k: int | None = Field(default=None, strict=True, ge=-1, le=MAX_INT)
+    min_p: Float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: Float | None = Field(default=None, gt=0, le=2)
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
@@ -181,6 +185,9 @@ class GenerationRequest(Model):
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
         )
 
     def output_options(self) -> OutputOptions:

@@ -19,7 +19,7 @@ import pytest
 from server_process import ServerProcess
 
 from operators.contracts.llm import EngineOutput
-from operators.edges.openai.guard import Guard
+from operators.edges.http.guard import Guard
 from operators.edges.openai.server import OpenAIApp
 from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer

@@ -148,7 +148,7 @@ async def test_a_client_leaving_while_its_large_prompt_is_encoded_leaves_nothing
             assert app.inflight == 1
             gone.set()
             await anyio.wait_all_tasks_blocked()  # the watcher has seen the disconnect
-            (ctx,) = app._contexts
+            (ctx,) = app.generations.contexts
             assert ctx.is_killed
             tokenizer.gate.set()
     assert app.inflight == 0

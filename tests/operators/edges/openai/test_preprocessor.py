@@ -378,7 +378,9 @@ async def test_chat_stream_shape() -> None:
         ChoiceDelta(0, "lo"),
         ChoiceDelta(0, "", None, "stop"),
     ]
-    assert usage == Usage(prompt_tokens=prompt_tokens(request), completion_tokens=3)
+    assert usage == Usage(
+        prompt_tokens=prompt_tokens(request), completion_tokens=3, finish_reasons=("stop",)
+    )
     chunks = stream_chunks(events, include_usage=request.include_usage)
     assert {chunk["id"] for chunk in chunks} == {head.id}
     for chunk in chunks:
@@ -499,7 +501,7 @@ async def test_usage_always_ends_the_events_and_shows_only_when_asked_for_or_not
     for request in (plain_request, asked_request, whole_request):
         events = await run(request, outputs)
         _, body, usage = check_events(events)
-        assert usage == Usage(prompt_tokens=count, completion_tokens=1)
+        assert usage == Usage(prompt_tokens=count, completion_tokens=1, finish_reasons=("stop",))
         bodies.append(body)
         responses.append(events)
     # the event stream is the same however the response will be shown
@@ -522,7 +524,7 @@ async def test_usage_always_ends_the_events_and_shows_only_when_asked_for_or_not
 async def test_prompt_tokens_are_the_users_prompt() -> None:
     events = await run(completion(prompt=[5, 6, 7]), [out("a", delivered=1, finish="stop")])
     _, _, usage = check_events(events)
-    assert usage == Usage(prompt_tokens=3, completion_tokens=1)
+    assert usage == Usage(prompt_tokens=3, completion_tokens=1, finish_reasons=("stop",))
     assert aggregate_completion(events)["usage"] == {
         "prompt_tokens": 3,
         "completion_tokens": 1,
@@ -673,7 +675,8 @@ async def test_completion_batch_numbers_choices_per_prompt() -> None:
     events = await collect(link(preprocessor(), engine), make_context(request))
     # one response: one head and one usage over both prompts
     _, _, usage = check_events(events)
-    assert usage == Usage(prompt_tokens=3, completion_tokens=4)
+    # the finish reasons of all four choices, by choice index
+    assert usage == Usage(prompt_tokens=3, completion_tokens=4, finish_reasons=("stop",) * 4)
     whole = aggregate_completion(events)
     assert [(c["index"], c["text"]) for c in whole["choices"]] == [
         (0, "<5:0>"),

@@ -92,6 +92,10 @@ INVALID_CHAT = [
     pytest.param(chat(top_logprobs=2), "top_logprobs", "requires 'logprobs'", id="top-alone"),
     pytest.param(chat(logprobs=True, top_logprobs=21), "top_logprobs", "<= 20", id="top-high"),
     pytest.param(chat(min_tokens=-1), "min_tokens", ">= 0", id="min_tokens"),
+    pytest.param(chat(top_k=-2), "top_k", ">= -1", id="top_k-low"),
+    pytest.param(chat(top_k=2.5), "top_k", "integer", id="top_k-float"),
+    pytest.param(chat(min_p=1.5), "min_p", "<= 1", id="min_p-high"),
+    pytest.param(chat(repetition_penalty=0), "repetition_penalty", "greater than 0", id="rep-0"),
     pytest.param(
         chat(min_tokens=5, max_tokens=3), "min_tokens", "exceeds 'max_tokens'", id="min>max"
     ),
@@ -294,6 +298,9 @@ def test_generation_fields_convert_to_hot_path_records() -> None:
             seed=42,
             presence_penalty=0.1,
             frequency_penalty=-0.2,
+            top_k=40,
+            min_p=0.05,
+            repetition_penalty=1.1,
             logprobs=True,
             top_logprobs=3,
             stream=True,
@@ -313,7 +320,14 @@ def test_generation_fields_convert_to_hot_path_records() -> None:
         ignore_eos=True,
     )
     assert request.sampling_options() == SamplingOptions(
-        temperature=0.5, top_p=0.9, seed=42, presence_penalty=0.1, frequency_penalty=-0.2
+        temperature=0.5,
+        top_p=0.9,
+        seed=42,
+        presence_penalty=0.1,
+        frequency_penalty=-0.2,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
     )
     assert request.output_options() == OutputOptions(logprobs=3, skip_special_tokens=False)
 

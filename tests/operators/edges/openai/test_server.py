@@ -518,7 +518,8 @@ async def test_a_stream_still_running_at_the_drain_timeout_ends_with_an_error() 
 
 async def test_a_client_that_stopped_reading_does_not_hold_the_exit() -> None:
     # The client reads its first event, then nothing: the server's writes back up and the
-    # drain's error event can never be delivered. The exit is forced after the drain.
+    # drain's error event may never be delivered. The exit is forced after the drain
+    # (how soon is the runner's EXIT_AFTER_ABORT; timing is not asserted here).
     process = ServerProcess("--echo-cycle", "--drain-timeout", "0.3", "--model-name", "custom")
     try:
         host, port = process.base_url.removeprefix("http://").removesuffix("/v1").split(":")
@@ -534,8 +535,8 @@ async def test_a_client_that_stopped_reading_does_not_hold_the_exit() -> None:
                 await stream.send(head.encode() + body)
                 assert (await stream.receive()).startswith(b"HTTP/1.1 200")
                 code = await anyio.to_thread.run_sync(process.terminate, signal.SIGTERM)
-        assert code == 0
-        assert "forcing the exit" in process.stderr()
+        assert code == 0  # it exited (terminate() waits 15 s at most), and cleanly
+        assert "Traceback" not in process.stderr()
     finally:
         process.stop()
 
@@ -543,7 +544,7 @@ async def test_a_client_that_stopped_reading_does_not_hold_the_exit() -> None:
 def test_the_default_drain_fits_kubernetes_default_grace_period() -> None:
     # SIGKILL comes 30 s after SIGTERM unless terminationGracePeriodSeconds says otherwise.
     from operators.cli.defaults import DEFAULT_DRAIN_TIMEOUT
-    from operators.edges.openai.runner import DRAIN_TIMEOUT, EXIT_AFTER_ABORT
+    from operators.edges.http.runner import DRAIN_TIMEOUT, EXIT_AFTER_ABORT
 
     assert DEFAULT_DRAIN_TIMEOUT == DRAIN_TIMEOUT
     assert DRAIN_TIMEOUT + EXIT_AFTER_ABORT < 30

@@ -30,6 +30,11 @@ Series::
     llm_pipeline_kv_transferred_bytes_total          counter, their bytes
     llm_pipeline_kv_transfer_recomputed_total        counter, handles prefilled again instead
     llm_pipeline_kv_transfer_seconds_total           counter, time spent pulling KV (decode)
+    llm_pipeline_vllm_running_requests               gauge, requests vLLM runs (vllm engine)
+    llm_pipeline_vllm_waiting_requests               gauge, requests waiting in vLLM's queue
+    llm_pipeline_vllm_kv_cache_usage_ratio           gauge, fraction of vLLM's KV blocks in use
+    llm_pipeline_vllm_prefix_cache_{queries,hits}_total  counters, prompt tokens looked up/found
+    llm_pipeline_vllm_preemptions_total              counter, requests preempted for KV room
     llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
@@ -53,7 +58,14 @@ from prometheus_client.core import (
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-__all__ = ("CONTENT_TYPE", "BatchingCounts", "Histogram", "KvCounts", "ServerMetrics")
+__all__ = (
+    "CONTENT_TYPE",
+    "BatchingCounts",
+    "EngineLoad",
+    "Histogram",
+    "KvCounts",
+    "ServerMetrics",
+)
 
 #: the Content-Type of :meth:`ServerMetrics.render`'s output
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
@@ -289,6 +301,60 @@ def _batch_size_family(batch_sizes: Sequence[int]) -> HistogramMetricFamily:
     )
 
 
+class EngineLoad(NamedTuple):
+    """What :meth:`ServerMetrics.watch_engine` reads at scrape time from an engine that
+    schedules its own batch (vLLM reports it once per step)."""
+
+    #: requests (choices) running now
+    running: int
+    #: requests (choices) waiting for room in the batch or the KV cache
+    waiting: int
+    #: fraction of KV cache blocks in use (0..1)
+    kv_cache_usage: float
+    #: prompt tokens looked up in the prefix cache so far, and found there
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    #: requests preempted so far (their KV dropped for room, recomputed later)
+    preemptions: int
+
+
+class _EngineLoadCollector(Collector):
+    def __init__(self, engine: str, load: Callable[[], EngineLoad]) -> None:
+        self._engine = engine
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load, name = self._load(), f"llm_pipeline_{self._engine}"
+        yield GaugeMetricFamily(
+            f"{name}_running_requests", "Requests the engine is running.", value=load.running
+        )
+        yield GaugeMetricFamily(
+            f"{name}_waiting_requests",
+            "Requests waiting for room in the engine's batch or KV cache.",
+            value=load.waiting,
+        )
+        yield GaugeMetricFamily(
+            f"{name}_kv_cache_usage_ratio",
+            "Fraction of the engine's KV cache blocks in use.",
+            value=load.kv_cache_usage,
+        )
+        yield CounterMetricFamily(
+            f"{name}_prefix_cache_queries",
+            "Prompt tokens the engine looked up in its prefix cache.",
+            value=load.prefix_cache_queries,
+        )
+        yield CounterMetricFamily(
+            f"{name}_prefix_cache_hits",
+            "Prompt tokens the engine found in its prefix cache.",
+            value=load.prefix_cache_hits,
+        )
+        yield CounterMetricFamily(
+            f"{name}_preemptions",
+            "Requests the engine preempted (KV dropped for room, recomputed later).",
+            value=load.preemptions,
+        )
+
+
 class _PrefillCollector(Collector):
     def __init__(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
         self._counts = counts
@@ -438,6 +504,11 @@ class ServerMetrics:
     def watch_kv(self, counts: Callable[[], KvCounts]) -> None:
         """Expose engines' KV tier and transfer counts, read at scrape time."""
         self.registry.register(_KvCollector(counts))
+
+    def watch_engine(self, engine: str, load: Callable[[], EngineLoad]) -> None:
+        """Expose an engine's own scheduler load as ``llm_pipeline_{engine}_*``, read at
+        scrape time."""
+        self.registry.register(_EngineLoadCollector(engine, load))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""

@@ -1,10 +1,9 @@
-"""The ASGI plumbing of the OpenAI server: reading bodies, writing JSON, errors, identity.
+"""The ASGI plumbing every edge shares: reading bodies, writing JSON, a request's identity.
 
-What every endpoint of :class:`~operators.edges.openai.server.OpenAIApp` shares, kept apart from
-the app's dispatch and from the SSE writer (:mod:`.sse_writer`): the ASGI callable types,
-the body reader (bounded, notices a client that left), the one-shot JSON response and the
-request's identity (``x-request-id`` and the headers that reach ``ctx.metadata``). What an
-error looks like is :mod:`.errors` (re-exported here: ``error_body``, ``describe_failure``).
+Kept apart from the app's dispatch (:mod:`.app`) and from the SSE writer (:mod:`.sse_writer`):
+the ASGI callable types, the body reader (bounded, notices a client that left), the one-shot
+JSON response and the request's identity (``x-request-id`` and the headers that reach
+``ctx.metadata``). What an error is, is :mod:`.failures`; how it is said, each edge's.
 """
 
 from __future__ import annotations
@@ -15,18 +14,13 @@ from typing import Any, Final, TypeAlias
 
 from pipeline import Context, InvalidRequest
 
-from .errors import INTERNAL_MESSAGE, describe_failure, error_body
-
 __all__ = (
-    "INTERNAL_MESSAGE",
     "JSON_HEADER",
     "BodyTooLarge",
     "Message",
     "Receive",
     "Scope",
     "Send",
-    "describe_failure",
-    "error_body",
     "id_header",
     "kill_on_disconnect",
     "read_body",
@@ -43,7 +37,7 @@ JSON_HEADER: Final = (b"content-type", b"application/json")
 #: what a client's ``x-request-id`` may look like (it becomes the request's id)
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: request headers kept out of ``ctx.metadata`` (secrets)
-_PRIVATE_HEADERS: Final = frozenset({"authorization", "cookie", "proxy-authorization"})
+_PRIVATE_HEADERS: Final = frozenset({"authorization", "cookie", "proxy-authorization", "x-api-key"})
 
 
 class BodyTooLarge(Exception):

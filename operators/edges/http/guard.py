@@ -1,17 +1,19 @@
 """Who may call the server, how many generations run at once, and how long each may take.
 
-:class:`Guard` holds the three protections :class:`~operators.edges.openai.server.OpenAIApp`
-applies before a request reaches the graph:
+:class:`Guard` holds the three protections the app applies before a request reaches the
+graph, whichever edge it came through:
 
-* **API keys.** With keys configured, every ``/v1/*`` request needs
-  ``Authorization: Bearer KEY`` naming one of them; anything else is a 401
-  (``invalid_api_key``). The comparison takes the same time whatever the key sent, and
-  against every configured key (no early exit that would tell which one came closer).
-  ``/health`` and ``/metrics`` stay open: load balancers and Prometheus probe them without
-  credentials, and they carry no model output.
+* **API keys.** With keys configured, every guarded path (``/v1/*``, ``/tokenize``...)
+  needs one of them, as ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key:
+  KEY`` (Anthropic's); anything else is a 401 in the edge's own words. The comparison takes
+  the same time whatever the key sent, and against every configured key (no early exit
+  that would tell which one came closer). ``/health`` and ``/metrics`` stay open: load
+  balancers and Prometheus probe them without credentials, and they carry no model output.
+  What a key may see of stored state is scoped by :meth:`Guard.owner`: a digest of the key,
+  never the key.
 * **Admission.** With ``max_inflight``, a generation request arriving while that many are
-  in flight gets a 503 with ``Retry-After`` at once: an overloaded server answers "later"
-  instead of queueing without bound.
+  in flight is refused at once (OpenAI: 503 with ``Retry-After``; Anthropic: 529): an
+  overloaded server answers "later" instead of queueing without bound.
 * **Deadlines.** With ``request_timeout``, a generation request is killed down to the
   engine once it has run that long, and ends with a timeout error. A client may ask for
   less: the official OpenAI SDKs send their own timeout as ``X-Stainless-Read-Timeout``
@@ -24,51 +26,19 @@ The key is never logged: only whether a request carried one.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import math
 from collections.abc import Iterable, MutableMapping
 from typing import Any, Final, final
 
-import orjson
-
-__all__ = ("CLIENT_TIMEOUT_HEADER", "Guard", "timeout_error_body", "unauthorized_body")
+__all__ = ("CLIENT_TIMEOUT_HEADER", "Guard")
 
 #: the header through which OpenAI's SDKs tell the server their own timeout, in seconds
 CLIENT_TIMEOUT_HEADER: Final = b"x-stainless-read-timeout"
 _BEARER: Final = b"bearer "
-
-
-def unauthorized_body(presented: bool) -> bytes:
-    """The 401 body, OpenAI's shape (``code: invalid_api_key``)."""
-    message = (
-        "Incorrect API key provided."
-        if presented
-        else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY'."
-    )
-    return orjson.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": "invalid_request_error",
-                "param": None,
-                "code": "invalid_api_key",
-            }
-        }
-    )
-
-
-def timeout_error_body(seconds: float) -> bytes:
-    """The error of a request that ran past its deadline (status 504, or a stream event)."""
-    return orjson.dumps(
-        {
-            "error": {
-                "message": f"The request did not finish within its timeout of {seconds:g} s.",
-                "type": "timeout_error",
-                "param": None,
-                "code": "request_timeout",
-            }
-        }
-    )
+#: what an owner digest is salted with (so it is no plain hash of the key)
+_OWNER_SALT: Final = b"llm-pipeline owner:"
 
 
 @final
@@ -113,13 +83,22 @@ class Guard:
         """(whether the request may proceed, whether it presented a key at all)."""
         if not self._keys:
             return True, False
-        presented = _bearer(scope)
+        presented = _presented_key(scope)
         if presented is None:
             return False, False
         matched = False
         for key in self._keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(presented, key)
         return matched, True
+
+    def owner(self, scope: MutableMapping[str, Any]) -> str:
+        """Who a request acts for, as stored state is scoped: a digest of its API key
+        (which :meth:`check_key` let through), or "" when the server has no keys (every
+        client is the same one). The same on every frontend configured with that key."""
+        if not self._keys:
+            return ""
+        presented = _presented_key(scope) or b""
+        return hashlib.sha256(_OWNER_SALT + presented).hexdigest()[:32]
 
     def timeout_for(self, scope: MutableMapping[str, Any], *, stream: bool) -> float | None:
         """Seconds the request may run: the server's limit, or for a non-streamed request
@@ -144,11 +123,13 @@ def _header(scope: MutableMapping[str, Any], name: bytes) -> bytes | None:
     return None
 
 
-def _bearer(scope: MutableMapping[str, Any]) -> bytes | None:
+def _presented_key(scope: MutableMapping[str, Any]) -> bytes | None:
+    """``Authorization: Bearer KEY``, else ``x-api-key: KEY`` (Anthropic's header)."""
     value = _header(scope, b"authorization")
-    if value is None or value[: len(_BEARER)].lower() != _BEARER:
-        return None
-    return value[len(_BEARER) :].strip()
+    if value is not None and value[: len(_BEARER)].lower() == _BEARER:
+        return value[len(_BEARER) :].strip()
+    value = _header(scope, b"x-api-key")
+    return None if value is None else value.strip() or None
 
 
 def _client_timeout(scope: MutableMapping[str, Any]) -> float | None:

@@ -1,4 +1,4 @@
-"""Running an :class:`~operators.edges.openai.server.OpenAIApp` over HTTP: :func:`serve`.
+"""Running an :class:`~operators.edges.http.app.EdgeApp` over HTTP: :func:`serve`.
 
 uvicorn (httptools parser) on the running asyncio loop, with this module, not uvicorn,
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
     from anyio.abc import TaskStatus
 
-    from .server import OpenAIApp
+    from .app import EdgeApp
 
 __all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "serve")
 
@@ -70,7 +70,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(
-    app: OpenAIApp,
+    app: EdgeApp,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -84,7 +84,7 @@ async def serve(
     ``on_ready(host, port)`` is called once the socket listens, with the real port (so
     ``port=0`` picks a free one). On the first signal the app drains (new requests get
     503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
-    finish, then :meth:`~.server.OpenAIApp.abort` ends the rest with an error, and the
+    finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
     exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
     A second signal forces the exit. Returns normally after a signal-initiated shutdown.
 

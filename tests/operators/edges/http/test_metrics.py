@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from operators.edges.openai.metrics import BatchingCounts, ServerMetrics
+from operators.edges.http.metrics import BatchingCounts, ServerMetrics
 
 
 def sample(text: str, name: str) -> float:

@@ -1,0 +1,102 @@
+"""What goes wrong, as Anthropic says it: :data:`ANTHROPIC_ERRORS`.
+
+Anthropic's shape is ``{"type": "error", "error": {"type": ..., "message": ...},
+"request_id": ...}``; a field to blame is named in the message (prefixed, ``stop_sequences:
+...``, when the message does not name it), as Anthropic's own messages do. The statuses are
+Anthropic's (its SDK maps each to its error class: ``BadRequestError``,
+``AuthenticationError``, ``NotFoundError``, ``RateLimitError``, ``OverloadedError``...)::
+
+    invalid_request      400 invalid_request_error
+    unauthorized         401 authentication_error
+    not_found            404 not_found_error
+    method_not_allowed   405 invalid_request_error
+    too_large            413 request_too_large
+    overloaded           529 overloaded_error (max_inflight; with retry-after)
+    unavailable          529 overloaded_error (no worker now, shutting down)
+    timeout              504 timeout_error
+    internal             500 api_error
+
+The graph speaks chat's field names; :func:`translate` gives this API's (``stop`` is
+``stop_sequences``, a prompt too long is ``messages``). A stream that fails after it
+started ends with ``event: error`` carrying the same object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, final
+
+import orjson
+
+from operators.edges.http.failures import ApiError, ErrorKind, Rendered, error_headers
+
+__all__ = ("ANTHROPIC_ERRORS", "AnthropicErrors", "error_event", "translate")
+
+_STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "unauthorized": (401, "authentication_error"),
+    "not_found": (404, "not_found_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "too_large": (413, "request_too_large"),
+    "overloaded": (529, "overloaded_error"),
+    "unavailable": (529, "overloaded_error"),
+    "timeout": (504, "timeout_error"),
+    "internal": (500, "api_error"),
+}
+#: the graph's field names -> this API's
+_PARAMS: Final[Mapping[str, str]] = {
+    "stop": "stop_sequences",
+    "prompt": "messages",
+    "max_completion_tokens": "max_tokens",
+}
+
+
+def translate(error: ApiError) -> ApiError:
+    """``error`` with the field it blames named as this API names it."""
+    param = error.param
+    if param is None:
+        return error
+    head = param.partition(".")[0]
+    if head == "messages":  # the chat messages' numbering is not the turns' (system, tools)
+        named = "messages"
+    elif head in _PARAMS:
+        named = _PARAMS[head]
+    else:
+        return error
+    return ApiError(error.kind, error.message, named, error.code, error.retry_after, error.allow)
+
+
+def _object(error: ApiError, request_id: str | None) -> dict[str, object]:
+    message = error.message
+    if error.param is not None and error.param not in message:
+        message = f"{error.param}: {message}"
+    body: dict[str, object] = {
+        "type": "error",
+        "error": {"type": _STATUS[error.kind][1], "message": message},
+    }
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def error_event(error: ApiError, request_id: str | None = None) -> bytes:
+    """A failed stream's last event: ``event: error``."""
+    data = orjson.dumps(_object(translate(error), request_id))
+    return b"event: error\ndata: " + data + b"\n\n"
+
+
+@final
+class AnthropicErrors:
+    """The :class:`~operators.edges.http.failures.ErrorStyle` of Anthropic's API."""
+
+    __slots__ = ()
+
+    def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
+        """``error`` as a whole response."""
+        error = translate(error)
+        status = _STATUS[error.kind][0]
+        return Rendered(status, orjson.dumps(_object(error, request_id)), error_headers(error))
+
+
+#: the one instance (the style has no state)
+ANTHROPIC_ERRORS: Final = AnthropicErrors()

@@ -1,0 +1,21 @@
+"""The HTTP plumbing every API edge shares, written once.
+
+- :mod:`.app` — :class:`~.app.EdgeApp`, the ASGI app: the edges' routes, API keys,
+  ``/health`` and ``/metrics``.
+- :mod:`.routes` — what an edge is to the app: :class:`~.routes.Edge`,
+  :class:`~.routes.Route`, :class:`~.routes.Call`, :class:`~.routes.Host`.
+- :mod:`.generation` — :class:`~.generation.Generations`: a generation request's life
+  (body, admission, request ids, deadlines, disconnect -> kill, the drain), and the
+  :class:`~.generation.Reply` an edge renders the graph's events with.
+- :mod:`.sse_writer` — when a stream's bytes leave (coalesced writes, keep-alives).
+- :mod:`.failures` — what went wrong, in no API's words (:class:`~.failures.ApiError`),
+  and the :class:`~.failures.ErrorStyle` each edge says it in.
+- :mod:`.guard`, :mod:`.metrics`, :mod:`.asgi`, :mod:`.runner` — the protections, the
+  Prometheus series, the ASGI helpers, serving with uvicorn.
+
+It knows no API: ``tests/test_layering.py`` keeps every edge out of it.
+"""
+
+from __future__ import annotations
+
+__all__ = ()

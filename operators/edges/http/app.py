@@ -1,0 +1,263 @@
+"""The ASGI app every edge is served by: :class:`EdgeApp`, one port, one graph, many APIs.
+
+::
+
+    request --> route (exact path, else a {name} template) --> API key (guarded routes)
+            --> the edge's handler --> llm_pipeline_requests_total{endpoint, status}
+    GET /health, GET /metrics: the app's own, never guarded
+
+The app knows no API: each :class:`~.routes.Edge` brings its routes and the
+:class:`~.failures.ErrorStyle` they answer in (OpenAI's, Anthropic's), and hands generation
+requests to :class:`~.generation.Generations`, which owns admission, deadlines, request
+ids, disconnects and the drain for all of them. :class:`operators.edges.openai.server.
+OpenAIApp` is this app with the OpenAI edge; ``build_app`` adds the Responses and
+Anthropic edges beside it.
+
+Why it is raw ASGI and not a framework's router: the per-token path is "render the event to
+bytes once, buffer it, write" (:mod:`.sse_writer`); dispatch is one dict lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+from .asgi import Receive, Scope, Send, send_json
+from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
+from .generation import Generations
+from .guard import Guard
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .routes import Call, Edge, Route
+
+if TYPE_CHECKING:
+    from pipeline import Engine
+    from pipeline.tracing import Tracer
+
+__all__ = ("MAX_BODY_BYTES", "EdgeApp", "Pages")
+
+#: request bodies above this size are refused with 413
+MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+
+Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
+"""A handler of the GET paths no edge serves (the web UI): the status it answered with, or
+None when the path is not its either (a 404 follows)."""
+
+
+class _Methods(dict[str, Route]):
+    """The routes of one path, by method (HEAD answered as GET)."""
+
+    def allowed(self) -> str:
+        return ", ".join(sorted(self))
+
+
+class EdgeApp:
+    """The ASGI app: ``edges`` over ``graph``, serving one model name.
+
+    Args:
+        graph: what generation requests run on (usually the default graph).
+        model_name: the one model served.
+        edges: the APIs served, in order; a path claimed twice keeps its first route.
+        errors: how the app says "unknown path" (and 401 there).
+        metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
+        max_body_bytes: larger request bodies get 413.
+        guard: API keys, admission control and deadlines (none of them by default).
+        tracer: traces every generation request (None: none is traced, nothing is done).
+        pages: answers the GET and HEAD paths no edge serves (the web UI), before they
+            become 404s.
+    """
+
+    def __init__(
+        self,
+        graph: Engine[Any, Any],
+        *,
+        model_name: str,
+        edges: Iterable[Edge],
+        errors: ErrorStyle,
+        metrics: ServerMetrics | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        guard: Guard | None = None,
+        tracer: Tracer | None = None,
+        pages: Pages | None = None,
+    ) -> None:
+        self._graph = graph
+        self._model_name = model_name
+        self._errors = errors
+        self._guard = guard if guard is not None else Guard()
+        self.metrics = metrics if metrics is not None else ServerMetrics()
+        #: what answers the GET paths no edge serves (the web UI), or None
+        self.pages = pages
+        self._generations = Generations(
+            graph,
+            guard=self._guard,
+            metrics=self.metrics,
+            max_body_bytes=max_body_bytes,
+            model_name=model_name,
+            tracer=tracer,
+        )
+        self._exact: dict[str, _Methods] = {}
+        self._templates: list[tuple[tuple[str, ...], _Methods]] = []
+        for edge in edges:
+            for route in edge.routes(self):
+                self._add(route)
+
+    def _add(self, route: Route) -> None:
+        segments = tuple(route.path.strip("/").split("/"))
+        if any(segment.startswith("{") for segment in segments):
+            methods = next((m for s, m in self._templates if s == segments), None)
+            if methods is None:
+                methods = _Methods()
+                self._templates.append((segments, methods))
+        else:
+            methods = self._exact.setdefault(route.path, _Methods())
+        for method in route.methods:
+            methods.setdefault(method, route)
+
+    # ------------------------------------------------------------------ the Host protocol
+
+    @property
+    def graph(self) -> Engine[Any, Any]:
+        """The serving graph."""
+        return self._graph
+
+    @property
+    def model_name(self) -> str:
+        """The model this app serves."""
+        return self._model_name
+
+    @property
+    def generations(self) -> Generations:
+        """The generation requests in flight and the rules they run under."""
+        return self._generations
+
+    @property
+    def guard(self) -> Guard:
+        """API keys, admission control and deadlines."""
+        return self._guard
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """What traces the requests (None: untraced)."""
+        return self._generations.tracer
+
+    @property
+    def draining(self) -> bool:
+        """True once :meth:`drain` was called."""
+        return self._generations.draining
+
+    # --------------------------------------------------------------------- the lifecycle
+
+    @property
+    def inflight(self) -> int:
+        """Generation requests running now."""
+        return self._generations.inflight
+
+    def drain(self) -> None:
+        """Refuse new generation requests (503); the in-flight ones run on to their end.
+
+        Shutdown calls this first and, if requests are still running after the drain
+        timeout, :meth:`abort`: a stream is never cut short with a finish it did not earn.
+        """
+        self._generations.drain()
+
+    def abort(self) -> None:
+        """End every in-flight generation request now, down to the engine: a stream ends
+        with an error event (and no end marker), a non-streamed request gets an error body
+        (503 in OpenAI's words)."""
+        self._generations.abort()
+
+    # ------------------------------------------------------------------------ dispatch
+
+    def _match(self, path: str) -> tuple[_Methods, dict[str, str]] | None:
+        methods = self._exact.get(path)
+        if methods is not None:
+            return methods, {}
+        segments = path.strip("/").split("/")
+        for template, candidates in self._templates:
+            if len(template) != len(segments):
+                continue
+            params: dict[str, str] = {}
+            for expected, segment in zip(template, segments, strict=True):
+                if expected.startswith("{"):
+                    if not segment:
+                        break
+                    params[expected[1:-1]] = segment
+                elif expected != segment:
+                    break
+            else:
+                return candidates, params
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The ASGI entry point."""
+        if scope["type"] != "http":  # no lifespan: the runner serves with lifespan="off"
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        if path == "/health" or path == "/metrics":
+            await self._own(path, method, send)
+            return
+        found = self._match(path)
+        if found is None:
+            if path.startswith("/v1/") and not await self._admitted(scope, send, self._errors):
+                self.metrics.count_request("other", 401)
+                return
+            answered = None
+            if self.pages is not None and method in ("GET", "HEAD"):
+                answered = await self.pages(scope, receive, send)
+            if answered is None:
+                rendered = self._errors.render(unknown_path(path))
+                await send_json(send, rendered.status, rendered.body, rendered.headers)
+                answered = rendered.status
+            # a label per unknown path would let clients grow the registry
+            self.metrics.count_request("other", answered)
+            return
+        methods, params = found
+        route = methods.get("GET" if method == "HEAD" else method)
+        any_route = route if route is not None else next(iter(methods.values()))
+        if any_route.guarded and not await self._admitted(scope, send, any_route.errors):
+            self.metrics.count_request(any_route.endpoint, 401)
+            return
+        if route is None:
+            error = method_not_allowed(path, methods.allowed())
+            rendered = any_route.errors.render(error)
+            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            self.metrics.count_request(any_route.endpoint, rendered.status)
+            return
+        owner = self._guard.owner(scope) if self._guard.requires_key else ""
+        status = await route.handler(Call(scope, receive, send, params, owner))
+        self.metrics.count_request(route.endpoint, status)
+
+    async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> bool:
+        """Whether the request may go on (no keys, or a valid one); a 401 otherwise."""
+        if not self._guard.requires_key:
+            return True
+        allowed, presented = self._guard.check_key(scope)
+        if allowed:
+            return True
+        rendered = errors.render(unauthorized(presented))
+        await send_json(send, rendered.status, rendered.body, rendered.headers)
+        self.metrics.rejected.labels("invalid_api_key").inc()
+        return False
+
+    async def _own(self, path: str, method: str, send: Send) -> None:
+        """``/health`` and ``/metrics``: open to probes and scrapers, GET only."""
+        if method not in ("GET", "HEAD"):
+            rendered = self._errors.render(method_not_allowed(path, "GET"))
+            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            self.metrics.count_request(path, rendered.status)
+            return
+        if path == "/health":
+            draining = self._generations.draining
+            status = 503 if draining else 200
+            body = b'{"status":"draining"}' if draining else b'{"status":"ok"}'
+            await send_json(send, status, body)
+        else:
+            body = self.metrics.render()
+            headers = [
+                (b"content-type", CONTENT_TYPE.encode()),
+                (b"content-length", b"%d" % len(body)),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            status = 200
+        self.metrics.count_request(path, status)

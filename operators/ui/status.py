@@ -1,0 +1,160 @@
+"""What ``GET /status`` answers: the server at a glance, for the status view.
+
+Read when asked (the page polls every two seconds while the view is open): nothing is
+counted for it beyond what the metrics and the span buffer already hold. ::
+
+    {"model": "echo", "uptime_s": 12.5, "draining": false,
+     "in_flight": 1, "waiting": 0,
+     "requests_total": 40, "output_tokens_total": 5120,
+     "kv": {"hit_blocks": 10, "miss_blocks": 30, "hit_rate": 0.25, "source": "router"},
+     "workers": [{"id": "decode-0", "role": "aggregated", "in_flight": 1, "where": "in-process"}],
+     "tracing": {"recording": true, "exporting": "http://collector:4318/v1/traces"},
+     "recent": [ ... RecentRequest.as_dict() ... ]}
+
+Tokens per second is the page's to compute: the difference of ``output_tokens_total``
+between two polls over their time apart.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias, final
+
+from pipeline import WorkerSet
+
+if TYPE_CHECKING:
+    from operators.edges.openai.server import OpenAIApp
+    from operators.telemetry import SpanBuffer
+
+__all__ = ("StatusReport", "WorkerGroups", "worker_rows")
+
+WorkerGroups: TypeAlias = Mapping[str, "WorkerSet[Any, Any] | None"]
+"""The worker sets a server routes to, by role (``aggregated``, ``decode``, ``prefill``,
+``encode``); None for a role it has none of."""
+
+
+def worker_rows(groups: WorkerGroups, where: str) -> list[dict[str, Any]]:
+    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs."""
+    rows: list[dict[str, Any]] = []
+    for role, workers in groups.items():
+        if workers is None:
+            continue
+        rows.extend(
+            {"id": w.id, "role": role, "in_flight": w.in_flight, "where": where}
+            for w in workers.members
+        )
+    return rows
+
+
+def _waiting(groups: WorkerGroups) -> int:
+    return sum(w.statistics().waiting for w in groups.values() if w is not None)
+
+
+@final
+class StatusReport:
+    """Builds the status document of ``app``.
+
+    ``workers`` names the worker sets by role (read at each call, so discovered workers
+    come and go); without any, the server's one engine is shown as ``engine`` (named
+    ``engine_name``). ``buffer`` holds the last requests' spans (None: no stage timings).
+    ``exporting`` names the OTLP endpoint, if any.
+    """
+
+    __slots__ = ("_app", "_buffer", "_engine_name", "_exporting", "_started", "_where", "_workers")
+
+    def __init__(
+        self,
+        app: OpenAIApp,
+        *,
+        workers: Callable[[], WorkerGroups] | None = None,
+        where: str = "in-process",
+        engine_name: str = "engine",
+        buffer: SpanBuffer | None = None,
+        exporting: str | None = None,
+    ) -> None:
+        self._app = app
+        self._workers = workers
+        self._where = where
+        self._engine_name = engine_name
+        self._buffer = buffer
+        self._exporting = exporting
+        self._started = time.monotonic()
+
+    def __call__(self) -> dict[str, Any]:
+        """The status document, now."""
+        app = self._app
+        totals, requests = _totals(app)
+        sample = totals.get
+        groups = self._workers() if self._workers is not None else {}
+        rows = worker_rows(groups, self._where)
+        if not rows and self._workers is None:
+            rows = [
+                {
+                    "id": self._engine_name,
+                    "role": "aggregated",
+                    "in_flight": app.inflight,
+                    "where": "in-process",
+                }
+            ]
+        waiting = _waiting(groups) + int(sample("llm_pipeline_llama_waiting_sequences") or 0)
+        buffer = self._buffer
+        return {
+            "model": app.model_name,
+            "uptime_s": round(time.monotonic() - self._started, 3),
+            "draining": app.draining,
+            "in_flight": app.inflight,
+            "waiting": waiting,
+            "requests_total": int(requests),
+            "output_tokens_total": int(sample("llm_pipeline_output_tokens_total") or 0),
+            "kv": _kv(sample),
+            "workers": rows,
+            "tracing": {"recording": buffer is not None, "exporting": self._exporting},
+            "recent": [] if buffer is None else [r.as_dict() for r in buffer.recent()],
+        }
+
+
+def _totals(app: OpenAIApp) -> tuple[dict[str, float], float]:
+    """Every sample of the app's metrics summed over its labels, by sample name; and the
+    generation requests finished."""
+    totals: dict[str, float] = {}
+    requests = 0.0
+    for metric in app.metrics.registry.collect():
+        for sample in metric.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            endpoint = sample.labels.get("endpoint", "")
+            if (
+                sample.name == "llm_pipeline_requests_total"
+                and endpoint.startswith("/v1/")
+                and endpoint != "/v1/models"
+            ):
+                requests += sample.value
+    return totals, requests
+
+
+def _kv(sample: Callable[[str], float | None]) -> dict[str, Any]:
+    """The KV hit rate: the router's (blocks routed to a worker holding them), else the
+    engine's own prefix cache (prompt tokens found cached), else unknown."""
+    hit = sample("llm_pipeline_kv_hit_blocks_total") or 0.0
+    miss = sample("llm_pipeline_kv_miss_blocks_total") or 0.0
+    if hit + miss:
+        return {
+            "hit_blocks": int(hit),
+            "miss_blocks": int(miss),
+            "hit_rate": round(hit / (hit + miss), 4),
+            "source": "router",
+        }
+    cached = (sample("llm_pipeline_llama_cached_prompt_tokens_total") or 0.0) + (
+        sample("llm_pipeline_cached_prompt_tokens_total") or 0.0
+    )
+    computed = (sample("llm_pipeline_llama_prefill_tokens_total") or 0.0) + (
+        sample("llm_pipeline_prefill_tokens_total") or 0.0
+    )
+    if cached + computed:
+        return {
+            "cached_tokens": int(cached),
+            "prefilled_tokens": int(computed),
+            "hit_rate": round(cached / (cached + computed), 4),
+            "source": "engine",
+        }
+    return {"hit_rate": None, "source": None}
