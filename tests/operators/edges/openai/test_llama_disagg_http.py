@@ -149,6 +149,28 @@ async def test_sampling_stop_strings_and_structured_output_survive_the_move(
     assert isinstance(json.loads(structured[0]), dict)  # a whole JSON object
 
 
+@pytest.mark.time_limit(120)
+async def test_n_above_one_stays_aggregated(
+    aggregated: ServerProcess, disaggregated: ServerProcess
+) -> None:
+    """One handle cannot seed several choices: n=2 runs whole on the decode worker (no
+    prefill leg, nothing transferred) and answers as the aggregated server does."""
+    question = "Name a colour."
+    expected = await ask(aggregated, question, n=2, logprobs=True)
+    before = await metrics(disaggregated)
+    got = await ask(disaggregated, question, n=2, logprobs=True)
+    after = await metrics(disaggregated)
+    grew = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    assert len(got.choices) == 2
+    assert [c.message.content for c in got.choices] == [c.message.content for c in expected.choices]
+    assert [[t.logprob for t in c.logprobs.content] for c in got.choices] == [
+        [t.logprob for t in c.logprobs.content] for c in expected.choices
+    ]
+    assert grew["llm_pipeline_prefill_tokens_total", "prefill-0"] == 0
+    assert grew["llm_pipeline_prefill_tokens_total", "decode-0"] > 0
+    assert grew["llm_pipeline_kv_transferred_tokens_total", ""] == 0
+
+
 @pytest.mark.time_limit(180)
 async def test_the_host_tier_restores_an_evicted_conversation(aggregated: ServerProcess) -> None:
     server = ServerProcess(*LLAMA, "--parallel", "1", "--kv-host-cache-mb", "64")
