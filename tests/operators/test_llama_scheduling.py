@@ -18,7 +18,7 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine, LlamaStep
+from operators.engines.llama import LlamaEngine, LlamaStep, _scheduler
 from operators.engines.llama._pacing import MIN_CHUNK, Pacer
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import open_stream
@@ -94,7 +94,7 @@ def since(engine: LlamaEngine, before: int) -> list[LlamaStep]:
 @pytest.mark.llama
 @pytest.mark.time_limit(60)
 async def test_prompts_that_arrive_together_are_prefilled_in_one_step(
-    engines: list[LlamaEngine], tokenizer: Tokenizer
+    engines: list[LlamaEngine], tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nobody waits for a token: a step takes more than ``step_tokens`` of prompt, so the
     answers start together (and then run in step)."""
@@ -105,6 +105,11 @@ async def test_prompts_that_arrive_together_are_prefilled_in_one_step(
     await collect(engine, make_context(request(tokenizer, "Clear the slots.", 1)))
     before = engine.statistics().steps
     together: list[list[int]] = [[], [], []]
+    # The scheduler gathers prompts arriving within 4 ms of each other; on a loaded machine
+    # the event loop may take longer than that between two submissions, so the test widens
+    # the window (what is tested is that a gathered burst is prefilled in one step).
+    monkeypatch.setattr(_scheduler, "_GATHER", 0.5)
+    monkeypatch.setattr(_scheduler, "_GATHER_MAX", 2.0)
 
     async def one(index: int) -> None:
         together[index] = tokens(await collect(engine, make_context(cases[index])))
