@@ -84,6 +84,8 @@ class Stream:
     started: float
     ended: float = 0.0
     longest_stall: float = 0.0
+    stall_ended: float = 0.0  # when the longest stall ended (time.monotonic)
+    request_id: str = ""
     texts: dict[int, str] = field(default_factory=dict)
     error: str | None = None
     abandoned: bool = False
@@ -141,12 +143,15 @@ async def read_stream(http: httpx.AsyncClient, stream: Stream, leave_after: int 
                 f" (n={n}: not migrated)" if n > 1 else ""
             )
             return response.status_code
+        stream.request_id = response.headers.get("x-request-id", "")
         events, last = 0, stream.started  # (the wait for the first event is a stall too)
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
             now = time.monotonic()
-            stream.longest_stall, last = max(stream.longest_stall, now - last), now
+            if now - last > stream.longest_stall:
+                stream.longest_stall, stream.stall_ended = now - last, now
+            last = now
             data = line.removeprefix("data: ")
             if data == "[DONE]":
                 break
@@ -296,10 +301,16 @@ def report_fault(fault: Fault, streams: list[Stream], wanted: list[dict[int, str
     ]
     same = sum(want is not None and stream.texts == want for stream, want in hit)
     errors = collections.Counter(stream.error for stream, _ in hit if stream.error is not None)
-    stall = max((stream.longest_stall for stream, _ in hit), default=0.0)
+    worst = max((stream for stream, _ in hit), key=lambda s: s.longest_stall, default=None)
+    stall = worst.longest_stall if worst is not None else 0.0
     print(f"  {fault.name}: {len(hit)} streams in flight; {same} completed identically; "
           f"{sum(errors.values())} ended with an error {dict(errors) or ''}; "
           f"longest stall {stall:.2f} s")  # fmt: skip
+    if worst is not None and stall > 2 * max(fault.over - fault.at, 1.0):
+        print(f"    (request {worst.request_id or '?'}: {worst.path} n={worst.body.get('n', 1)}, "
+              f"stalled from {worst.stall_ended - stall - fault.at:+.2f} s to "
+              f"{worst.stall_ended - fault.at:+.2f} s of the fault, which lasted "
+              f"{fault.over - fault.at:.2f} s)")  # fmt: skip
 
 
 def main() -> None:

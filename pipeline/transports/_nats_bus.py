@@ -144,6 +144,9 @@ class Bus:
     # -- what :func:`.connect` installs as nats-py's callbacks: two log lines an outage
 
     async def on_disconnected(self) -> None:
+        # A connection that was lost had been up, even if nobody looked at it meanwhile
+        # (a worker hit by an outage before its first heartbeat round).
+        self._connected_once = True
         self._observe()
         if not self._nc.is_closed:
             self._lost_at = time.monotonic()

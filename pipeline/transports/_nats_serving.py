@@ -108,6 +108,7 @@ class Served:
         "seq",
         "shutdown",
         "stop_early",
+        "unparked",
     )
 
     def __init__(self, inbox: str, reply: str) -> None:
@@ -130,6 +131,8 @@ class Served:
         self.parked: list[tuple[int, bytes]] | None = None
         self.parked_at = 0.0  # when it was parked (time.monotonic)
         self.resuming = False  # parked frames are being sent
+        #: set when a parking ends: its frames were all sent, or its client is gone
+        self.unparked: anyio.Event | None = None
         #: (seq, frame) sent and not acknowledged yet (flow-controlled streams only)
         self.retained: deque[tuple[int, bytes]] | None = None
 
@@ -144,6 +147,19 @@ class Served:
         if self.parked is None and not self.gone:
             self.parked = []
             self.parked_at = time.monotonic()
+            self.unparked = anyio.Event()
+
+    def unpark(self) -> None:
+        """The parking is over (resumed, or its client is gone)."""
+        self.parked = None
+        if self.unparked is not None:
+            self.unparked.set()
+
+    async def wait_unparked(self) -> None:
+        """Return once no frame is parked: a stream that ended in an outage keeps its END
+        (and the outputs before it) until its client is back for them or given up."""
+        while self.parked is not None and not self.gone and self.unparked is not None:
+            await self.unparked.wait()
 
     def grant(self, total: int) -> None:
         """The client granted ``total`` outputs in all (a CREDIT); stale grants are no-ops."""
@@ -215,6 +231,8 @@ class StreamServer(Generic[In, Out]):
             served.gone = True
             self.clients_gone += 1
             served.kill()
+            if served.unparked is not None:
+                served.unparked.set()
 
     async def serve(self, served: Served, data: bytes) -> None:
         """Decode the request ``data``, stream the engine's outputs, end with END or ERR."""
@@ -385,7 +403,7 @@ class StreamServer(Generic[In, Out]):
                 del frames[0]
                 if served.retained is not None:
                     served.retained.append((seq, data))
-            served.parked = None
+            served.unpark()
         finally:
             served.resuming = False
 

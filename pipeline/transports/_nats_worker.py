@@ -392,6 +392,10 @@ class NatsWorker(Generic[In, Out]):
         try:
             await self._streams.serve(served, data)
             cut_off = False
+            # Ended while the bus was down: its last frames are parked, and its client
+            # asks for them once it is back (forgetting the stream now would answer
+            # "unknown", and a stream that cannot migrate would fail).
+            await served.wait_unparked()
         except Exception:  # a bug here must not take the other requests down
             cut_off = False
             logger.exception("worker %s failed serving a request", self.worker_id)

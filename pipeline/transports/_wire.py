@@ -333,6 +333,7 @@ async def connect(
     except (nats.errors.Error, OSError) as exc:  # a malformed URL
         await _abandon(nc)
         raise ConnectFailed(f"cannot connect to NATS at {url}: {exc}") from exc
+    _ = bus.connected  # seen up: an outage from now on is one (not a first connection)
     return nc
 
 

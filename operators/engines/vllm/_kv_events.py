@@ -40,8 +40,6 @@ logger = logging.getLogger("operators.engines.vllm")
 #: media whose blocks the engine computes with (vLLM reports its GPU tier as "GPU", also on
 #: CPUs; offloaded tiers are not where a request's prefill is skipped)
 _COMPUTE_MEDIA: Final = (None, "GPU")
-#: how long the listener waits for a message before checking whether to stop (seconds)
-_POLL_SECONDS: Final = 0.1
 
 
 class _Block(NamedTuple):
@@ -171,14 +169,17 @@ class KvEventListener:
 
     :meth:`start` returns once the socket is connected (vLLM's publisher drops what is
     published before a subscriber joins); :meth:`close` stops the thread and closes it.
+    The thread sleeps until a batch or :meth:`close`'s wake-up arrives (an in-process
+    socket beside the subscription), never on a timer: an idle server wakes no one.
     """
 
     def __init__(self, endpoint: str, translator: BlockTranslator, delivery: KvDelivery) -> None:
         self._endpoint = endpoint
         self._translator = translator
         self._delivery = delivery
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._context: Any = None
+        self._wake = f"inproc://vllm-kv-events-stop-{id(self)}"
         self._next_seq: int | None = None
         #: batches received (for tests and logs)
         self.batches = 0
@@ -205,27 +206,44 @@ class KvEventListener:
             socket.close(linger=0)
             context.term()
             raise RuntimeError(f"vLLM's KV event socket {self._endpoint} did not answer")
+        wake = context.socket(zmq.PAIR)
+        wake.bind(self._wake)
+        self._context = context
         self._thread = threading.Thread(
-            target=self._run, args=(context, socket), name="vllm-kv-events", daemon=True
+            target=self._run, args=(context, socket, wake), name="vllm-kv-events", daemon=True
         )
         self._thread.start()
 
     def close(self) -> None:
         """Stop reading and close the socket (waits for the thread). Idempotent."""
-        self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+        import zmq
 
-    def _run(self, context: Any, socket: Any) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        waker = self._context.socket(zmq.PAIR)
+        try:
+            waker.connect(self._wake)
+            waker.send(b"")
+        finally:
+            waker.close(linger=0)
+        thread.join()
+        self._context = None
+
+    def _run(self, context: Any, socket: Any, wake: Any) -> None:
         import msgspec
+        import zmq
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
-            while not self._stop.is_set():
-                if not socket.poll(int(_POLL_SECONDS * 1000)):
-                    continue
+            while True:
+                ready = dict(poller.poll())
+                if wake in ready:
+                    return
                 _topic, seq, payload = socket.recv_multipart()
                 try:
                     self._receive(int.from_bytes(seq, "big"), decoder.decode(payload).events)
@@ -233,6 +251,7 @@ class KvEventListener:
                     logger.exception("vLLM's KV event batch %d could not be translated", seq)
         finally:
             socket.close(linger=0)
+            wake.close(linger=0)
             context.term()
 
     def _receive(self, seq: int, events: Sequence[Any]) -> None:
