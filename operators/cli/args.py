@@ -15,7 +15,6 @@ from .defaults import (
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
-    MODEL_ENGINES,
     NATS_CONNECT_TIMEOUT,
     ROLES,
     ROUTERS,
@@ -25,6 +24,7 @@ from .observability import add_observability_options, check_otel
 from .options import (
     add_engine_options,
     add_log_level,
+    fraction,
     non_negative_float,
     non_negative_int,
     port,
@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workers = serve_parser.add_argument_group(
         "in-process worker sets",
-        "Several in-process workers of the chosen engine; prefill and encode workers need "
-        "--engine mocker.",
+        "Several in-process workers of the chosen engine (each llama worker loads its own "
+        "copy of the model); encode workers need --engine mocker.",
     )
     workers.add_argument(
         "--decode-workers",
@@ -163,6 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="W",
         help="--router kv: the cost of one block to prefill, in requests in flight",
+    )
+    workers.add_argument(
+        "--kv-restore-cost",
+        type=fraction,
+        default=0.1,
+        metavar="C",
+        help=(
+            "--router kv: the cost of restoring one block from a worker's host or disk tier "
+            "(--kv-host-cache-mb), as a fraction of prefilling it (0: as good as held in a "
+            "slot; 1: as bad as missing)"
+        ),
     )
     workers.add_argument(
         "--router-temperature",
@@ -329,8 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ROLES,
         default="aggregated",
         help=(
-            "what this worker does for a request: prefill/decode/encode (disaggregated "
-            "serving) need --engine mocker"
+            "what this worker does for a request in disaggregated serving: prefill (the "
+            "prompt and one token, then its KV moves to a decode worker) and decode need "
+            "--engine mocker or llama, encode needs --engine mocker"
         ),
     )
     worker_parser.add_argument(
@@ -407,22 +419,26 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.command == "serve":
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
-        if args.nats is None and args.router != "round-robin" and args.engine in MODEL_ENGINES:
-            parser.error("--router needs in-process workers (--engine echo or mocker) or --nats")
+        if args.nats is None and args.router != "round-robin" and args.engine == "vllm":
+            parser.error(
+                "--router needs in-process workers (--engine echo, mocker or llama) or --nats"
+            )
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
                 parser.error(
                     "--nats discovers its workers: drop --decode-workers, --prefill-workers "
                     "and --encode-workers"
                 )
-        elif args.engine != "mocker" and (args.prefill_workers or args.encode_workers):
-            parser.error("--prefill-workers and --encode-workers need --engine mocker")
-        elif args.engine in MODEL_ENGINES and args.decode_workers != 1:
-            parser.error(
-                f"--engine {args.engine} serves one in-process model: drop --decode-workers"
-            )
-    elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
-        parser.error(f"--role {args.role} needs --engine mocker")
+        elif args.engine != "mocker" and args.encode_workers:
+            parser.error("--encode-workers needs --engine mocker")
+        elif args.engine in ("echo", "vllm") and args.prefill_workers:
+            parser.error("--prefill-workers needs --engine mocker or llama")
+        elif args.engine == "vllm" and args.decode_workers != 1:
+            parser.error("--engine vllm serves one in-process model: drop --decode-workers")
+    elif args.command == "worker" and args.role != "aggregated":
+        if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
+            engines = "mocker" if args.role == "encode" else "mocker or llama"
+            parser.error(f"--role {args.role} needs --engine {engines}")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
         parser.error(
             f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "

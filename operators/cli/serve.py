@@ -30,7 +30,7 @@ from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .config import ServeConfig
 from .defaults import MODEL_ENGINES
-from .engines import load_engine, watch_engine, worker_set
+from .engines import load_engine, load_llama_workers, watch_engine, watch_llama, worker_set
 from .insertions import load_insertions
 from .nats import close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
@@ -60,13 +60,15 @@ def _engine_and_options(
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
     kv_indexes: Sequence[PrefixIndex] | None = None,
+    local: tuple[_Workers, _Workers | None] | None = None,
 ) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
     """The engine to put behind the default graph, the graph's options, and the worker
     sets by role (for the status view; None: ``engine`` was given, a single one).
 
     In-process decode workers are routed as ``config.router`` says (one worker under the
     default round-robin is used directly); their KV routing decisions and prefix-cache
-    counts go to ``metrics``.
+    counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
+    (llama.cpp's); without it they are made from ``config`` (echo, mocker).
 
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
@@ -87,17 +89,22 @@ def _engine_and_options(
         engine_config = config.engine
         decode_role = "decode" if config.prefill_workers else "aggregated"
         kv = config.router == "kv"
-        decode = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
-        assert decode is not None
+        encode = None
+        if local is not None:
+            decode, prefill = local
+        else:
+            made = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
+            assert made is not None
+            decode = made
+            encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
+            prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
         if len(decode) == 1 and config.router == "round-robin":
             engine = decode.members[0].engine
         else:
             engine = Router(decode, routing_policy(config, decode, metrics))
-        encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
-        prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
         if kv and prefill is not None:  # prompts are prefilled where their prefix is
             prefill_policy = routing_policy(config, prefill, metrics)
-        if metrics is not None and engine_config.engine == "mocker":
+        if metrics is not None and engine_config.engine != "echo":
             metrics.watch_prefill(_prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
@@ -139,8 +146,9 @@ def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int,
         found: dict[str, tuple[int, int]] = {}
         for worker in members:
             statistics = getattr(worker.engine, "statistics", None)
-            stats = statistics() if statistics is not None else None
-            if isinstance(stats, MockerStatistics):
+            stats: Any = statistics() if statistics is not None else None
+            if isinstance(stats, MockerStatistics) or hasattr(stats, "prefill_tokens"):
+                # the mocker's and the llama engine's statistics alike
                 found[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
         return found
 
@@ -180,6 +188,26 @@ def guard(config: ServeConfig) -> Guard:
         max_inflight=config.max_inflight,
         request_timeout=config.request_timeout,
     )
+
+
+async def _load_llama_sets(
+    config: ServeConfig, stack: contextlib.AsyncExitStack
+) -> tuple[_Workers, _Workers | None]:
+    """The in-process llama workers ``config`` asks for: (decode or aggregated, prefill),
+    each closed when ``stack`` unwinds."""
+    sets: list[_Workers | None] = []
+    roles = (("decode" if config.prefill_workers else "aggregated", config.decode_workers),)
+    shared = config.prefill_workers + config.decode_workers > 1
+    for role, count in (*roles, ("prefill", config.prefill_workers)):
+        workers = await load_llama_workers(config.engine, role, count, shared=shared)
+        if workers is not None:
+            for worker in workers.members:
+                engine: Any = worker.engine
+                stack.push_async_callback(engine.aclose)
+        sets.append(workers)
+    decode, prefill = sets
+    assert decode is not None
+    return decode, prefill
 
 
 def _display_host(host: str) -> str:
@@ -240,7 +268,22 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                     tg, nc, model=config.model_name, sets=(workers.decode, workers.prefill)
                 )
         loaded: Any = None
-        if workers is None and config.engine.engine in MODEL_ENGINES:
+        local: tuple[Any, Any] | None = None
+        if workers is None and config.engine.engine == "llama":
+            try:
+                local = await _load_llama_sets(config, stack)
+            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
+                return 1
+            decode, prefill = local
+            if len(decode) == 1 and config.prefill_workers == 0:
+                loaded, local = decode.members[0].engine, None  # one model: no worker sets
+            watch_llama(
+                metrics,
+                *(worker.engine for worker in decode.members),
+                prefill=[] if prefill is None else [worker.engine for worker in prefill.members],
+            )
+        elif workers is None and config.engine.engine in MODEL_ENGINES:
             try:
                 loaded = await load_engine(config.engine, log_level=config.log_level)
             except Exception as exc:  # the extra missing, a bad model, the engine failing
@@ -249,7 +292,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             stack.push_async_callback(loaded.aclose)
             watch_engine(metrics, loaded)
         engine, options, groups = _engine_and_options(
-            config, tokenizer, workers, loaded, metrics, kv_indexes
+            config, tokenizer, workers, loaded, metrics, kv_indexes, local
         )
         tracing = tracing_options(config.otlp_traces_endpoint, service_name=SERVICE_NAME)
         buffer = SpanBuffer() if config.ui else None

@@ -25,7 +25,7 @@ from pipeline import link
 
 from .config import WorkerConfig
 from .defaults import MODEL_ENGINES
-from .engines import load_engine, make_engine
+from .engines import load_engine, load_llama, make_engine
 from .nats import close_nats, connect_nats, one_line, publish_kv_events
 from .observability import WORKER_SERVICE_NAME
 
@@ -41,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> Any:
     """The engine a ``worker`` serves."""
+    if config.engine.engine == "llama":
+        return await load_llama(config.engine, config.role, config.id)
     if config.engine.engine in MODEL_ENGINES:
         return await load_engine(config.engine, log_level=config.log_level)
     assert tokenizer is not None

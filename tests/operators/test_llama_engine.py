@@ -785,13 +785,27 @@ async def test_a_traced_request_has_its_steps_as_span_events(
 
     span = Tracer(Sink()).start("engine")
     req = request(tokenizer, REPEAT, max_tokens=8)
-    outputs = await collect(chunked_engine, Context.new(req, span=span))
+    outputs: list[EngineOutput] = []
+    decoding = anyio.Event()
+    beside = make_context(request(tokenizer, max_tokens=200, ignore_eos=True))
+
+    async def decode_beside() -> None:
+        async with open_stream(chunked_engine, beside) as stream:
+            async for _ in stream:
+                decoding.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(decode_beside)
+        await decoding.wait()  # a sequence decodes: prompts go in steps of 32 tokens at most
+        outputs = await collect(chunked_engine, Context.new(req, span=span))
+        beside.kill()
     span.end()
     assert len(ids(outputs)) == 8
     names = [event.name for event in span.events]
     assert names[0] == "slot_acquired"
     chunks = [e for e in span.events if e.name == "prefill_chunk"]
-    # a prompt longer than a step's 32 tokens goes in several chunks, every token once
+    # beside a decoding sequence, a prompt longer than a step's 32 tokens goes in several
+    # chunks, every token once (alone, a step may take 512 prompt tokens)
     assert len(chunks) >= 2
     assert sum(int(e.attributes["llm_pipeline.prefill_tokens"]) for e in chunks) <= len(
         req.token_ids
