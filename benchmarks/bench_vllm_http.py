@@ -10,10 +10,11 @@ options: float32, ``--max-model-len 2048``, eager mode, ``--block-size 32``, 1 G
 cache (``VLLM_CPU_KVCACHE_SPACE=1``), prefix caching on (vLLM's default). vLLM's is
 ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve`` fails with the CPU
 package: it looks up a distribution named ``vllm``); ours is the whole default graph over
-``AsyncLLM``. One at a time, each gets the same closed-loop load from
-``../shared/bench/dynamo/loadgen.py`` (``--loadgen``): chat, ``--prompt-tokens`` prompts
-(unique per request) -> exactly ``--max-tokens`` tokens (``ignore_eos``), temperature 0,
-after an unmeasured warm-up of one request per worker.
+``AsyncLLM``. Both stay up and take turns run by run (so the machine's noise falls on
+both alike); each gets the same closed-loop load from ``../shared/bench/dynamo/loadgen.py``
+(``--loadgen``): chat, ``--prompt-tokens`` prompts (unique per request) -> exactly
+``--max-tokens`` tokens (``ignore_eos``), temperature 0, after an unmeasured warm-up of
+one request per worker.
 
 Printed, per server and concurrency, the median over ``--reps`` runs of: output tokens/s,
 TTFT p50/p99, ITL p50/p99, and the frontend's CPU-µs per output token: the CPU time of
@@ -39,7 +40,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -155,15 +156,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.model = args.model or default_model()
     logs = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {}
-    for server in args.servers:
-        with running(server, args.model, logs / f"{server}.log") as (url, pid):
+    with ExitStack() as stack:
+        # Both servers stay up and take turns run by run, so that a change in the machine's
+        # load falls on both alike (an idle vLLM server costs nothing while the other runs).
+        servers = {}
+        for server in args.servers:
+            url, pid = stack.enter_context(running(server, args.model, logs / f"{server}.log"))
+            servers[server] = (url, pid)
             print(f"{server}: up at {url} (pid {pid})", flush=True)
-            for concurrency in args.concurrency:
-                for _ in range(args.reps):
+        for concurrency in args.concurrency:
+            for _ in range(args.reps):
+                for server, (url, pid) in servers.items():
                     report = load(args, url, pid, concurrency)
                     runs.setdefault(server, {}).setdefault(concurrency, []).append(report)
                     print(
-                        f"  c={concurrency}: {report['output_tokens_per_s']} tok/s, "
+                        f"  {server} c={concurrency}: {report['output_tokens_per_s']} tok/s, "
                         f"{report['cpu']['server']['cpu_us_per_output_token']} CPU-µs/token",
                         flush=True,
                     )
