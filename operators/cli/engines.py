@@ -8,6 +8,7 @@ metrics.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ __all__ = (
     "load_vllm",
     "make_engine",
     "watch_engine",
+    "watch_engines",
     "watch_llama",
     "watch_vllm",
     "worker_set",
@@ -162,6 +164,47 @@ async def load_engine(config: EngineConfig, *, log_level: str = "warning") -> An
     if config.engine == "vllm":
         return await load_vllm(config, log_level=log_level)
     return await load_llama(config)
+
+
+def watch_engines(metrics: ServerMetrics, engines: Sequence[Any]) -> None:
+    """Export the statistics of every model engine a server loaded (one per model of
+    ``--models``): the ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum
+    over the engines of their kind."""
+    llama = [engine for engine in engines if hasattr(engine, "recent_steps")]
+    vllm = [engine for engine in engines if not hasattr(engine, "recent_steps")]
+    if len(llama) == 1:
+        watch_llama(metrics, llama[0])
+    elif llama:
+        watch_llama(metrics, _Summed(llama))
+    if len(vllm) == 1:
+        watch_vllm(metrics, vllm[0])
+    elif vllm:
+        watch_vllm(metrics, _Summed(vllm))
+
+
+class _Summed:
+    """Several engines' ``statistics()`` as one: counts added (sequences by place), ratios
+    averaged."""
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        self._engines = engines
+
+    def statistics(self) -> Any:
+        every = [engine.statistics() for engine in self._engines]
+        first = every[0]
+        summed: dict[str, Any] = {}
+        for name in first._fields:
+            values = [getattr(stats, name) for stats in every]
+            if isinstance(values[0], Sequence):
+                length = max(len(value) for value in values)
+                summed[name] = [
+                    sum(value[i] for value in values if i < len(value)) for i in range(length)
+                ]
+            elif isinstance(values[0], float):
+                summed[name] = sum(values) / len(values)
+            else:
+                summed[name] = sum(values)
+        return type(first)(**summed)
 
 
 def watch_engine(metrics: ServerMetrics, engine: Any) -> None:

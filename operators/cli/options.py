@@ -23,6 +23,7 @@ from .defaults import (
 
 __all__ = (
     "add_engine_options",
+    "api_key",
     "add_log_level",
     "non_negative_float",
     "non_negative_int",
@@ -68,6 +69,17 @@ def positive_float(text: str) -> float:
     if not value > 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def api_key(text: str) -> str:
+    """``KEY`` or ``KEY:PRIORITY``, checked (and kept as given)."""
+    from .config import key_priorities
+
+    try:
+        key_priorities([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def worker_id(text: str) -> str:
