@@ -12,6 +12,8 @@ The parts:
   :class:`KvRouter` (:mod:`pipeline.kv_routing`) is the policy that prefers the worker
   caching a request's prefix, per a :class:`PrefixIndex` fed by KV events
   (:mod:`pipeline.prefix_index`).
+- :mod:`pipeline.priority` — who goes first among waiting requests (priority, then
+  arrival, with aging), for every queue that admits requests.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
 - :mod:`pipeline.tracing` — spans per request and stage (``ctx.span``), started by an edge's

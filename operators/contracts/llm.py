@@ -191,6 +191,12 @@ class PreprocessedRequest:
     #: what every choice's output must match (``response_format``, a required tool call);
     #: an engine that cannot honour it raises ``InvalidRequest(param=constraint.param)``
     constraint: Constraint | None = None
+    #: the scheduling priority: lower runs earlier (vLLM's convention); engines and
+    #: routers admit waiting requests by priority, then arrival, with aging
+    #: (:mod:`pipeline.priority`)
+    priority: int = 0
+    #: the adapter (LoRA) to run with, by name (None: the base model)
+    lora: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
