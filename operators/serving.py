@@ -34,18 +34,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack, overload
 
 from pipeline import Router
 from pipeline.tracing import Tracer
 
-from .contracts.llm import embedder_of
+from .contracts.llm import embedder_of, lora_engine_of
 from .edges.anthropic import AnthropicEdge
 from .edges.http.guard import Guard
 from .edges.http.metrics import ServerMetrics
 from .edges.http.models import ServedModel
 from .edges.http.runner import serve
 from .edges.openai.embeddings import embedding_routes
+from .edges.openai.lora import lora_routes
 from .edges.openai.preprocessor import OpenAIPreprocessor
 from .edges.openai.server import OpenAIApp
 from .edges.openai.tokenize import tokenize_routes
@@ -62,7 +64,7 @@ if TYPE_CHECKING:
     from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
 
-__all__ = ("ModelSpec", "build_app", "build_model", "serve")
+__all__ = ("ModelSpec", "adapter_models", "build_app", "build_model", "serve")
 
 _Before = Mapping[Point, Sequence["Operator[Any, Any, Any, Any]"]]
 
@@ -106,11 +108,16 @@ def build_model(
     ``before`` and ``graph_options`` are :func:`~operators.graph.default_graph`'s; the
     model's ``/v1/embeddings`` go to ``embedder`` (default: the engine, if it has
     ``embed``), its ``/tokenize`` and ``count_tokens`` through the graph's preprocessor.
+    An engine that declares ``LORA`` runs requests naming its adapters (the graph reads
+    ``engine.loras``); :func:`adapter_models` lists them as models of their own.
 
     Raises:
         ValueError: a key of ``before`` names no stage, a parser is not registered, or the
             chat template does not compile.
     """
+    lora = lora_engine_of(engine)
+    if lora is not None:
+        graph_options.setdefault("adapters", lora.loras)
     stages = default_stages(tokenizer, model_name=name, **graph_options)
     graph = stages.insert(before or {}).link(engine)
     preprocessor = stages.preprocessor
@@ -122,7 +129,17 @@ def build_model(
         preprocessor=preprocessor if isinstance(preprocessor, OpenAIPreprocessor) else None,
         embedder=embedder if embedder is not None else embedder_of(engine),
         context=context if isinstance(context, int) else None,
+        lora=lora,
     )
+
+
+def adapter_models(model: ServedModel) -> list[ServedModel]:
+    """The adapters loaded in ``model``'s engine, each served as a model whose ``parent``
+    is ``model`` (empty when its engine takes none)."""
+    lora = model.lora
+    if lora is None:
+        return []
+    return [model.adapter(name, root) for name, root in lora.loras.items()]
 
 
 @overload
@@ -139,6 +156,7 @@ def build_app(
     edges: Sequence[Edge] = ...,
     tracer: Tracer | None = ...,
     ui: bool = ...,
+    lora_dir: Path | None = ...,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp: ...
 @overload
@@ -154,6 +172,7 @@ def build_app(
     edges: Sequence[Edge] = ...,
     tracer: Tracer | None = ...,
     ui: bool = ...,
+    lora_dir: Path | None = ...,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp: ...
 def build_app(
@@ -170,6 +189,7 @@ def build_app(
     edges: Sequence[Edge] = (),
     tracer: Tracer | None = None,
     ui: bool = False,
+    lora_dir: Path | None = None,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``; or
@@ -187,6 +207,10 @@ def build_app(
     (:mod:`pipeline.tracing`; e.g. exporting over OTLP, :mod:`operators.telemetry`);
     ``ui=True`` serves the web UI at ``/`` and its status view at ``/status``, with the
     last requests' stage timings (it records spans in process, in ``tracer`` if given).
+    A model whose engine takes adapters (LoRA) serves each as a model of its own (its
+    ``parent`` the base model), and ``POST /v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` change them at run time (only files under ``lora_dir``,
+    when given).
 
     A request is routed by its ``model`` field (none: the first model); an unknown model is
     a 404 (``model_not_found``); ``/v1/models`` lists them all. Besides chat completions
@@ -225,8 +249,9 @@ def build_app(
         if found is not None:
             prefix = "" if len(specs) == 1 else f"{name} "
             groups.update({f"{prefix}{role}": workers for role, workers in found.items()})
+    served.extend([adapter for base in list(served) for adapter in adapter_models(base)])
     anthropic = AnthropicEdge()
-    routes = [embedding_routes(), tokenize_routes()]
+    routes = [embedding_routes(), tokenize_routes(), lora_routes(lora_dir)]
     buffer = None
     if ui:
         buffer = SpanBuffer()

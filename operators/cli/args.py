@@ -81,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve_parser.add_argument(
+        "--lora-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "POST /v1/load_lora_adapter may load adapters from this folder only (None: from "
+            "any path the server can read; set it when clients are not trusted)"
+        ),
+    )
+    serve_parser.add_argument(
         "--insert-before",
         type=insertion,
         action="append",
@@ -442,7 +452,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(
                 f"--engine {args.engine} serves one in-process model: drop --decode-workers"
             )
-    elif args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
+    if args.command == "serve" and args.lora and args.nats is not None:
+        parser.error("--nats: the workers load adapters (worker --lora NAME=PATH), not serve")
+    if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
+        parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
+    if args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
         parser.error(f"--role {args.role} needs --engine mocker")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
         parser.error(

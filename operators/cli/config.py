@@ -110,6 +110,8 @@ class EngineConfig:
     block_size: int | None = None
     #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
     transfer_secret: str | None = None
+    #: adapters (LoRA) to load: (served name, file or folder)
+    lora: tuple[tuple[str, Path], ...] = ()
 
     @property
     def served_name(self) -> str:
@@ -137,7 +139,11 @@ class EngineConfig:
         secret = args.transfer_secret
         if secret is None:
             secret = os.environ.get(TRANSFER_SECRET_ENV) or None
-        return cls(**_fields_from(cls, args, transfer_secret=secret))
+        return cls(
+            **_fields_from(
+                cls, args, transfer_secret=secret, lora=tuple(getattr(args, "lora", None) or ())
+            )
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,6 +192,8 @@ class ServeConfig:
     log_format: LogFormat = "text"
     #: serve the web UI at / (and /status)
     ui: bool = True
+    #: the only folder adapters may be loaded from at run time (None: any)
+    lora_dir: Path | None = None
     #: ``--models FILE``: one config per model (its engine and graph options; the
     #: server's own options are this config's); empty: the one model of ``engine``
     models: tuple[ServeConfig, ...] = ()

@@ -147,6 +147,7 @@ async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
                 block_size=config.kv_block_size,
                 fail_after_tokens=config.fail_after_tokens,
                 log_level=log_level,
+                loras=dict(config.lora),
             )
         )
         return started[0]

@@ -24,6 +24,7 @@ from .defaults import (
 __all__ = (
     "add_engine_options",
     "api_key",
+    "lora_adapter",
     "add_log_level",
     "non_negative_float",
     "non_negative_int",
@@ -80,6 +81,14 @@ def api_key(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def lora_adapter(text: str) -> tuple[str, Path]:
+    """``NAME=PATH``: an adapter's served name and its file (or folder, for vLLM)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), Path(path.strip())
 
 
 def worker_id(text: str) -> str:
@@ -228,6 +237,18 @@ def add_engine_options(
         default=8,
         metavar="K",
         help="--speculative ngram: most tokens drafted per step",
+    )
+    parser.add_argument(
+        "--lora",
+        type=lora_adapter,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help=(
+            "serve an adapter (LoRA) of the model as the model NAME (its parent the base "
+            "model; repeatable): llama: an adapter GGUF (llama.cpp's convert_lora_to_gguf); "
+            "vllm: a PEFT adapter folder"
+        ),
     )
     _add_vllm_options(parser, max_model_len=max_model_len)
     mocker = parser.add_argument_group("mocker engine")

@@ -196,6 +196,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             metrics=metrics,
             responses_store=store,
             tracer=tracer,
+            lora_dir=config.lora_dir,
             reasoning_parser=output_options(config).get("reasoning_parser"),
         )
         if discovered is not None:

@@ -17,12 +17,14 @@ from typing import Any, Final, Literal, Protocol
 
 __all__ = (
     "CONSTRAINED_DECODING",
+    "LORA",
     "BackendOutput",
     "Constraint",
     "Embedder",
     "EngineOutput",
     "FinishReason",
     "HasFeatures",
+    "LoraEngine",
     "MultimodalItem",
     "OutputOptions",
     "PreprocessedRequest",
@@ -33,6 +35,7 @@ __all__ = (
     "TopLogprobs",
     "embedder_of",
     "engine_features",
+    "lora_engine_of",
 )
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -129,6 +132,42 @@ class Constraint:
 
 CONSTRAINED_DECODING: Final = "constrained_decoding"
 """The feature an engine declares when it honours ``PreprocessedRequest.constraint``."""
+
+
+LORA: Final = "lora"
+"""The feature an engine declares when it runs requests with adapters
+(``PreprocessedRequest.lora``) and loads them: it is then a :class:`LoraEngine`."""
+
+
+class LoraEngine(Protocol):
+    """An engine that runs requests with adapters (LoRA) of its model, by name."""
+
+    @property
+    def loras(self) -> Mapping[str, str]:
+        """The adapters loaded now: name -> where from (a live view)."""
+        ...
+
+    async def load_lora(self, name: str, path: str, /) -> None:
+        """Load the adapter at ``path`` as ``name``.
+
+        Raises:
+            InvalidRequest: the name is taken, or the file is no adapter of this model
+                (``param`` names the field at fault: ``lora_name``, ``lora_path``).
+        """
+        ...
+
+    async def unload_lora(self, name: str, /) -> None:
+        """Forget the adapter ``name``: new requests cannot name it; running ones finish.
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        ...
+
+
+def lora_engine_of(engine: object) -> LoraEngine | None:
+    """``engine`` if it declares :data:`LORA` (and so runs and loads adapters), else None."""
+    return engine if LORA in engine_features(engine) else None  # type: ignore[return-value]
 
 
 class HasFeatures(Protocol):

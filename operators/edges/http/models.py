@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, final
 from .failures import ApiError, Refusal, unknown_model
 
 if TYPE_CHECKING:
-    from operators.contracts.llm import Embedder
+    from operators.contracts.llm import Embedder, LoraEngine
     from pipeline import Engine
 
 __all__ = ("Models", "ServedModel")
@@ -53,8 +53,23 @@ class ServedModel:
     embedder: Embedder | None = None
     #: the engine's context length, for a preprocessor that sets none
     context: int | None = None
+    #: what loads and unloads its adapters (an engine declaring ``LORA``: a
+    #: :class:`~operators.contracts.llm.LoraEngine`); None: it takes none
+    lora: LoraEngine | None = None
     #: when it was added (seconds since the epoch), as its model card says
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def adapter(self, name: str, root: str) -> ServedModel:
+        """The model an adapter of this one, loaded from ``root``, is served as: this
+        model's graph (which tells the engine the adapter by the request's model name)."""
+        return ServedModel(
+            name=name,
+            graph=self.graph,
+            parent=self.name,
+            root=root,
+            preprocessor=self.preprocessor,
+            context=self.context,
+        )
 
     def card(self) -> dict[str, Any]:
         """Its entry in ``GET /v1/models`` (OpenAI's model object, with vLLM's ``root`` and
