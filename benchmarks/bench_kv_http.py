@@ -68,6 +68,9 @@ OURS_PREFILL = "llm_pipeline_prefill_tokens_total"
 OURS_CACHED = "llm_pipeline_cached_prompt_tokens_total"
 OURS_HIT = "llm_pipeline_kv_hit_blocks_total"
 OURS_MISS = "llm_pipeline_kv_miss_blocks_total"
+#: one llama engine (``serve --engine llama``): its own counters, no worker label
+OURS_LLAMA_PREFILL = "llm_pipeline_llama_prefill_tokens_total"
+OURS_LLAMA_CACHED = "llm_pipeline_llama_cached_prompt_tokens_total"
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -137,6 +140,9 @@ class RunResult:
     completion_tokens: int = 0
     usage_cached_tokens: int = 0
     usage_reports_cached: bool = False
+    #: llama-server's own count of prompt tokens it evaluated (``timings.prompt_n``)
+    server_prefill_tokens: int = 0
+    server_reports_prefill: bool = False
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     elapsed: float = 0.0
@@ -145,6 +151,11 @@ class RunResult:
     def summary(self) -> dict[str, float | None]:
         m = self.metrics
         prefill, cached = total(m, OURS_PREFILL), total(m, OURS_CACHED)
+        if prefill is None:
+            prefill, cached = total(m, OURS_LLAMA_PREFILL), total(m, OURS_LLAMA_CACHED)
+        if prefill is None and self.server_reports_prefill:
+            prefill = float(self.server_prefill_tokens)
+            cached = float(self.prompt_tokens - self.server_prefill_tokens)
         if prefill is None and self.usage_reports_cached:
             # Dynamo's mocker reports what its prefix cache served in usage
             cached = float(self.usage_cached_tokens)
@@ -219,6 +230,7 @@ async def one_turn(
     first: float | None = None
     chunks = 0
     usage: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
     start = time.perf_counter()
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
@@ -236,6 +248,8 @@ async def one_turn(
             chunk = json.loads(data)
             if chunk.get("usage"):
                 usage = chunk["usage"]
+            if isinstance(chunk.get("timings"), dict):  # llama-server's, on its last chunks
+                timings = chunk["timings"]
             for choice in chunk.get("choices") or ():
                 content = (choice.get("delta") or {}).get("content")
                 if content:
@@ -249,6 +263,9 @@ async def one_turn(
         result.ttft.append(first)
         if chunks > 1:
             result.itl.append((finished - first) / (chunks - 1))
+    if timings is not None and "prompt_n" in timings:
+        result.server_reports_prefill = True
+        result.server_prefill_tokens += int(timings["prompt_n"])
     if usage is not None:
         result.prompt_tokens += usage.get("prompt_tokens") or 0
         result.completion_tokens += usage.get("completion_tokens") or 0
@@ -313,7 +330,11 @@ def median_summary(summaries: list[dict[str, float | None]]) -> dict[str, float 
     keys = {key for summary in summaries for key in summary}
     out: dict[str, float | None] = {}
     for key in keys:
-        values = [v for s in summaries if (v := s.get(key)) is not None and v == v]
+        values = [
+            v
+            for s in summaries
+            if isinstance(v := s.get(key), int | float) and v == v  # not labels, not NaN
+        ]
         out[key] = statistics.median(values) if values else None
     return out
 

@@ -23,7 +23,6 @@ length; and it lets every error that is not ``WorkerLost`` through unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import aclosing
@@ -31,8 +30,8 @@ from typing import Literal
 
 from pipeline import ConnectFailed, Context, Engine, Stream, WorkerLost
 
-from .contracts.llm import BackendOutput, PreprocessedRequest, StopConditions
-from .contracts.resumption import RESUMABLE, check_retrier
+from .contracts.llm import BackendOutput, PreprocessedRequest
+from .contracts.resumption import RESUMABLE, check_retrier, continuation
 
 __all__ = ("Migration", "MigrationEvent")
 
@@ -140,7 +139,7 @@ class Migration:
                 )
                 if self._on_event is not None:
                     self._on_event(where, "retried")
-                attempt = _continuation(original, generated)
+                attempt = continuation(original, generated)
             except Exception as exc:
                 if attempt_span is not None:
                     attempt_span.set_error(f"{type(exc).__name__}: {exc}")
@@ -154,20 +153,3 @@ class Migration:
         if self._max_seq_len is None:
             return True
         return request.prompt_tokens + len(generated) < self._max_seq_len
-
-
-def _continuation(original: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
-    """The request that continues ``original`` after ``generated`` output tokens."""
-    done = len(generated)
-    max_tokens = original.stop.max_tokens
-    stop: StopConditions = dataclasses.replace(
-        original.stop,
-        max_tokens=None if max_tokens is None else max(0, max_tokens - done),
-        min_tokens=max(0, original.stop.min_tokens - done),
-    )
-    return dataclasses.replace(
-        original,
-        token_ids=[*original.token_ids, *generated],
-        replayed_tokens=original.replayed_tokens + done,
-        stop=stop,
-    )

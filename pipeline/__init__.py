@@ -14,6 +14,8 @@ The parts:
   (:mod:`pipeline.prefix_index`).
 - :mod:`pipeline.priority` — who goes first among waiting requests (priority, then
   arrival, with aging), for every queue that admits requests.
+- :mod:`pipeline.kv_tier` — :class:`KvTier`: where an engine keeps KV blocks evicted from
+  its working cache (:class:`MemoryKvTier`, :class:`DiskKvTier`), by block id.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).
 - :mod:`pipeline.testing` — test doubles and the ``check_operator`` conformance suite.
 - :mod:`pipeline.tracing` — spans per request and stage (``ctx.span``), started by an edge's
@@ -40,6 +42,7 @@ from .errors import RequestError as RequestError
 from .errors import ResponseTimeout as ResponseTimeout
 from .errors import StreamDisconnected as StreamDisconnected
 from .errors import WorkerLost as WorkerLost
+from .kv_events import DEVICE_TIER as DEVICE_TIER
 from .kv_events import KvCleared as KvCleared
 from .kv_events import KvEvent as KvEvent
 from .kv_events import KvEventSink as KvEventSink
@@ -48,6 +51,11 @@ from .kv_events import KvSnapshot as KvSnapshot
 from .kv_events import KvStored as KvStored
 from .kv_events import event_from_dict as event_from_dict
 from .kv_routing import KvRouter as KvRouter
+from .kv_tier import DISK_TIER as DISK_TIER
+from .kv_tier import HOST_TIER as HOST_TIER
+from .kv_tier import DiskKvTier as DiskKvTier
+from .kv_tier import KvTier as KvTier
+from .kv_tier import MemoryKvTier as MemoryKvTier
 from .link import chain as chain
 from .link import link as link
 from .link import named as named
@@ -73,10 +81,14 @@ __all__ = (
     "CapacityExhausted",
     "ConnectFailed",
     "Context",
+    "DEVICE_TIER",
+    "DISK_TIER",
     "Direct",
+    "DiskKvTier",
     "Engine",
     "EngineError",
     "FunctionEngine",
+    "HOST_TIER",
     "InvalidRequest",
     "KvCleared",
     "KvEvent",
@@ -85,9 +97,11 @@ __all__ = (
     "KvRouter",
     "KvSnapshot",
     "KvStored",
+    "KvTier",
     "LeastLoaded",
     "LinkError",
     "MemoryDiscovery",
+    "MemoryKvTier",
     "Operator",
     "PipelineError",
     "PrefixIndex",

@@ -11,6 +11,17 @@ and picks the cheapest (ties broken at random), or, with ``temperature > 0``, sa
 probability proportional to ``exp(-cost / temperature)`` so that near-equal workers share
 the traffic instead of one taking every request until its load tips the balance.
 
+A worker that keeps blocks below its working cache (host memory, disk: KV events with a
+``tier``, see :mod:`pipeline.kv_tier`) can restore them instead of prefilling them, which
+is much cheaper but not free. Such blocks continue the leading run at ``restore_cost`` of
+a miss each::
+
+    cost(worker) = (missed blocks + restore_cost * lower-tier blocks) * overlap_weight
+                   + load(worker)
+
+so a conversation evicted from a worker's slots but kept in its RAM still goes back to it,
+unless a worker holds it on the device.
+
 Where the holdings come from:
 
 - **KV events** (engines that report their cache): the engine's events feed the
@@ -73,6 +84,9 @@ class KvRouter:
         block_ids: the request's chained block ids, in order (the LLM layer passes
             ``operators.routing.kv_blocks.request_block_ids(block_size)``).
         overlap_weight: the cost of one block to prefill, in ``load`` units.
+        restore_cost: the cost of restoring one block from a worker's lower tier (host
+            memory, disk), as a fraction of prefilling it: 0 counts it as held on the
+            device, 1 as missing.
         temperature: 0 picks the cheapest; above 0 samples ``exp(-cost / temperature)``.
         load: a worker's current load (default: its requests in flight).
         seed: seeds the tie-breaking and sampling (tests, reproducible benchmarks).
@@ -101,6 +115,7 @@ class KvRouter:
         "approximate",
         "index",
         "overlap_weight",
+        "restore_cost",
         "temperature",
     )
 
@@ -110,6 +125,7 @@ class KvRouter:
         block_ids: Callable[[Context[Any]], Sequence[Hashable]],
         *,
         overlap_weight: float = 1.0,
+        restore_cost: float = 0.1,
         temperature: float = 0.0,
         load: Callable[[Worker[Any, Any]], float] = _in_flight,
         seed: int | None = None,
@@ -121,6 +137,8 @@ class KvRouter:
     ) -> None:
         if overlap_weight < 0 or not math.isfinite(overlap_weight):
             raise ValueError(f"overlap_weight must be finite and >= 0, got {overlap_weight}")
+        if not 0 <= restore_cost <= 1:  # also rejects NaN
+            raise ValueError(f"restore_cost must be between 0 and 1, got {restore_cost}")
         if temperature < 0 or not math.isfinite(temperature):
             raise ValueError(f"temperature must be finite and >= 0, got {temperature}")
         if ttl <= 0:
@@ -130,6 +148,7 @@ class KvRouter:
         #: the prefix index this router reads (and, when approximating, writes)
         self.index = index
         self.overlap_weight = overlap_weight
+        self.restore_cost = restore_cost
         self.temperature = temperature
         self.approximate = approximate
         self._block_ids = block_ids
@@ -155,13 +174,31 @@ class KvRouter:
             self._expire(now)
             if self._stride > 1:
                 keys = self._sparse(blocks)
-        overlaps = self.index.overlaps(keys) if keys else {}
+        weight = self.overlap_weight
+        load = self._load
+        lower: dict[str, int] = {}
+        if not self.approximate and keys and self.index.tiers():
+            tiered = self.index.tiered_overlaps(keys)
+            overlaps = {worker: device for worker, (device, _) in tiered.items()}
+            lower = {worker: more for worker, (_, more) in tiered.items() if more}
+        else:
+            overlaps = self.index.overlaps(keys) if keys else {}
         held = overlaps
         if keys is not blocks:
             held = {worker: self._held(found, keys, total) for worker, found in overlaps.items()}
-        weight = self.overlap_weight
-        load = self._load
-        costs = [(total - held.get(worker.id, 0)) * weight + load(worker) for worker in workers]
+        if lower:
+            restore = self.restore_cost
+            costs = [
+                (total - held.get(worker.id, 0) - (1.0 - restore) * lower.get(worker.id, 0))
+                * weight
+                + load(worker)
+                for worker in workers
+            ]
+            held = {
+                worker: held.get(worker, 0) + lower.get(worker, 0) for worker in {*held, *lower}
+            }
+        else:
+            costs = [(total - held.get(worker.id, 0)) * weight + load(worker) for worker in workers]
         if self.temperature > 0 and len(workers) > 1:
             chosen = self._sample(costs)
         else:
@@ -240,6 +277,7 @@ class KvRouter:
         if self._stride > 1:
             mode += f" stride={self._stride}"
         return (
-            f"KvRouter(weight={self.overlap_weight:g}, temperature={self.temperature:g}{mode}, "
+            f"KvRouter(weight={self.overlap_weight:g}, restore_cost={self.restore_cost:g}, "
+            f"temperature={self.temperature:g}{mode}, "
             f"{self.index!r})"
         )

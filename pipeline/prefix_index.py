@@ -30,6 +30,13 @@ Engines report changes as events (:mod:`pipeline.kv_events`, re-exported here).
 their ``seq``: a gap means events were missed, and ``apply`` answers False until a
 snapshot from the worker catches the index up (events that arrive while it is awaited are
 replayed after it).
+
+**Tiers.** An engine may keep blocks below its working cache, in host memory or on disk
+(:mod:`pipeline.kv_tier`), and report them with the event's ``tier``. The index keeps one
+holder map per tier: :meth:`overlaps` answers for the device tier (the blocks a worker
+can use at once), :meth:`tiered_overlaps` also counts the blocks that continue a
+worker's leading run from its lower tiers (restored before use, which is cheaper than
+prefilling them but not free). A worker's events are numbered across all its tiers.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from itertools import repeat
 from typing import Final, final
 
 from .kv_events import (
+    DEVICE_TIER,
     BlockId,
     KvCleared,
     KvEvent,
@@ -111,6 +119,8 @@ class PrefixIndex:
         self._minus: dict[str, dict[frozenset[str], frozenset[str]]] = {}
         self._interned: dict[frozenset[str], frozenset[str]] = {}
         self._sequences: dict[str, _Sequence] = {}
+        #: the lower tiers' holdings ("host", "disk"), one plain index each
+        self._lower: dict[str, PrefixIndex] = {}
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -182,17 +192,63 @@ class PrefixIndex:
             depth += good
         return depth
 
-    def blocks(self, worker: str) -> int:
-        """How many blocks ``worker`` holds."""
+    def tiered_overlaps(self, block_ids: Sequence[BlockId]) -> dict[str, tuple[int, int]]:
+        """For each worker holding the first block in some tier: ``(device, lower)``, the
+        leading blocks it holds on the device, and how many more leading blocks after
+        them it holds in its lower tiers (the two add up to its leading run over all
+        tiers, which may switch tiers block by block).
+
+        Without lower tiers this is :meth:`overlaps` with ``lower`` 0.
+        """
+        device = self.overlaps(block_ids)
+        if not self._lower or not block_ids:
+            return {worker: (held, 0) for worker, held in device.items()}
+        ids = block_ids if isinstance(block_ids, list) else list(block_ids)
+        first = ids[0]
+        candidates = set(device)
+        for tier in self._lower.values():
+            candidates.update(tier.holders(first))
+        result: dict[str, tuple[int, int]] = {}
+        indexes = (self, *self._lower.values())
+        for worker in candidates:
+            start = device.get(worker, 0)
+            depth = start
+            moved = True
+            while moved and depth < len(ids):
+                moved = False
+                for index in indexes:
+                    further = index._run_from(worker, ids, depth)
+                    if further > depth:
+                        depth, moved = further, True
+            result[worker] = (start, depth - start)
+        return result
+
+    def _run_from(self, worker: str, ids: list[BlockId], depth: int) -> int:
+        """How far ``worker`` holds ``ids`` from ``depth`` on, in this index."""
+        mine = self._blocks.get(worker)
+        return self._follow(mine, ids, depth) if mine else depth
+
+    def blocks(self, worker: str, tier: str = DEVICE_TIER) -> int:
+        """How many blocks ``worker`` holds in ``tier``."""
+        if tier != DEVICE_TIER:
+            lower = self._lower.get(tier)
+            return 0 if lower is None else lower.blocks(worker)
         return len(self._blocks.get(worker, ()))
 
     def workers(self) -> frozenset[str]:
-        """The workers holding at least one block."""
+        """The workers holding at least one block on the device."""
         return frozenset(worker for worker, held in self._blocks.items() if held)
 
-    def holders(self, block_id: BlockId) -> frozenset[str]:
-        """The workers holding ``block_id``."""
+    def holders(self, block_id: BlockId, tier: str = DEVICE_TIER) -> frozenset[str]:
+        """The workers holding ``block_id`` in ``tier``."""
+        if tier != DEVICE_TIER:
+            lower = self._lower.get(tier)
+            return _NOBODY if lower is None else lower.holders(block_id)
         return self._holders.get(block_id, _NOBODY)
+
+    def tiers(self) -> frozenset[str]:
+        """The lower tiers some worker reported blocks in (the device tier not included)."""
+        return frozenset(name for name, index in self._lower.items() if len(index))
 
     def __len__(self) -> int:
         """How many distinct blocks some worker holds."""
@@ -290,7 +346,10 @@ class PrefixIndex:
         self.stored(worker, ordered)
 
     def remove_worker(self, worker: str) -> None:
-        """Forget ``worker``: its blocks and its event order (it left, or died)."""
+        """Forget ``worker``: its blocks in every tier and its event order (it left, or
+        died)."""
+        for lower in self._lower.values():
+            lower.remove_worker(worker)
         self.cleared(worker)
         self._blocks.pop(worker, None)
         self._plus.pop(worker, None)
@@ -373,7 +432,7 @@ class PrefixIndex:
             (event for event in order.pending or () if (event.seq or 0) > seq),
             key=lambda event: event.seq or 0,
         )
-        self.snapshot(worker, snapshot.block_ids)
+        self._apply(worker, snapshot)
         order.last, order.pending = seq, None
         for index, event in enumerate(later):
             if event.seq == order.last:
@@ -392,15 +451,27 @@ class PrefixIndex:
         return True
 
     def _apply(self, worker: str, event: KvEvent) -> None:
-        if isinstance(event, KvStored):
-            self.stored(worker, event.block_ids)
-        elif isinstance(event, KvRemoved):
-            self.removed(worker, event.block_ids)
-        elif isinstance(event, KvCleared):
-            self.cleared(worker)
-        else:
+        if isinstance(event, KvSnapshot):
+            given = dict(event.tiers)
+            for name in set(self._lower) | set(given):
+                self._tier(name).snapshot(worker, given.get(name, ()))
             self.snapshot(worker, event.block_ids)
+            return
+        index = self if event.tier == DEVICE_TIER else self._tier(event.tier)
+        if isinstance(event, KvStored):
+            index.stored(worker, event.block_ids)
+        elif isinstance(event, KvRemoved):
+            index.removed(worker, event.block_ids)
+        else:
+            index.cleared(worker)
+
+    def _tier(self, name: str) -> PrefixIndex:
+        lower = self._lower.get(name)
+        if lower is None:
+            lower = self._lower[name] = PrefixIndex()
+        return lower
 
     def __repr__(self) -> str:
         counts = {worker: len(held) for worker, held in self._blocks.items() if held}
-        return f"PrefixIndex({len(self._holders)} blocks, {counts})"
+        lower = "".join(f", {name}: {index!r}" for name, index in self._lower.items() if len(index))
+        return f"PrefixIndex({len(self._holders)} blocks, {counts}{lower})"

@@ -26,6 +26,7 @@ from .options import (
     add_engine_options,
     add_log_level,
     api_key,
+    fraction,
     non_negative_float,
     non_negative_int,
     port,
@@ -158,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workers = serve_parser.add_argument_group(
         "in-process worker sets",
-        "Several in-process workers of the chosen engine; prefill and encode workers need "
-        "--engine mocker.",
+        "Several in-process workers of the chosen engine (each llama worker loads its own "
+        "copy of the model); encode workers need --engine mocker.",
     )
     workers.add_argument(
         "--decode-workers",
@@ -187,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.0,
         metavar="W",
         help="--router kv: the cost of one block to prefill, in requests in flight",
+    )
+    workers.add_argument(
+        "--kv-restore-cost",
+        type=fraction,
+        default=0.1,
+        metavar="C",
+        help=(
+            "--router kv: the cost of restoring one block from a worker's host or disk tier "
+            "(--kv-host-cache-mb), as a fraction of prefilling it (0: as good as held in a "
+            "slot; 1: as bad as missing)"
+        ),
     )
     workers.add_argument(
         "--router-temperature",
@@ -355,8 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ROLES,
         default="aggregated",
         help=(
-            "what this worker does for a request: prefill/decode/encode (disaggregated "
-            "serving) need --engine mocker"
+            "what this worker does for a request in disaggregated serving: prefill (the "
+            "prompt and one token, then its KV moves to a decode worker) and decode need "
+            "--engine mocker or llama, encode needs --engine mocker"
         ),
     )
     worker_parser.add_argument(
@@ -438,26 +451,28 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 parser.error("--models names each model in the file: drop --model-name")
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
-        if args.nats is None and args.router != "round-robin" and args.engine in MODEL_ENGINES:
-            parser.error("--router needs in-process workers (--engine echo or mocker) or --nats")
+        if args.nats is None and args.router != "round-robin" and args.engine == "vllm":
+            parser.error("--router needs in-process workers (not --engine vllm) or --nats")
         if args.nats is not None:
             if args.prefill_workers or args.encode_workers or args.decode_workers != 1:
                 parser.error(
                     "--nats discovers its workers: drop --decode-workers, --prefill-workers "
                     "and --encode-workers"
                 )
-        elif args.engine != "mocker" and (args.prefill_workers or args.encode_workers):
-            parser.error("--prefill-workers and --encode-workers need --engine mocker")
-        elif args.engine in MODEL_ENGINES and args.decode_workers != 1:
-            parser.error(
-                f"--engine {args.engine} serves one in-process model: drop --decode-workers"
-            )
+        elif args.engine != "mocker" and args.encode_workers:
+            parser.error("--encode-workers needs --engine mocker")
+        elif args.engine in ("echo", "vllm") and args.prefill_workers:
+            parser.error("--prefill-workers needs --engine mocker or llama")
+        elif args.engine == "vllm" and args.decode_workers != 1:
+            parser.error("--engine vllm serves one in-process model: drop --decode-workers")
     if args.command == "serve" and args.lora and args.nats is not None:
         parser.error("--nats: the workers load adapters (worker --lora NAME=PATH), not serve")
     if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
         parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
-    if args.command == "worker" and args.engine != "mocker" and args.role != "aggregated":
-        parser.error(f"--role {args.role} needs --engine mocker")
+    if args.command == "worker" and args.role != "aggregated":
+        if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
+            engines = "mocker" if args.role == "encode" else "mocker or llama"
+            parser.error(f"--role {args.role} needs --engine {engines}")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
         parser.error(
             f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "

@@ -23,6 +23,7 @@ from .defaults import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
@@ -88,10 +89,16 @@ class EngineConfig:
     n_ctx: int = 2048
     parallel: int = DEFAULT_LLAMA_PARALLEL
     step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
+    step_ms: float = DEFAULT_LLAMA_STEP_MS
     threads: int | None = None
     speculative: Literal["ngram"] | None = None
     ngram_size: int = 3
     draft_tokens: int = 8
+    kv_host_cache_mb: int = 0
+    kv_disk_cache: Path | None = None
+    kv_disk_cache_mb: int = 1024
+    kv_transfer_host: str = "127.0.0.1"
+    kv_transfer_timeout: float = 10.0
     mocker_prefill_ms_per_token: float = 0.05
     mocker_decode_ms_per_step: float = 5.0
     mocker_max_batch: int = 64
@@ -160,6 +167,7 @@ class ServeConfig:
     #: how a request picks one of the in-process decode/aggregated workers
     router: RouterName = "round-robin"
     kv_overlap_weight: float = 1.0
+    kv_restore_cost: float = 0.1
     router_temperature: float = 0.0
     prefill_workers: int = 0
     encode_workers: int = 0

@@ -13,6 +13,7 @@ __all__ = (
     "DEFAULT_DRAIN_TIMEOUT",
     "DEFAULT_LLAMA_MODEL_NAME",
     "DEFAULT_LLAMA_PARALLEL",
+    "DEFAULT_LLAMA_STEP_MS",
     "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
@@ -38,6 +39,8 @@ DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
 DEFAULT_LLAMA_PARALLEL: Final = 4
 #: tokens per llama engine step unless --step-tokens says otherwise (as in LlamaEngine)
 DEFAULT_LLAMA_STEP_TOKENS: Final = 128
+#: --step-ms unless given (as in LlamaEngine)
+DEFAULT_LLAMA_STEP_MS: Final = 60.0
 #: the environment variable ``--transfer-secret`` defaults to
 TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: how long ``serve``'s in-flight requests may run on after SIGTERM: Kubernetes sends

@@ -8,14 +8,14 @@ metrics.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.http.metrics import BatchingCounts, EngineLoad, ServerMetrics
+from operators.edges.http.metrics import BatchingCounts, EngineLoad, KvCounts, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = (
     "load_engine",
     "load_llama",
+    "load_llama_workers",
     "load_tokenizer",
     "load_vllm",
     "make_engine",
@@ -103,8 +104,15 @@ def worker_set(
     )
 
 
-async def load_llama(config: EngineConfig) -> Any:
-    """The llama.cpp engine ``config`` describes, loaded in a thread (loading blocks)."""
+async def load_llama(
+    config: EngineConfig,
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+    *,
+    disk_cache: Path | None = None,
+) -> Any:
+    """The llama.cpp engine ``config`` describes, in ``role``, loaded in a thread (loading
+    blocks); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``)."""
     from operators.engines.llama import LlamaEngine, NgramSpeculation
 
     speculative = (
@@ -112,6 +120,7 @@ async def load_llama(config: EngineConfig) -> Any:
         if config.speculative == "ngram"
         else None
     )
+    secret = config.transfer_secret
     return await anyio.to_thread.run_sync(
         functools.partial(
             LlamaEngine,
@@ -120,10 +129,43 @@ async def load_llama(config: EngineConfig) -> Any:
             n_threads=config.threads,
             parallel=config.parallel,
             step_tokens=config.step_tokens,
+            step_ms=config.step_ms,
             speculative=speculative,
             block_size=config.kv_block_size,
+            role=role,
+            worker_id=worker_id,
+            transfer_secret=None if secret is None else secret.encode(),
+            transfer_host=config.kv_transfer_host,
+            transfer_timeout=config.kv_transfer_timeout,
+            kv_host_cache_mb=config.kv_host_cache_mb,
+            kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
+            kv_disk_cache_mb=config.kv_disk_cache_mb,
         )
     )
+
+
+async def load_llama_workers(
+    config: EngineConfig, role: str, count: int, *, shared: bool = False
+) -> _Workers | None:
+    """``count`` llama engines in ``role`` (None for none), named ``ROLE-i``; engines
+    loaded before a failure are closed. ``shared``: other engines of this process use
+    ``--kv-disk-cache`` too, so each gets a folder of its own in it (a disk tier is one
+    process's, and so one engine's)."""
+    if count == 0:
+        return None
+    engines: dict[str, Any] = {}
+    try:
+        for i in range(count):
+            name = f"{role}-{i}"
+            disk = config.kv_disk_cache
+            if disk is not None and (shared or count > 1):
+                disk = disk / name
+            engines[name] = await load_llama(config, role, name, disk_cache=disk)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        raise
+    return WorkerSet(role, engines)
 
 
 async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
@@ -160,23 +202,31 @@ async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
         raise
 
 
-async def load_engine(config: EngineConfig, *, log_level: str = "warning") -> Any:
-    """The model engine (llama or vllm) ``config`` asks for."""
+async def load_engine(
+    config: EngineConfig,
+    *,
+    log_level: str = "warning",
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+) -> Any:
+    """The model engine (llama or vllm) ``config`` asks for (a llama engine in ``role``,
+    as ``worker_id``)."""
     if config.engine == "vllm":
         return await load_vllm(config, log_level=log_level)
-    return await load_llama(config)
+    return await load_llama(config, role, worker_id)
 
 
-def watch_engines(metrics: ServerMetrics, engines: Sequence[Any]) -> None:
+def watch_engines(
+    metrics: ServerMetrics, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
+) -> None:
     """Export the statistics of every model engine a server loaded (one per model of
-    ``--models``): the ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum
-    over the engines of their kind."""
+    ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
+    ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum over the engines of
+    their kind."""
     llama = [engine for engine in engines if hasattr(engine, "recent_steps")]
     vllm = [engine for engine in engines if not hasattr(engine, "recent_steps")]
-    if len(llama) == 1:
-        watch_llama(metrics, llama[0])
-    elif llama:
-        watch_llama(metrics, _Summed(llama))
+    if llama or prefill:
+        watch_llama(metrics, *llama, prefill=prefill)
     if len(vllm) == 1:
         watch_vllm(metrics, vllm[0])
     elif vllm:
@@ -233,23 +283,48 @@ def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
     metrics.watch_engine("vllm", load)
 
 
-def watch_llama(metrics: ServerMetrics, engine: Any) -> None:
-    """Export the llama engine's batching and speculation statistics in ``metrics``."""
+def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = ()) -> None:
+    """Export the llama engines' statistics in ``metrics``: batching and speculation of
+    ``engines`` (the decode or aggregated ones, summed); KV tiers and transfers of all of
+    them, ``prefill`` workers included."""
 
     def batching() -> BatchingCounts:
-        stats = engine.statistics()
+        stats = [engine.statistics() for engine in engines]
         return BatchingCounts(
-            running=stats.running_sequences,
-            waiting=stats.waiting_sequences,
-            batch_sizes=stats.batch_sizes,
-            prefill_tokens=stats.prefill_tokens,
-            cached_prompt_tokens=stats.cached_prompt_tokens,
-            decode_tokens=stats.decode_tokens,
+            running=sum(s.running_sequences for s in stats),
+            waiting=sum(s.waiting_sequences for s in stats),
+            batch_sizes=[sum(sizes) for sizes in zip(*(s.batch_sizes for s in stats), strict=True)],
+            prefill_tokens=sum(s.prefill_tokens for s in stats),
+            cached_prompt_tokens=sum(s.cached_prompt_tokens for s in stats),
+            decode_tokens=sum(s.decode_tokens for s in stats),
         )
 
     def speculation() -> tuple[int, int]:
-        stats = engine.statistics()
-        return stats.speculative_proposed, stats.speculative_accepted
+        stats = [engine.statistics() for engine in engines]
+        return sum(s.speculative_proposed for s in stats), sum(
+            s.speculative_accepted for s in stats
+        )
+
+    def kv() -> KvCounts:
+        stats = [engine.statistics() for engine in (*engines, *prefill)]
+        return KvCounts(
+            tier_hits=_sum_dicts(s.kv_tier_hits for s in stats),
+            restored_tokens=_sum_dicts(s.kv_restored_tokens for s in stats),
+            saved_blocks=_sum_dicts(s.kv_saved_blocks for s in stats),
+            transferred_tokens=sum(s.transferred_tokens for s in stats),
+            transferred_bytes=sum(s.transferred_bytes for s in stats),
+            transfer_recomputed=sum(s.transfer_recomputed for s in stats),
+            transfer_seconds=sum(s.transfer_seconds for s in stats),
+        )
 
     metrics.watch_speculation(speculation)
     metrics.watch_batching(batching)
+    metrics.watch_kv(kv)
+
+
+def _sum_dicts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for each in counts:
+        for key, value in each.items():
+            total[key] = total.get(key, 0) + value
+    return total

@@ -9,7 +9,7 @@ discovers (:mod:`.discovered`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.edges.openai.images import ImagePolicy
@@ -43,13 +43,15 @@ def engine_and_options(
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
     kv_indexes: Sequence[PrefixIndex] | None = None,
+    local: tuple[_Workers, _Workers | None] | None = None,
 ) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
     """The engine to put behind the default graph, the graph's options, and the worker
     sets by role (for the status view; None: ``engine`` was given, a single one).
 
     In-process decode workers are routed as ``config.router`` says (one worker under the
     default round-robin is used directly); their KV routing decisions and prefix-cache
-    counts go to ``metrics``.
+    counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
+    (llama.cpp's); without it they are made from ``config`` (echo, mocker).
 
     ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
@@ -70,17 +72,22 @@ def engine_and_options(
         engine_config = config.engine
         decode_role = "decode" if config.prefill_workers else "aggregated"
         kv = config.router == "kv"
-        decode = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
-        assert decode is not None
+        encode = None
+        if local is not None:
+            decode, prefill = local
+        else:
+            made = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
+            assert made is not None
+            decode = made
+            encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
+            prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
         if len(decode) == 1 and config.router == "round-robin":
             engine = decode.members[0].engine
         else:
             engine = Router(decode, routing_policy(config, decode, metrics))
-        encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
-        prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
         if kv and prefill is not None:  # prompts are prefilled where their prefix is
             prefill_policy = routing_policy(config, prefill, metrics)
-        if metrics is not None and engine_config.engine == "mocker":
+        if metrics is not None and engine_config.engine != "echo":
             metrics.watch_prefill(_prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
@@ -122,8 +129,9 @@ def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int,
         found: dict[str, tuple[int, int]] = {}
         for worker in members:
             statistics = getattr(worker.engine, "statistics", None)
-            stats = statistics() if statistics is not None else None
-            if isinstance(stats, MockerStatistics):
+            stats: Any = statistics() if statistics is not None else None
+            if isinstance(stats, MockerStatistics) or hasattr(stats, "prefill_tokens"):
+                # the mocker's and the llama engine's statistics alike
                 found[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
         return found
 

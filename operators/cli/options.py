@@ -16,6 +16,7 @@ from operators.engines import DEFAULT_CYCLE_TOKENS
 from .defaults import (
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_LLAMA_PARALLEL,
+    DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     TRANSFER_SECRET_ENV,
@@ -26,6 +27,7 @@ __all__ = (
     "api_key",
     "lora_adapter",
     "add_log_level",
+    "fraction",
     "non_negative_float",
     "non_negative_int",
     "port",
@@ -89,6 +91,13 @@ def lora_adapter(text: str) -> tuple[str, Path]:
     if not sep or not name.strip() or not path.strip():
         raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
     return name.strip(), Path(path.strip())
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+    return value
 
 
 def worker_id(text: str) -> str:
@@ -204,8 +213,20 @@ def add_engine_options(
         default=DEFAULT_LLAMA_STEP_TOKENS,
         metavar="N",
         help=(
-            "most tokens one engine step evaluates (a token of every running sequence, "
-            "then prompt chunks): bounds the pause a long prompt causes the others"
+            "most tokens one engine step evaluates while sequences decode (a token of every "
+            "running sequence, then prompt chunks): bounds the pause a long prompt causes "
+            "the others; while none decodes, a step takes up to 512 prompt tokens"
+        ),
+    )
+    llama.add_argument(
+        "--step-ms",
+        type=non_negative_float,
+        default=DEFAULT_LLAMA_STEP_MS,
+        metavar="MS",
+        help=(
+            "while sequences decode, cut prompts into chunks that keep a step near MS "
+            "milliseconds (learnt from the steps run; 0: --step-tokens alone): bounds the "
+            "inter-token latency a new prompt causes"
         ),
     )
     llama.add_argument(
@@ -249,6 +270,50 @@ def add_engine_options(
             "model; repeatable): llama: an adapter GGUF (llama.cpp's convert_lora_to_gguf); "
             "vllm: a PEFT adapter folder"
         ),
+    )
+    llama.add_argument(
+        "--kv-host-cache-mb",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help=(
+            "keep the KV blocks of a slot about to be overwritten in N MiB of host memory "
+            "(LRU): a prompt starting with them gets them restored instead of prefilled "
+            "(0: no host tier)"
+        ),
+    )
+    llama.add_argument(
+        "--kv-disk-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "a disk tier below the host one: blocks it evicts are written to DIR (one "
+            "checksummed file per block, kept apart per model) and restored from there"
+        ),
+    )
+    llama.add_argument(
+        "--kv-disk-cache-mb",
+        type=non_negative_int,
+        default=1024,
+        metavar="N",
+        help="--kv-disk-cache: most MiB of blocks on disk (LRU)",
+    )
+    llama.add_argument(
+        "--kv-transfer-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help=(
+            "a prefill worker serves its prompts' KV to decode workers on HOST (any free "
+            "port; the transfer handle says where): an address they can reach"
+        ),
+    )
+    llama.add_argument(
+        "--kv-transfer-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )
     _add_vllm_options(parser, max_model_len=max_model_len)
     mocker = parser.add_argument_group("mocker engine")

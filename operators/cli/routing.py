@@ -78,6 +78,7 @@ def _kv_router(
         index,
         request_block_ids(config.engine.kv_block_size),
         overlap_weight=config.kv_overlap_weight,
+        restore_cost=config.kv_restore_cost,
         temperature=config.router_temperature,
         approximate=approximate,
         on_decision=None if metrics is None else metrics.count_kv_decision,

@@ -33,7 +33,7 @@ from pipeline import Engine, PrefixIndex, WorkerSet
 from .config import ServeConfig, key_priorities
 from .defaults import MODEL_ENGINES
 from .discovered import DiscoveredModels
-from .engines import load_engine, load_tokenizer, watch_engines
+from .engines import load_engine, load_llama_workers, load_tokenizer, watch_engines
 from .insertions import load_insertions
 from .model_graph import engine_and_options
 from .nats import close_nats, connect_nats, follow_kv_events, one_line
@@ -90,6 +90,26 @@ def guard(config: ServeConfig) -> Guard:
         max_inflight=config.max_inflight,
         request_timeout=config.request_timeout,
     )
+
+
+async def _load_llama_sets(
+    config: ServeConfig, stack: contextlib.AsyncExitStack
+) -> tuple[_Workers, _Workers | None]:
+    """The in-process llama workers ``config`` asks for: (decode or aggregated, prefill),
+    each closed when ``stack`` unwinds."""
+    sets: list[_Workers | None] = []
+    roles = (("decode" if config.prefill_workers else "aggregated", config.decode_workers),)
+    shared = config.prefill_workers + config.decode_workers > 1
+    for role, count in (*roles, ("prefill", config.prefill_workers)):
+        workers = await load_llama_workers(config.engine, role, count, shared=shared)
+        if workers is not None:
+            for worker in workers.members:
+                engine: Any = worker.engine
+                stack.push_async_callback(engine.aclose)
+        sets.append(workers)
+    decode, prefill = sets
+    assert decode is not None
+    return decode, prefill
 
 
 def _display_host(host: str) -> str:
@@ -268,6 +288,7 @@ async def _served_models(
     specs: dict[str, ModelSpec] = {}
     groups: dict[str, WorkerGroups] = {}
     engines: list[Any] = []
+    prefill_engines: list[Any] = []
     engine_name = "engine"
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
@@ -275,6 +296,7 @@ async def _served_models(
         kv_indexes: list[PrefixIndex] | None = None
         embedder: Embedder | None = None
         loaded: Any = None
+        local: tuple[_Workers, _Workers | None] | None = None
         if nc is not None:
             from operators.contracts.remote_embed import RemoteEmbedder
             from operators.contracts.transport import discover_workers
@@ -290,6 +312,18 @@ async def _served_models(
                 kv_indexes = await follow_kv_events(
                     tg, nc, model=name, sets=(workers.decode, workers.prefill)
                 )
+        elif model.engine.engine == "llama":
+            try:
+                decode, prefill = await _load_llama_sets(model, stack)
+            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                raise _Unavailable(f"cannot load the engine of {name!r}: {exc}") from exc
+            engines.extend(worker.engine for worker in decode.members)
+            if prefill is not None:
+                prefill_engines.extend(worker.engine for worker in prefill.members)
+            if len(decode) == 1 and prefill is None:
+                loaded = decode.members[0].engine  # one engine: no worker sets
+            else:
+                local = (decode, prefill)
         elif model.engine.engine in MODEL_ENGINES:
             try:
                 loaded = await load_engine(model.engine, log_level=config.log_level)
@@ -298,7 +332,7 @@ async def _served_models(
             stack.push_async_callback(loaded.aclose)
             engines.append(loaded)
         engine, options, found = engine_and_options(
-            model, tokenizer, workers, loaded, metrics, kv_indexes
+            model, tokenizer, workers, loaded, metrics, kv_indexes, local
         )
         if not specs:
             engine_name = type(engine).__name__
@@ -313,7 +347,7 @@ async def _served_models(
         if found is not None:
             groups[name] = found
     if engines:
-        watch_engines(metrics, engines)
+        watch_engines(metrics, engines, prefill=prefill_engines)
     return specs, groups, engine_name
 
 

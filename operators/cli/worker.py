@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> Any:
     """The engine a ``worker`` serves."""
     if config.engine.engine in MODEL_ENGINES:
-        return await load_engine(config.engine, log_level=config.log_level)
+        return await load_engine(
+            config.engine, log_level=config.log_level, role=config.role, worker_id=config.id
+        )
     assert tokenizer is not None
     return make_engine(config.engine, tokenizer, config.role, config.id)
 

@@ -30,9 +30,13 @@ custom operator that keeps no state).
 
 from __future__ import annotations
 
+import dataclasses
+
 from pipeline import Context, LinkError, StateKey
 
-__all__ = ("RESUMABLE", "ResumptionOrderError", "check_retrier", "declare_resumer")
+from .llm import PreprocessedRequest, StopConditions
+
+__all__ = ("RESUMABLE", "ResumptionOrderError", "check_retrier", "continuation", "declare_resumer")
 
 #: Set by the retrier (Migration) before each attempt: True while a lost worker will be
 #: retried, so the resumer (Backend) keeps withheld text for the next attempt.
@@ -71,4 +75,24 @@ def check_retrier(ctx: Context[object], retrier: object) -> None:
         f"{name} is linked downstream of {resumer} (request {ctx.id}), but {resumer} "
         f"resumes what {name} retries, so it must be below it: "
         f"link(..., {name}(...), {resumer}(...), ..., engine)"
+    )
+
+
+def continuation(original: PreprocessedRequest, generated: list[int]) -> PreprocessedRequest:
+    """The request that continues ``original`` after ``generated`` output tokens: the
+    prompt extended by them, ``max_tokens``/``min_tokens`` reduced by their count, and
+    ``replayed_tokens`` saying so. What Migration sends after a lost worker, and what a
+    decode worker runs after a prefill worker's first token."""
+    done = len(generated)
+    max_tokens = original.stop.max_tokens
+    stop: StopConditions = dataclasses.replace(
+        original.stop,
+        max_tokens=None if max_tokens is None else max(0, max_tokens - done),
+        min_tokens=max(0, original.stop.min_tokens - done),
+    )
+    return dataclasses.replace(
+        original,
+        token_ids=[*original.token_ids, *generated],
+        replayed_tokens=original.replayed_tokens + done,
+        stop=stop,
     )

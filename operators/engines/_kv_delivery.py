@@ -16,12 +16,13 @@ the model (the llama scheduler runs every sequence of a batch). It asks the loop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import sys
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 
-from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
+from pipeline import DEVICE_TIER, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("KvDelivery",)
 
@@ -59,11 +60,21 @@ class KvDelivery:
     queued after it was scheduled, is harmless.
     """
 
-    __slots__ = ("_call_soon", "_draining", "_held", "_pending", "_scheduled", "_seq", "sink")
+    __slots__ = (
+        "_call_soon",
+        "_draining",
+        "_held",
+        "_lower",
+        "_pending",
+        "_scheduled",
+        "_seq",
+        "sink",
+    )
 
     def __init__(self) -> None:
         self._pending: deque[KvEvent] = deque()  # pushed, not delivered yet
         self._held: dict[Hashable, None] = {}  # as of the events delivered; parents first
+        self._lower: dict[str, dict[Hashable, None]] = {}  # the same, per lower tier
         self._seq = 0
         self._draining = False
         self._scheduled = False
@@ -103,16 +114,16 @@ class KvDelivery:
             while pending:
                 event = pending.popleft()
                 self._seq += 1
+                event = dataclasses.replace(event, seq=self._seq)
+                tier = getattr(event, "tier", DEVICE_TIER)
+                blocks = held if tier == DEVICE_TIER else self._lower.setdefault(tier, {})
                 if isinstance(event, KvStored):
-                    event = KvStored(event.block_ids, self._seq)
-                    held.update(dict.fromkeys(event.block_ids))
+                    blocks.update(dict.fromkeys(event.block_ids))
                 elif isinstance(event, KvRemoved):
-                    event = KvRemoved(event.block_ids, self._seq)
                     for block in event.block_ids:
-                        held.pop(block, None)
+                        blocks.pop(block, None)
                 else:
-                    event = KvCleared(self._seq)
-                    held.clear()
+                    blocks.clear()
                 sink = self.sink
                 if sink is not None:
                     try:
@@ -124,9 +135,10 @@ class KvDelivery:
 
     def snapshot(self) -> KvSnapshot:
         """Every block held as of the last event delivered (waiting ones are delivered
-        first), parents before children."""
+        first), parents before children; the lower tiers' (by tier) beside them."""
         self.drain()
-        return KvSnapshot(tuple(self._held), self._seq)
+        lower = tuple((tier, tuple(blocks)) for tier, blocks in self._lower.items() if blocks)
+        return KvSnapshot(tuple(self._held), self._seq, lower)
 
     # ------------------------------------------------------------ the producing thread
 

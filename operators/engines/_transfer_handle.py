@@ -1,15 +1,17 @@
-"""The mocker's transfer handles: what a prefill worker gives a decode worker for a request.
+"""Transfer handles: what a prefill worker gives a decode worker for a request.
 
-Standing in for the KV cache a real decode worker would pull; signed with HMAC so that a
-decode worker can refuse a handle that was forged, or issued for another request or prompt.
-Apart from :class:`~operators.engines.mocker.MockerEngine` because it is a small protocol
-of its own: what a handle holds and when it is valid.
+The mocker's stand in for the KV cache a real decode worker would pull; the llama engine's
+(``operators.engines.llama._kv_handle``) say where to pull it. Both are signed with HMAC
+so that a decode worker can refuse a handle that was forged, or issued for another request
+or prompt. Apart from :class:`~operators.engines.mocker.MockerEngine` because it is a
+small protocol of its own: what a handle holds and when it is valid.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import secrets
 from typing import TYPE_CHECKING, Any, Final
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
     from operators.contracts.llm import PreprocessedRequest
     from pipeline import Context
 
-__all__ = ("PROCESS_SECRET", "digest", "handle_problem", "issue_handle", "sign")
+__all__ = ("PROCESS_SECRET", "digest", "handle_problem", "issue_handle", "sign", "sign_all")
 
 _HANDLE_KIND: Final = "mocker.kv/1"
 #: the key of mockers given no ``transfer_secret``: shared by every mocker in this process
@@ -28,6 +30,13 @@ _HANDLE_FIELDS: Final = ("kind", "worker_id", "request_id", "prompt_tokens", "pr
 def sign(secret: bytes, handle: dict[str, Any]) -> str:
     """The HMAC of a handle's fields: only a holder of ``secret`` can issue one."""
     message = "\x1f".join(str(handle[key]) for key in (*_HANDLE_FIELDS, "first_token"))
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
+
+
+def sign_all(secret: bytes, handle: dict[str, Any]) -> str:
+    """The HMAC of every field of ``handle`` but its ``signature`` (JSON values)."""
+    fields = {key: value for key, value in handle.items() if key != "signature"}
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":"))
     return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
 
 

@@ -105,7 +105,11 @@ class PrefillRouter:
         :class:`pipeline.KvRouter`, the KV overlap it had).
         """
         request = ctx.data
-        stop = dataclasses.replace(request.stop, max_tokens=1, min_tokens=0)
+        # The first token is chosen as the aggregated request's would be: with min_tokens
+        # its stop ids are masked out.
+        stop = dataclasses.replace(
+            request.stop, max_tokens=1, min_tokens=min(request.stop.min_tokens, 1)
+        )
         leg = ctx.child(dataclasses.replace(request, stop=stop, prefill_result=None))
         span = None if ctx.span is None else ctx.span.child("prefill", kind="client")
         if span is not None:
@@ -199,8 +203,8 @@ class PrefillRouter:
             return
         handle = first.prefill_result
         first.prefill_result = None
-        # The leg runs with min_tokens=0, so its "stop" ends the request only when the
-        # request allows a stop at its first token.
+        # A "stop" ends the request only when the request allows a stop at its first
+        # token (under min_tokens the leg's stop can only be a constraint's end).
         stopped = first.finish_reason == "stop" and request.stop.min_tokens == 0
         if stopped or request.stop.max_tokens == 1:
             # The first token ends the request: there is nothing to decode.

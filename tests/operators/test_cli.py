@@ -15,7 +15,7 @@ from operators.cli.insertions import load_operator
 from operators.cli.serve import run_serve
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
-from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_TOKENS
+from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_MS, DEFAULT_STEP_TOKENS
 from operators.testing import openai_client
 from operators.text.tokenizer import Tokenizer
 
@@ -33,6 +33,7 @@ def test_parallel_and_step_tokens_default_to_the_engine_defaults() -> None:
     args = parse("serve", "--engine", "llama")
     assert args.parallel == DEFAULT_PARALLEL == cli.DEFAULT_LLAMA_PARALLEL
     assert args.step_tokens == DEFAULT_STEP_TOKENS == cli.DEFAULT_LLAMA_STEP_TOKENS
+    assert args.step_ms == DEFAULT_STEP_MS == cli.DEFAULT_LLAMA_STEP_MS
     args = parse("serve", "--engine", "llama", "--parallel", "8", "--step-tokens", "256")
     assert (args.parallel, args.step_tokens) == (8, 256)
     assert (
@@ -180,4 +181,53 @@ async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
         load_operator(spec)
     config = cli.ServeConfig(insert_before=(("backend", spec),))
     assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    assert message in capsys.readouterr().err
+
+
+# -- KV that moves (issue 26) -------------------------------------------------------------------
+
+
+def test_llama_workers_take_the_disaggregation_roles_and_kv_options() -> None:
+    url = ("--nats", "nats://127.0.0.1:4222")
+    for role in ("prefill", "decode"):
+        args = parse("worker", *url, "--engine", "llama", "--role", role)
+        assert cli.WorkerConfig.from_args(args).role == role
+    argv = (
+        "serve", "--engine", "llama", "--prefill-workers", "1", "--decode-workers", "2",
+        "--router", "kv", "--kv-restore-cost", "0.25", "--kv-host-cache-mb", "256",
+        "--kv-disk-cache", "/tmp/kv", "--kv-disk-cache-mb", "64", "--step-ms", "50",
+        "--kv-transfer-host", "10.0.0.5", "--kv-transfer-timeout", "3",
+    )  # fmt: skip
+    config = cli.ServeConfig.from_args(parse(*argv))
+    assert (config.prefill_workers, config.decode_workers, config.kv_restore_cost) == (1, 2, 0.25)
+    engine = config.engine
+    assert (engine.kv_host_cache_mb, engine.kv_disk_cache, engine.kv_disk_cache_mb) == (
+        256,
+        Path("/tmp/kv"),
+        64,
+    )
+    assert (engine.step_ms, engine.kv_transfer_host, engine.kv_transfer_timeout) == (
+        50.0,
+        "10.0.0.5",
+        3.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("worker", "--nats", "n", "--engine", "llama", "--role", "encode"), "--engine mocker"),
+        (("worker", "--nats", "n", "--role", "prefill"), "--engine mocker or llama"),
+        (("serve", "--prefill-workers", "1"), "--engine mocker or llama"),
+        (("serve", "--engine", "llama", "--encode-workers", "1"), "--engine mocker"),
+        (("serve", "--router", "kv", "--kv-restore-cost", "1.5"), "between 0 and 1"),
+        (("serve", "--engine", "llama", "--kv-host-cache-mb", "-1"), "must be >= 0"),
+    ],
+)
+def test_kv_options_out_of_place_are_usage_errors(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        parse(*argv)
+    assert caught.value.code == 2
     assert message in capsys.readouterr().err

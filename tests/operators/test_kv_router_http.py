@@ -212,7 +212,6 @@ def test_dynamos_flag_names_are_accepted() -> None:
     "argv",
     [
         ("--router", "random", "--nats", "nats://127.0.0.1:4222"),
-        ("--router", "least-loaded", "--engine", "llama"),
         (
             "--router",
             "sticky",

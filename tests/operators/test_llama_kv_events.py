@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.llama import LlamaEngine
-from operators.engines.llama._kv_events import KvLedger, KvReporter
+from operators.engines.llama._kv_events import KvLedger, KvReporter, TierLedger
 from operators.routing.kv_blocks import block_hashes
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import (
@@ -28,6 +28,7 @@ from pipeline import (
     KvRemoved,
     KvSnapshot,
     KvStored,
+    MemoryKvTier,
     PrefixIndex,
     open_stream,
 )
@@ -121,6 +122,97 @@ def test_ledger_events_track_the_union_of_the_slots_full_blocks(
             case ("sync",):
                 sync()
     sync()
+
+
+_tiered = st.one_of(
+    _operation,
+    st.tuples(st.just("save"), st.integers(0, SLOTS - 1), st.integers(0, 14)),
+    st.tuples(st.just("evict"), st.sampled_from(["host", "disk"]), st.integers(0, 40)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    block_size=st.integers(1, 3),
+    host_blocks=st.integers(0, 4),
+    operations=st.lists(_tiered, max_size=40),
+)
+def test_an_index_fed_tiered_events_equals_the_snapshot_after_every_event(
+    block_size: int, host_blocks: int, operations: list[tuple[Any, ...]]
+) -> None:
+    """Slots and tiers changing as the engine changes them (a slot's blocks saved to the
+    host tier before it is cut, the host tier demoting to disk, evictions): a PrefixIndex
+    fed the reporter's events equals the reporter's snapshot after every event, and both
+    equal what the slots and the tiers really hold."""
+    disk = MemoryKvTier(10**9, name="disk")
+    host = MemoryKvTier(host_blocks, name="host", below=disk)
+    reporter = KvReporter(KvLedger(SLOTS, block_size), TierLedger([host, disk]))
+    index = PrefixIndex()
+    snapshots: list[KvSnapshot] = []
+
+    def sink(event: KvEvent) -> None:
+        assert index.apply("w", event)  # in order, no gap
+        snapshots.append(reporter.snapshot())  # as of this very event
+        expect_equal(index, snapshots[-1])
+
+    reporter.set_sink(sink)
+    cached: list[list[int]] = [[] for _ in range(SLOTS)]
+
+    def sync() -> None:
+        reporter.sync(cached)
+        reporter.drain()
+        snapshot = reporter.snapshot()
+        expect_equal(index, snapshot)
+        device = set().union(*(block_hashes(tokens, block_size) for tokens in cached))
+        assert set(snapshot.block_ids) == device
+        lower = dict(snapshot.tiers)
+        for tier in (host, disk):
+            assert set(lower.get(tier.name, ())) == set(tier.block_ids())
+
+    for operation in operations:
+        match operation:
+            case ("save", slot, length):  # what the mover saves before a cut
+                ids = block_hashes(cached[slot], block_size)
+                for block in ids[length // block_size :]:
+                    host.put(block, b"x")
+                if length < len(cached[slot]):
+                    reporter.ledger.truncated(slot, length)
+                    del cached[slot][length:]
+            case ("evict", name, which):
+                tier = host if name == "host" else disk
+                held = tier.block_ids()
+                if held:
+                    tier.evict(held[which % len(held)])
+            case ("set", slot, tokens):
+                reporter.ledger.truncated(slot, 0)
+                cached[slot] = list(tokens)
+            case ("keep", slot, length):
+                if length < len(cached[slot]):
+                    reporter.ledger.truncated(slot, length)
+                    del cached[slot][length:]
+            case ("extend", slot, tokens):
+                cached[slot].extend(tokens)
+            case ("copy", source, target):
+                if source != target:
+                    cached[target] = list(cached[source])
+                    reporter.ledger.truncated(target, 0)
+            case ("clear",):
+                for tokens in cached:
+                    tokens.clear()
+                reporter.ledger.cleared()
+            case ("sync",):
+                sync()
+    sync()
+    assert [snapshot.seq for snapshot in snapshots] == list(range(1, len(snapshots) + 1))
+
+
+def expect_equal(index: PrefixIndex, snapshot: KvSnapshot) -> None:
+    """The index holds for worker "w" exactly what ``snapshot`` says, tier by tier."""
+    tiers = {"device": snapshot.block_ids, **dict(snapshot.tiers)}
+    for tier in ("device", "host", "disk"):
+        held = set(tiers.get(tier, ()))
+        assert index.blocks("w", tier) == len(held), tier
+        assert all(index.holders(block, tier) == {"w"} for block in held), tier
 
 
 def test_a_block_moving_between_slots_is_no_event() -> None:

@@ -283,7 +283,8 @@ def test_bad_arguments_are_refused_by_name(arguments: dict[str, Any], message: s
 def test_repr_names_the_mode() -> None:
     policy = KvRouter(PrefixIndex(), prompt_ids, approximate=True, ttl=30)
     assert repr(policy) == (
-        "KvRouter(weight=1, temperature=0, approximate ttl=30s stride=8, PrefixIndex(0 blocks, {}))"
+        "KvRouter(weight=1, restore_cost=0.1, temperature=0, approximate ttl=30s stride=8, "
+        "PrefixIndex(0 blocks, {}))"
     )
 
 
@@ -349,3 +350,41 @@ async def test_a_worker_that_left_the_set_is_never_chosen_even_with_the_best_pre
     index.stored("gone", ids("abcdef"))
     router = Router(reporting_workers(index, "a", "b"), KvRouter(index, prompt_ids))
     assert await collect(router, make_context("abcdef")) in (["a"], ["b"])
+
+
+# -- tiers: a restore is cheaper than a prefill, dearer than a slot hit ---------------------------
+
+
+def test_a_host_hit_weighs_between_a_device_hit_and_a_miss() -> None:
+    index = PrefixIndex()
+    index.apply("device", KvStored(tuple(ids("sys-conversation"))))
+    index.apply("host", KvStored(tuple(ids("sys-conversation")), tier="host"))
+    index.apply("miss", KvStored(tuple(ids("sys"))))
+    decisions: list[tuple[str, int, int]] = []
+    policy = KvRouter(
+        index, prompt_ids, restore_cost=0.25, on_decision=lambda *d: decisions.append(d)
+    )
+    prompt = "sys-conversation!"
+    assert choose(policy, pool("device", "host", "miss"), prompt) == "device"
+    assert choose(policy, pool("host", "miss"), prompt) == "host"
+    assert decisions[-1] == ("host", 16, 1)  # its lower-tier blocks count as hits
+    # host: 1 miss + 13 restored * 0.25 + its load; miss: 14 misses
+    loads = {"host": 3.0, "miss": 0.0}
+    busy = KvRouter(index, prompt_ids, restore_cost=0.25, load=lambda w: loads[w.id])
+    assert choose(busy, pool("host", "miss"), prompt) == "host"
+    loads["host"] = 14 - 3.25 + 0.01
+    assert choose(busy, pool("host", "miss"), prompt) == "miss"
+    free = KvRouter(index, prompt_ids, restore_cost=0.0)
+    assert choose(free, pool("device", "host"), prompt) in {"device", "host"}  # a tie
+    with pytest.raises(ValueError, match="restore_cost"):
+        KvRouter(index, prompt_ids, restore_cost=1.5)
+
+
+def test_a_prefix_split_across_device_and_host_is_counted_whole() -> None:
+    index = PrefixIndex()
+    index.apply("a", KvStored(tuple(ids("syst"))))  # the system prompt in a slot
+    index.apply("a", KvStored(tuple(ids("system-chat")[4:]), tier="host"))  # its chat in RAM
+    index.apply("b", KvStored(tuple(ids("system-ch"))))
+    policy = KvRouter(index, prompt_ids, restore_cost=0.1)
+    # a: 4 device + 7 host = 11 held (0.7 to restore); b: 9 held, 2 to prefill
+    assert choose(policy, pool("a", "b"), "system-chat") == "a"

@@ -326,24 +326,71 @@ def test_remove_worker_forgets_its_event_order() -> None:
     assert index.blocks("w") == 1
 
 
+_ids = st.lists(st.integers(0, 2**64 - 1)).map(tuple)
+_seqs = st.none() | st.integers(0)
+_tiers = st.sampled_from(["device", "host", "disk"])
+
+
 @given(
     st.one_of(
+        st.builds(KvStored, _ids, _seqs, _tiers),
+        st.builds(KvRemoved, _ids, _seqs, _tiers),
+        st.builds(KvCleared, _seqs, _tiers),
         st.builds(
-            KvStored, st.lists(st.integers(0, 2**64 - 1)).map(tuple), st.none() | st.integers(0)
-        ),
-        st.builds(
-            KvRemoved, st.lists(st.integers(0, 2**64 - 1)).map(tuple), st.none() | st.integers(0)
-        ),
-        st.builds(KvCleared, st.none() | st.integers(0)),
-        st.builds(
-            KvSnapshot, st.lists(st.integers(0, 2**64 - 1)).map(tuple), st.none() | st.integers(0)
+            KvSnapshot,
+            _ids,
+            _seqs,
+            st.dictionaries(st.sampled_from(["host", "disk"]), _ids).map(
+                lambda tiers: tuple(tiers.items())
+            ),
         ),
     )
 )
 def test_events_round_trip_through_plain_dicts(event: KvEvent) -> None:
     plain = event.to_dict()
-    assert all(isinstance(value, str | int | list | type(None)) for value in plain.values())
+    assert all(isinstance(value, str | int | list | dict | type(None)) for value in plain.values())
     assert event_from_dict(plain) == event
+    if getattr(event, "tier", "device") == "device" and not getattr(event, "tiers", ()):
+        assert set(plain) <= {"kind", "seq", "block_ids"}  # what peers without tiers read
+
+
+# -- tiers ------------------------------------------------------------------------------------
+
+
+def test_lower_tiers_are_kept_apart_from_the_device() -> None:
+    index = PrefixIndex()
+    assert index.apply("w", KvStored(tuple(ids("ab")), 1))
+    assert index.apply("w", KvStored(tuple(ids("abcd")[2:]), 2, "host"))
+    assert index.apply("w", KvStored(tuple(ids("abcdef")[4:]), 3, "disk"))
+    assert index.overlaps(ids("abcdefg")) == {"w": 2}  # the device alone
+    assert index.tiered_overlaps(ids("abcdefg")) == {"w": (2, 4)}
+    assert index.blocks("w") == 2
+    assert index.blocks("w", "host") == 2
+    assert index.holders(ids("abc")[2], "host") == {"w"}
+    assert not index.holders(ids("abc")[2])
+    assert index.tiers() == {"host", "disk"}
+    assert index.apply("w", KvRemoved((ids("abcd")[3],), 4, "host"))  # a hole in the run
+    assert index.tiered_overlaps(ids("abcdefg")) == {"w": (2, 1)}
+    assert index.apply("w", KvCleared(5))  # the device only
+    assert index.tiered_overlaps(ids("abcdefg")) == {}  # nobody holds the first block
+    assert index.tiered_overlaps(ids("abcx")[2:]) == {"w": (0, 1)}  # starts mid-prompt
+    assert index.apply("w", KvStored(tuple(ids("a")), 6, "disk"))
+    assert index.tiered_overlaps(ids("abcdefg")) == {"w": (0, 1)}  # "ab" is nowhere now
+    assert index.apply("w", KvStored(tuple(ids("ab")[1:]), 7, "host"))
+    assert index.tiered_overlaps(ids("abcdefg")) == {"w": (0, 3)}  # disk, host, then a hole
+
+
+def test_a_snapshot_replaces_every_tier_and_remove_worker_forgets_them() -> None:
+    index = PrefixIndex()
+    index.apply("w", KvStored(tuple(ids("xy")), 1, "host"))
+    index.apply("v", KvStored(tuple(ids("ab")), None, "host"))
+    snapshot = KvSnapshot(tuple(ids("a")), 2, (("disk", tuple(ids("ab")[1:])),))
+    assert index.apply("w", snapshot)
+    assert index.blocks("w", "host") == 0  # absent from the snapshot: holds nothing there
+    assert index.tiered_overlaps(ids("abc")) == {"w": (1, 1), "v": (0, 2)}
+    index.remove_worker("w")
+    assert index.tiered_overlaps(ids("abc")) == {"v": (0, 2)}
+    assert index.blocks("w", "disk") == 0
 
 
 def test_an_unknown_event_kind_is_refused_by_name() -> None:

@@ -33,6 +33,13 @@ Series::
     llm_pipeline_vllm_kv_cache_usage_ratio           gauge, fraction of vLLM's KV blocks in use
     llm_pipeline_vllm_prefix_cache_{queries,hits}_total  counters, prompt tokens looked up/found
     llm_pipeline_vllm_preemptions_total              counter, requests preempted for KV room
+    llm_pipeline_kv_tier_hits_total{tier}            counter, KV blocks restored from a tier
+    llm_pipeline_kv_restored_tokens_total{tier}      counter, prompt tokens restored from a tier
+    llm_pipeline_kv_saved_blocks_total{tier}         counter, KV blocks saved to the first tier
+    llm_pipeline_kv_transferred_tokens_total         counter, prompt tokens pulled (decode)
+    llm_pipeline_kv_transferred_bytes_total          counter, their bytes
+    llm_pipeline_kv_transfer_recomputed_total        counter, handles prefilled again instead
+    llm_pipeline_kv_transfer_seconds_total           counter, time spent pulling KV (decode)
     llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
@@ -62,6 +69,7 @@ __all__ = (
     "EngineLoad",
     "Histogram",
     "HistogramFamily",
+    "KvCounts",
     "ModelMetrics",
     "ServerMetrics",
 )
@@ -280,6 +288,77 @@ class _BatchingCollector(Collector):
             "llm_pipeline_llama_decode_tokens",
             "Tokens the llama engine fed to decode: one per sequence and step, plus drafts.",
             value=counts.decode_tokens,
+        )
+
+
+class KvCounts(NamedTuple):
+    """What :meth:`ServerMetrics.watch_kv` reads from engines that move KV, at scrape time."""
+
+    #: KV blocks restored from each tier ("host", "disk")
+    tier_hits: Mapping[str, int]
+    #: prompt tokens those blocks held (not already in the slot), by tier
+    restored_tokens: Mapping[str, int]
+    #: KV blocks saved to the first tier before their slot was overwritten
+    saved_blocks: Mapping[str, int]
+    #: prompt tokens (cells) a decode worker pulled from prefill workers, and their bytes
+    transferred_tokens: int
+    transferred_bytes: int
+    #: transfer handles whose KV could not be pulled (the decode worker prefilled)
+    transfer_recomputed: int
+    #: seconds decode workers spent pulling KV
+    transfer_seconds: float = 0.0
+
+
+#: the tiers shown (at 0) before their first count
+_TIERS: Final = ("host", "disk")
+
+
+class _KvCollector(Collector):
+    def __init__(self, counts: Callable[[], KvCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        for name, documentation, values in (
+            (
+                "llm_pipeline_kv_tier_hits",
+                "KV blocks restored into a slot from a tier below it, by tier.",
+                counts.tier_hits,
+            ),
+            (
+                "llm_pipeline_kv_restored_tokens",
+                "Prompt tokens restored from a KV tier instead of prefilled, by tier.",
+                counts.restored_tokens,
+            ),
+            (
+                "llm_pipeline_kv_saved_blocks",
+                "KV blocks saved to the first tier before their slot was overwritten.",
+                counts.saved_blocks,
+            ),
+        ):
+            family = CounterMetricFamily(name, documentation, labels=["tier"])
+            for tier in sorted({*_TIERS, *values}):
+                family.add_metric([tier], values.get(tier, 0))
+            yield family
+        yield CounterMetricFamily(
+            "llm_pipeline_kv_transferred_tokens",
+            "Prompt tokens whose KV a decode worker pulled from a prefill worker.",
+            value=counts.transferred_tokens,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_kv_transferred_bytes",
+            "Bytes of KV a decode worker pulled from prefill workers.",
+            value=counts.transferred_bytes,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_kv_transfer_recomputed",
+            "Transfer handles whose KV could not be pulled: the decode worker prefilled.",
+            value=counts.transfer_recomputed,
+        )
+        yield CounterMetricFamily(
+            "llm_pipeline_kv_transfer_seconds",
+            "Seconds decode workers spent pulling KV from prefill workers.",
+            value=counts.transfer_seconds,
         )
 
 
@@ -523,6 +602,10 @@ class ServerMetrics:
         """Expose an engine's own scheduler load as ``llm_pipeline_{engine}_*``, read at
         scrape time."""
         self.registry.register(_EngineLoadCollector(engine, load))
+
+    def watch_kv(self, counts: Callable[[], KvCounts]) -> None:
+        """Expose engines' KV tier and transfer counts, read at scrape time."""
+        self.registry.register(_KvCollector(counts))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (see :data:`CONTENT_TYPE`)."""

@@ -33,12 +33,14 @@ from operators.engines.ngram import NgramSpeculation as NgramSpeculation
 
 from ._steps import LlamaStep as LlamaStep
 from .engine import DEFAULT_PARALLEL as DEFAULT_PARALLEL
+from .engine import DEFAULT_STEP_MS as DEFAULT_STEP_MS
 from .engine import DEFAULT_STEP_TOKENS as DEFAULT_STEP_TOKENS
 from .engine import LlamaEngine as LlamaEngine
 from .engine import LlamaStatistics as LlamaStatistics
 
 __all__ = (
     "DEFAULT_PARALLEL",
+    "DEFAULT_STEP_MS",
     "DEFAULT_STEP_TOKENS",
     "LlamaEngine",
     "LlamaStatistics",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pipeline import Context
 
     from ._constraint import Matcher
+    from ._kv_handle import Handle
     from ._sequence import Sequence
 
 __all__ = ("Job",)
@@ -52,10 +53,15 @@ class Job:
         "finished",
         "matchers",
         "n",
+        "pull_from",
         "queued",
+        "release_transfer",
         "request",
+        "resumed",
+        "rng_state",
         "running",
         "timeline",
+        "transfer",
         "width",
     )
 
@@ -66,9 +72,25 @@ class Job:
         budget: int,
         width: int,
         matchers: list[Matcher] | None = None,
+        request: PreprocessedRequest | None = None,
+        resumed: bool = False,
+        transfer: Handle | None = None,
+        rng_state: dict[str, Any] | None = None,
     ) -> None:
         self.ctx = ctx
-        self.request = ctx.data
+        #: what runs: ``ctx.data``, or its continuation after a prefill worker's token
+        self.request = ctx.data if request is None else request
+        #: 1 when the request continues after a prefill worker's first token (the last
+        #: prompt token is that output token), else 0
+        self.resumed = int(resumed)
+        #: the handle whose cells are pulled before decoding (None: none to pull)
+        self.transfer = transfer
+        #: the first choice's random state to continue from (a prefill worker's)
+        self.rng_state = rng_state
+        # set by the scheduler: the first cell to pull (the task pulls, then arrives), or
+        # that the transferred cells are not needed (the task releases them)
+        self.pull_from: int | None = None
+        self.release_transfer = False
         self.budget = budget
         self.n = max(self.request.n, 1)
         self.width = width

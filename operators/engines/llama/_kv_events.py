@@ -28,19 +28,25 @@ Two halves, because two threads are involved:
 Nothing is hashed or queued while no sink is set (the default): the scheduler checks one
 attribute per step. A sink set later gets everything already cached as one
 :class:`~pipeline.KvStored` at the next sync (after its consumer applied a snapshot).
+
+The engine's KV tiers (host memory, disk: :mod:`pipeline.kv_tier`) report their blocks
+too, with their tier's name: :class:`TierLedger` records what each tier reports (in the
+scheduler thread, where the tiers are used) and turns the net change since the last sync
+into events, so the reporter numbers the device's and the tiers' events as one sequence
+and its snapshot holds every tier.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Final, final
 
 from operators.engines._kv_delivery import KvDelivery
 from operators.routing.kv_blocks import block_hashes
-from pipeline import KvCleared, KvEvent, KvRemoved, KvStored
+from pipeline import KvCleared, KvEvent, KvRemoved, KvStored, KvTier
 
-__all__ = ("KvLedger", "KvReporter")
+__all__ = ("KvLedger", "KvReporter", "TierLedger")
 
 #: a slot not cut since the last sync
 _UNCUT: Final = sys.maxsize
@@ -146,21 +152,99 @@ class KvLedger:
         return list(self._ids[slot])
 
 
+#: blocks touched since the last sync beyond which a tier's next sync compares whole sets
+#: (while nobody listens, nothing syncs; the touched set must not grow without bound)
+_TOUCHED_LIMIT: Final = 1 << 16
+
+
+@final
+class TierLedger:
+    """What each KV tier holds, as its own events say, and what was reported of it.
+
+    The tiers call :meth:`record` (it is their ``on_event``) from the scheduler thread;
+    :meth:`sync` returns the events of the net change since the last sync, one
+    ``KvRemoved`` and one ``KvStored`` per tier at most. Blocks a tier held when it was
+    given (a disk tier's files from an earlier run) count as changes at the first sync.
+    """
+
+    __slots__ = ("_held", "_reported", "_touched", "_whole")
+
+    def __init__(self, tiers: Sequence[KvTier]) -> None:
+        self._held: dict[str, dict[Hashable, None]] = {}
+        self._reported: dict[str, set[Hashable]] = {}
+        self._touched: dict[str, dict[Hashable, None]] = {}
+        self._whole: set[str] = set()
+        for tier in tiers:
+            held = dict.fromkeys(tier.block_ids())
+            self._held[tier.name] = held
+            self._reported[tier.name] = set()
+            self._touched[tier.name] = dict(held)
+            tier.on_event = self.record
+
+    def record(self, event: KvEvent) -> None:
+        """A tier's event: a block came or went."""
+        if not isinstance(event, KvStored | KvRemoved):
+            return
+        tier = event.tier
+        held = self._held.setdefault(tier, {})
+        self._reported.setdefault(tier, set())
+        touched = self._touched.setdefault(tier, {})
+        for block in event.block_ids:
+            if isinstance(event, KvStored):
+                held[block] = None
+            else:
+                held.pop(block, None)
+            touched.pop(block, None)
+            touched[block] = None
+        if len(touched) > _TOUCHED_LIMIT:
+            touched.clear()
+            self._whole.add(tier)
+
+    def sync(self) -> list[KvEvent]:
+        """The events taking what was reported to what the tiers hold now."""
+        events: list[KvEvent] = []
+        for tier, held in self._held.items():
+            reported = self._reported[tier]
+            if tier in self._whole:
+                self._whole.discard(tier)
+                blocks: dict[Hashable, None] | set[Hashable] = {**held, **dict.fromkeys(reported)}
+            else:
+                blocks = self._touched[tier]
+            removed = [block for block in blocks if block in reported and block not in held]
+            stored = [block for block in blocks if block in held and block not in reported]
+            self._touched[tier] = {}
+            reported.difference_update(removed)
+            reported.update(stored)
+            if removed:
+                events.append(KvRemoved(tuple(removed), tier=tier))
+            if stored:
+                events.append(KvStored(tuple(stored), tier=tier))
+        return events
+
+    def held(self, tier: str) -> set[Hashable]:
+        """What ``tier`` holds as its events say (for tests)."""
+        return set(self._held.get(tier, ()))
+
+
 @final
 class KvReporter(KvDelivery):
     """Delivers a :class:`KvLedger`'s events to ``sink`` on the event loop, numbered
     (:class:`~operators.engines._kv_delivery.KvDelivery`): the scheduler thread calls
     :meth:`sync`, the event loop sets the sink and asks for snapshots."""
 
-    __slots__ = ("ledger",)
+    __slots__ = ("ledger", "tiers")
 
-    def __init__(self, ledger: KvLedger) -> None:
+    def __init__(self, ledger: KvLedger, tiers: TierLedger | None = None) -> None:
         super().__init__()
         self.ledger = ledger
+        #: the KV tiers' ledger (None: no tiers)
+        self.tiers = tiers
 
     def sync(self, cached: Sequence[Sequence[int]]) -> None:
         """Queue what changed in ``cached`` since the last sync, and have the event loop
         deliver it. Call it only while :attr:`sink` is set: it is what tracking costs."""
         events = self.ledger.sync(cached)
+        if self.tiers is not None:
+            events += self.tiers.sync()
         if events:
             self.push(events)

@@ -8,9 +8,12 @@ left it), easy to reason about on its own; the scheduler applies it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-__all__ = ("choose_slot",)
+if TYPE_CHECKING:
+    from ._sequence import Sequence as Choice
+
+__all__ = ("choose_slot", "compaction")
 
 #: a cached prefix at least this much longer in an occupied slot is copied, not prefilled
 #: (a copy moves the whole KV stream: a few ms, against ~3 ms per prompt token)
@@ -54,3 +57,29 @@ def _common(cached: list[int], prompt: Sequence[int], limit: int) -> int:
     while i < n and cached[i] == prompt[i]:
         i += 1
     return i
+
+
+def compaction(slots: Sequence[Choice | None], remaining: int) -> tuple[Choice, int, int] | None:
+    """``(sequence, from slot, to slot)``: the highest decoding sequence above the lowest
+    free slot, to move down into it; None when there is no such gap.
+
+    Why: llama.cpp puts only consecutive sequence ids into one micro-batch, so a free slot
+    between running ones (a sequence in the middle finished) splits every step in two
+    until a new request fills it. A move copies the sequence's cells once, a few ms; the
+    split costs a micro-batch per step for the rest of its output. Only sequences with
+    ``remaining`` tokens or more to go move, and never siblings of ``n > 1`` mid-copy.
+    """
+    free = next((slot for slot, seq in enumerate(slots) if seq is None), None)
+    if free is None:
+        return None
+    for slot in range(len(slots) - 1, free, -1):
+        seq = slots[slot]
+        if (
+            seq is not None
+            and seq.pending is not None
+            and seq.leader is None
+            and not seq.followers
+            and seq.budget - seq.generated >= remaining
+        ):
+            return seq, slot, free
+    return None

@@ -41,6 +41,7 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
+    from ._kv_cells import KvCells, KvLayout
     from ._kv_events import KvLedger
 
     Row = NDArray[np.float32]
@@ -150,6 +151,11 @@ class Runtime:
         )
         self._abort: Callable[[], bool] | None = None
         self._abort_callback = llama_cpp.ggml_abort_callback(self._should_abort)
+        # A copy between streams is queued by llama.cpp until the next decode: reading or
+        # loading a stream before that would see, or be overwritten by, stale buffers.
+        self._copies_queued = False
+        #: the layout of this model's cells, known once :meth:`kv_portable` succeeded
+        self.layout: KvLayout | None = None
 
     def _should_abort(self, _data: object) -> bool:
         abort = self._abort
@@ -200,6 +206,7 @@ class Runtime:
             if code == 2 and abort is not None:
                 raise Aborted
             raise LlamaFailure(f"llama_decode failed with code {code}")
+        self._copies_queued = False
         for feed in feeds:
             self.cached[feed.seq].extend(feed.tokens)
         return offsets
@@ -222,9 +229,72 @@ class Runtime:
         the whole stream before the next decode)."""
         if source != target:
             llama_cpp.llama_memory_seq_cp(self._memory, source, target, -1, -1)
+            self._copies_queued = True
             self.cached[target] = list(self.cached[source])
             if self.ledger is not None:
                 self.ledger.truncated(target, 0)
+
+    # ------------------------------------------------------------- KV cells as bytes
+
+    def export(self, seq: int) -> KvCells:
+        """Sequence ``seq``'s cells (``len(cached[seq])`` of them, from position 0), copied
+        out of llama.cpp (``llama_state_seq_get_data``).
+
+        Raises:
+            LlamaFailure: the sequence is empty, or llama.cpp failed.
+            KvFormatError: its state is not one :class:`KvCells` understands.
+        """
+        from ._kv_cells import KvCells
+
+        if not self.cached[seq]:
+            raise LlamaFailure(f"sequence {seq} holds no cells to export")
+        self._settle()
+        size = int(llama_cpp.llama_state_seq_get_size(self._ctx, seq))
+        buffer = bytearray(size)
+        view = (ctypes.c_uint8 * size).from_buffer(buffer)
+        written = int(llama_cpp.llama_state_seq_get_data(self._ctx, view, size, seq))
+        del view  # the bytearray may not be resized while a ctypes view exports it
+        if written != size:
+            raise LlamaFailure(f"llama.cpp copied {written} of {size} bytes of sequence {seq}")
+        cells = KvCells.from_state(buffer)
+        if cells.start != 0 or cells.count != len(self.cached[seq]):
+            raise LlamaFailure(
+                f"sequence {seq} holds cells {cells.start}..{cells.end}, "
+                f"expected 0..{len(self.cached[seq])}"
+            )
+        return cells
+
+    def load(self, seq: int, cells: KvCells, tokens: Sequence[int]) -> None:
+        """Make sequence ``seq`` hold ``cells`` (positions 0 on), the KV of ``tokens``
+        (``llama_state_seq_set_data``): whatever it held is replaced.
+
+        Raises:
+            LlamaFailure: llama.cpp refused the cells (another model's, or too many); the
+                sequence is then empty.
+        """
+        if cells.start != 0 or cells.count != len(tokens):
+            raise ValueError(f"{cells!r} are not the KV of {len(tokens)} tokens from position 0")
+        self._settle()
+        if self.ledger is not None:
+            self.ledger.truncated(seq, 0)
+        state = cells.state(self.parallel)
+        source = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        read = int(llama_cpp.llama_state_seq_set_data(self._ctx, source, len(state), seq))
+        if read != len(state):
+            llama_cpp.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self.cached[seq].clear()
+            raise LlamaFailure(f"llama.cpp could not load {cells!r} into sequence {seq}")
+        self.cached[seq] = list(tokens)
+
+    def _settle(self) -> None:
+        """Carry out copies llama.cpp queued (``copy``): a one-token decode runs its
+        update, and the token is removed again."""
+        if not self._copies_queued:
+            return
+        seq = next(s for s in range(self.parallel) if len(self.cached[s]) < self.n_ctx)
+        length = len(self.cached[seq])
+        self.decode([Feed(seq, [0], 0)])
+        self._remove(seq, length)
 
     def clear(self) -> None:
         """Forget every sequence."""
@@ -249,6 +319,32 @@ class Runtime:
     def _fill(self, seq: int, tokens: Sequence[int]) -> None:
         for start in range(0, len(tokens), self.n_batch):
             self.decode([Feed(seq, tokens[start : start + self.n_batch], 0)])
+
+    def kv_portable(self) -> bool:
+        """Whether a sequence's cells survive an export and a load exactly: the logits after
+        a loaded copy are the same bits as after the original (checked on a 24-token
+        probe; clears the cache). Only then does the engine move KV between slots, tiers
+        and workers."""
+        from ._kv_cells import KvFormatError
+
+        probe = [(13 * i + 200) % self.n_vocab for i in range(24)]
+        self.clear()
+        try:
+            self._fill(0, probe[:-1])
+            cells = self.export(0)
+            self.decode([Feed(0, probe[-1:], 1)])
+            original = self.row(0).copy()
+            target = 1 if self.parallel > 1 else 0
+            self.load(target, cells, probe[:-1])
+            self.decode([Feed(target, probe[-1:], 1)])
+            portable = bool(np.array_equal(original, self.row(0)))
+            if portable:
+                self.layout = cells.layout
+            return portable
+        except (KvFormatError, LlamaFailure):
+            return False
+        finally:
+            self.clear()
 
     def batch_invariant(self) -> bool:
         """Whether a token's logits are the same bits alone, at the end of a burst of its

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Final, Protocol, final
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 from operators.contracts.llm import PreprocessedRequest, TopLogprobs
 
@@ -90,6 +90,44 @@ class Sampler:
 
     def accept(self, token: int) -> None:
         self._counts[token] += 1
+
+    def rng_state(self) -> dict[str, Any] | None:
+        """The random generator's state, in JSON and msgpack types (its 128-bit numbers
+        as hex strings), for another worker to continue the same draws; None when
+        greedy."""
+        if self.greedy or self._rng is None:
+            return None
+        state = self._rng.bit_generator.state
+        if state.get("bit_generator") != "PCG64":
+            return None
+        inner = state["state"]
+        return {
+            "bit_generator": "PCG64",
+            "state": f"{inner['state']:x}",
+            "inc": f"{inner['inc']:x}",
+            "has_uint32": int(state["has_uint32"]),
+            "uinteger": int(state["uinteger"]),
+        }
+
+    def set_rng_state(self, state: dict[str, Any]) -> None:
+        """Continue the draws of the generator whose :meth:`rng_state` this is.
+
+        Raises:
+            ValueError: not such a state.
+        """
+        if self.greedy:
+            return
+        try:
+            bit_generator = np.random.PCG64()
+            bit_generator.state = {
+                "bit_generator": "PCG64",
+                "state": {"state": int(state["state"], 16), "inc": int(state["inc"], 16)},
+                "has_uint32": int(state["has_uint32"]),
+                "uinteger": int(state["uinteger"]),
+            }
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a random generator state: {exc!r}") from None
+        self._rng = np.random.Generator(bit_generator)
 
     def choose(
         self, row: Row, suppressed: NDArray[np.intp] | None, matcher: Allowed | None = None

@@ -27,6 +27,13 @@ Why chunked prefill: a step costs about its token count on a CPU, so a long prom
 one step would freeze every running sequence for its whole prefill. With a budget per step,
 running sequences get a token every step and the prompt advances by what is left.
 
+KV that moves (``_kv_moves``): with tiers, a slot's blocks are saved before its cells are
+overwritten and a new prompt's blocks restored from them when placed; a request that
+continues a prefill worker's first token is placed, then waits (its slot reserved) while
+its task pulls the cells the slot lacks, and joins the prefilling sequences when they have
+arrived (or failed to: then its prompt is prefilled here). On a prefill worker, a
+sequence's cells are exported for a decode worker when its one token is out (``issuer``).
+
 Why a sequence may run at most two outputs ahead of its consumer: the engine stays nearly
 pull-driven (a slow client does not make the engine generate its whole answer into a
 buffer, and a closed stream wastes at most two tokens), yet a consumer that keeps up never
@@ -39,7 +46,8 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Final, final
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final, final
 
 from operators.contracts.llm import EngineOutput
 from operators.engines.ngram import NgramSpeculation
@@ -47,10 +55,19 @@ from pipeline import EngineError
 
 from ._job import Job
 from ._kv_events import KvReporter
-from ._placement import choose_slot
+from ._kv_moves import KvMover
+from ._pacing import Pacer
+from ._placement import choose_slot, compaction
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
 from ._sequence import Sequence
 from ._steps import Counters, LlamaStep
+
+if TYPE_CHECKING:
+    from ._kv_cells import KvCells
+
+#: what a prefill worker's scheduler calls when a sequence's one token is out: the
+#: transfer handle of its cells, for that output's ``prefill_result``
+Issuer = Callable[[Job, Sequence, int], dict[str, Any]]
 
 __all__ = ("Scheduler",)
 
@@ -58,6 +75,13 @@ logger = logging.getLogger("operators.engines.llama")
 
 #: steps kept for :meth:`Scheduler.recent_steps`
 _HISTORY: Final = 1024
+#: a burst of prompts is gathered while they come within this many seconds of each other,
+#: for at most the second
+_GATHER: Final = 0.004
+_GATHER_MAX: Final = 0.02
+#: a decoding sequence is moved down into a free slot only if it has at least this many
+#: tokens to go: the split batches it would cause must cost more than the move
+_COMPACT_REMAINING: Final = 8
 
 
 @final
@@ -76,8 +100,12 @@ class Scheduler:
         step_tokens: int,
         speculation: NgramSpeculation | None,
         kv: KvReporter | None = None,
+        check_kv: bool = False,
+        step_ms: float = 0.0,
     ) -> None:
         self._runtime = runtime
+        self._check_kv = check_kv
+        self._pacer = Pacer(step_ms)
         self._kv = kv
         self._step_tokens = step_tokens
         self._speculation = speculation
@@ -92,8 +120,17 @@ class Scheduler:
         self._steps: deque[LlamaStep] = deque(maxlen=_HISTORY)
         self._unrung: dict[Job, None] = {}  # jobs with outputs their task was not told of
         self.counters = Counters(runtime.parallel)
+        #: moves KV between slots, tiers and workers (None: it never moves)
+        self.mover: KvMover | None = None
+        #: issues a prefill worker's transfer handles (None: not a prefill worker)
+        self.issuer: Issuer | None = None
+        self._awaiting: dict[Job, Sequence] = {}  # placed, waiting for pulled cells
+        self._arrivals: deque[tuple[Job, KvCells | None]] = deque()
         self._probed = threading.Event()
         self._probe: bool | Exception = False
+        self._gathered = False  # this burst's prompts were gathered already
+        #: whether KV cells survive an export and a load (checked when asked at start)
+        self.kv_portable = False
         self._thread = threading.Thread(target=self._run, name="llama-scheduler", daemon=True)
         self._thread.start()
 
@@ -113,6 +150,11 @@ class Scheduler:
         return self._probe
 
     # ------------------------------------------------------------ from request tasks
+
+    def arrive(self, job: Job, cells: KvCells | None) -> None:
+        """The cells ``job`` pulled (None: the pull failed, prefill instead)."""
+        self._arrivals.append((job, cells))
+        self._wake.set()
 
     def submit(self, job: Job) -> None:
         """Queue ``job`` (its request already holds ``job.width`` free slots).
@@ -160,6 +202,8 @@ class Scheduler:
         message = "the llama engine is closed"
         try:
             self._probe = self._runtime.batch_invariant()
+            if self._check_kv:
+                self.kv_portable = self._runtime.kv_portable()
         except LlamaFailure as exc:
             self._probe = exc
             self._stopping = True
@@ -171,6 +215,8 @@ class Scheduler:
                 self._receive()
                 self._retire()
                 self._admit()
+                self._gather()
+                self._compact()
                 stepped = self._step()
                 self._report_kv()
                 if not stepped:
@@ -189,6 +235,7 @@ class Scheduler:
             self._jobs.clear()
             self._slots = [None] * len(self._slots)
             self._prefilling.clear()
+            self._awaiting.clear()
 
     def _receive(self) -> None:
         runtime = self._runtime
@@ -203,7 +250,25 @@ class Scheduler:
                 for i in range(job.n)
             )
             counters.requests += 1
-            counters.prompt += len(job.request.token_ids)
+            counters.prompt += len(job.request.token_ids) - job.resumed
+        while self._arrivals:
+            job, cells = self._arrivals.popleft()
+            self._arrived(job, cells)
+
+    def _arrived(self, job: Job, cells: KvCells | None) -> None:
+        """``job``'s pulled cells are in (or not): load them, then prefill what is left."""
+        seq = self._awaiting.pop(job, None)
+        if seq is None or seq.slot is None:
+            return  # retired meanwhile
+        if cells is not None and self.mover is not None:
+            try:
+                self.mover.receive(seq.slot, cells, seq.prompt[: seq.prompt_end])
+            except (LlamaFailure, ValueError) as exc:
+                logger.warning("transferred KV cells not loaded: %s", exc)
+                cells = None
+        if cells is None:
+            self.counters.recomputed += 1
+        self._prefilling.append(seq)
 
     def _retire(self) -> None:
         """Cancelled jobs and stopped requests leave their slots."""
@@ -240,18 +305,40 @@ class Scheduler:
 
     def _place(self, seq: Sequence, free: list[int]) -> None:
         """Put ``seq`` in the slot :func:`~._placement.choose_slot` picks, copying a donor's
-        prefix there first if it picked one."""
+        prefix there first if it picked one; with tiers, saving what the slot loses and
+        restoring what they hold of the prompt; for a continuation, asking for the cells
+        still missing."""
         runtime = self._runtime
+        mover = self.mover
+        job = seq.job
         slot, reused, donor = choose_slot(runtime.cached, self._slots, free, seq.prompt)
+        if mover is not None:
+            mover.save(slot, 0 if donor >= 0 else reused)
         if donor >= 0:
-            runtime.copy(donor, slot)
+            # With a mover, copied at once: no copy queued under a load to come.
+            if mover is None or not mover.transplant(donor, slot, reused):
+                runtime.copy(donor, slot)
         runtime.keep(slot, reused)
+        if mover is not None:
+            reused += mover.restore(slot, seq.prompt, len(seq.prompt) - 1)
         seq.slot = slot
         self._slots[slot] = seq
-        self._prefilling.append(seq)
         self.counters.cached += reused
-        if seq.index == 0:  # the request's cache hit (its siblings copy choice 0's prompt)
-            seq.cached = reused
+        if seq.index == 0 and not job.resumed:  # the request's cache hit (its siblings
+            seq.cached = reused  # copy choice 0's prompt; a continuation's is reported)
+        if job.resumed and seq.index == 0:
+            have = len(runtime.cached[slot])
+            if job.transfer is None:
+                self.counters.recomputed += 1
+            elif have < seq.prompt_end:
+                job.pull_from = have
+                self._awaiting[job] = seq
+                self._unrung[job] = None
+                return
+            else:  # the slot holds the whole prompt already
+                job.release_transfer = True
+                self._unrung[job] = None
+        self._prefilling.append(seq)
 
     def _vacate(self, seq: Sequence) -> None:
         """Free ``seq``'s slot. Its cells stay, as a prefix cache for the next sequence."""
@@ -260,26 +347,71 @@ class Scheduler:
         seq.slot = None
         if seq in self._prefilling:
             self._prefilling.remove(seq)
+        if self._awaiting.get(seq.job) is seq:
+            del self._awaiting[seq.job]
+
+    def _gather(self) -> None:
+        """Before the first step of a burst that only prefills, wait a moment for more
+        prompts (at most 20 ms, while they keep coming within 4 ms of each other).
+
+        Why: requests that arrive together (a closed loop's clients, whose previous answers
+        ended in one step) are then prefilled in one step and answer in step; admitted a
+        few ms apart, each later prompt's prefill would stall the answers already started,
+        once per request, for as long as a prompt takes.
+        """
+        slots = self._slots
+        if any(seq is not None and seq.pending is not None for seq in slots):
+            self._gathered = False  # a new burst may come once these are done
+            return
+        if self._gathered or not self._prefilling or None not in slots:
+            return
+        self._gathered = True
+        deadline = time.perf_counter() + _GATHER_MAX
+        while time.perf_counter() < deadline:
+            self._wake.clear()
+            if not self._wake.wait(_GATHER) or self._stopping:
+                return
+            self._receive()
+            self._retire()
+            self._admit()
+            if None not in slots:
+                return
+
+    def _compact(self) -> None:
+        """Move decoding sequences down into the free slots below them (see
+        :func:`~._placement.compaction`)."""
+        runtime = self._runtime
+        while (move := compaction(self._slots, _COMPACT_REMAINING)) is not None:
+            seq, source, target = move
+            length = len(runtime.cached[source])
+            if self.mover is None or not self.mover.transplant(source, target, length):
+                runtime.copy(source, target)
+            self._slots[source], self._slots[target] = None, seq
+            seq.slot = target
+            self.counters.compactions += 1
 
     def _step(self) -> bool:
         """Plan and run one step; False when there is nothing to do."""
         runtime = self._runtime
         cached = runtime.cached
-        budget = self._step_tokens
         decoding = [
             seq
             for seq in self._slots
             if seq is not None and seq.pending is not None and seq.behind <= 1
         ]  # in slot order; a sequence whose consumer is two outputs behind waits
-        budget -= len(decoding)
+        # While nobody waits for a token, a step takes as much prompt as the batch holds.
+        waiting = any(seq is not None and seq.pending is not None for seq in self._slots)
+        budget = (self._step_tokens if waiting else runtime.n_batch) - len(decoding)
+        prompt_budget = self._pacer.prefill_budget(len(decoding), budget)
         chunks: list[tuple[Sequence, int]] = []
         for seq in self._prefilling:
-            if budget <= 0:
+            if prompt_budget <= 0:
                 break
             assert seq.slot is not None
-            size = min(len(seq.prompt) - len(cached[seq.slot]), budget)
+            size = min(len(seq.prompt) - len(cached[seq.slot]), prompt_budget)
             chunks.append((seq, size))
             budget -= size
+            prompt_budget -= size
         if not decoding and not chunks:
             return False
         work: list[tuple[Sequence, Feed]] = []
@@ -297,14 +429,22 @@ class Scheduler:
             end = start + size
             work.append((seq, Feed(seq.slot, seq.prompt[start:end], int(end == len(seq.prompt)))))
         work.sort(key=lambda item: item[1].seq)
+        # A continuation's last "prompt" token is the prefill worker's output: decoded here.
+        prompt_tokens = sum(
+            max(0, min(size, seq.prompt_end - len(cached[seq.slot])))
+            for seq, size in chunks
+            if seq.slot is not None
+        )
         record = LlamaStep(
             decoded=tuple(seq.slot for seq in decoding if seq.slot is not None),
             drafted=tuple(
                 feed.seq for seq, feed in work if seq.pending is not None and feed.logits > 1
             ),
-            decode_tokens=sum(len(feed.tokens) for seq, feed in work if seq.pending is not None),
+            decode_tokens=sum(len(feed.tokens) for seq, feed in work if seq.pending is not None)
+            + sum(size for _, size in chunks)
+            - prompt_tokens,
             prefilled=tuple(seq.slot for seq, _ in chunks if seq.slot is not None),
-            prefill_tokens=sum(size for _, size in chunks),
+            prefill_tokens=prompt_tokens,
             seconds=0.0,
         )
         stoppable = [seq.job for seq, _ in chunks]
@@ -348,6 +488,7 @@ class Scheduler:
         self._unrung.clear()
 
     def _record(self, step: LlamaStep) -> None:
+        self._pacer.record(step)
         counters = self.counters
         counters.steps += 1
         counters.decode += step.decode_tokens
@@ -392,6 +533,9 @@ class Scheduler:
 
     def _deliver(self, seq: Sequence, output: EngineOutput) -> None:
         job = seq.job
+        issuer = self.issuer
+        if issuer is not None and output.finish_reason == "length" and job.n == 1:
+            output.prefill_result = issuer(job, seq, output.token_ids[-1])
         seq.produced += 1
         self.counters.generated += len(output.token_ids)
         job.push(output)

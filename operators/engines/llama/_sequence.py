@@ -8,7 +8,7 @@ rows of logits and keeps its KV cells; the sequence turns rows into an
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Any, final
 
 from operators.contracts.llm import EngineOutput, FinishReason, TopLogprobs
 from operators.engines.ngram import NgramSpeculation
@@ -57,6 +57,7 @@ class Sequence:
         "pending",
         "produced",
         "prompt",
+        "prompt_end",
         "slot",
     )
 
@@ -78,6 +79,11 @@ class Sequence:
         self._logprobs = request.output.logprobs
         self._min_tokens = stop.min_tokens
         self._sampler = Sampler(request, choice_generator(request.sampling.seed, index))
+        if index == 0 and job.rng_state is not None:  # continuing a prefill worker's draws
+            self._sampler.set_rng_state(job.rng_state)
+        #: where the prompt ends: positions from here on are output continued after a
+        #: prefill worker's first token, fed like decode tokens
+        self.prompt_end = len(self.prompt) - job.resumed
         #: the constraint's state for this choice: advanced by every emitted token only
         self._matcher: Matcher | None = None if job.matchers is None else job.matchers[index]
         eos = () if stop.ignore_eos else eog.union(stop.eos_token_ids)
@@ -98,6 +104,10 @@ class Sequence:
         #: prompt tokens found in the slot's cells when placed, reported on the first
         #: output (then None)
         self.cached: int | None = None
+
+    def rng_state(self) -> dict[str, Any] | None:
+        """The random generator's state now (see :meth:`Sampler.rng_state`)."""
+        return self._sampler.rng_state()
 
     @property
     def behind(self) -> int:

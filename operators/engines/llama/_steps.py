@@ -42,13 +42,20 @@ class Counters:
         "accepted",
         "batch_sizes",
         "cached",
+        "compactions",
         "decode",
         "generated",
         "prefill",
         "prompt",
         "proposed",
+        "recomputed",
         "requests",
+        "restored",
+        "saved",
         "steps",
+        "tier_hits",
+        "transferred_bytes",
+        "transferred_tokens",
     )
 
     def __init__(self, parallel: int) -> None:
@@ -61,5 +68,16 @@ class Counters:
         self.prefill = 0
         self.cached = 0
         self.decode = 0
+        #: running sequences moved down into a free slot (see ``Scheduler._compact``)
+        self.compactions = 0
         #: steps by batch size (index: sequences in the step)
         self.batch_sizes = [0] * (parallel + 1)
+        #: KV blocks saved to the top tier, by tier; blocks and tokens restored, by tier
+        self.saved: dict[str, int] = {}
+        self.tier_hits: dict[str, int] = {}
+        self.restored: dict[str, int] = {}
+        #: prompt cells pulled from prefill workers, and their bytes
+        self.transferred_tokens = 0
+        self.transferred_bytes = 0
+        #: handles whose cells could not be pulled: their prompts were prefilled here
+        self.recomputed = 0

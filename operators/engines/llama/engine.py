@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple, final
+from typing import TYPE_CHECKING, ClassVar, Final, final
 
 import anyio
 from anyio.lowlevel import checkpoint
@@ -25,12 +25,15 @@ from pipeline import EngineError, InvalidRequest
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
+from ._disagg import DEFAULT_TRANSFER_TIMEOUT, Disaggregation, Role
 from ._embed import Embeddings
 from ._job import Job
-from ._kv_events import KvLedger, KvReporter
+from ._kv_events import KvLedger, KvReporter, TierLedger
+from ._kv_moves import KvMover, build_tiers
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._slots import Slots
+from ._statistics import LlamaStatistics, statistics
 from ._steps import LlamaStep
 from ._validation import token_budget
 
@@ -43,13 +46,15 @@ else:
     _IMPORT_ERROR = None
 
 if TYPE_CHECKING:
-    from pipeline import Context, KvEventSink, KvSnapshot, Stream
+    from pipeline import Context, KvEventSink, KvSnapshot, KvTier, Stream
     from pipeline.tracing import Span
 
 __all__ = (
     "DEFAULT_PARALLEL",
+    "DEFAULT_STEP_MS",
     "DEFAULT_STEP_TOKENS",
     "EMBED_MAX_TOKENS",
+    "IDLE_STEP_TOKENS",
     "LlamaEngine",
     "LlamaStatistics",
 )
@@ -64,35 +69,13 @@ DEFAULT_STEP_TOKENS: Final = 128
 #: the most tokens one input to :meth:`LlamaEngine.embed` may hold (at most n_ctx): the
 #: embedding context keeps four inputs' KV streams of this size
 EMBED_MAX_TOKENS: Final = 512
-
-
-class LlamaStatistics(NamedTuple):
-    """Counters and gauges of a :class:`LlamaEngine` (counters since it was created)."""
-
-    #: requests that reached the scheduler (rejected ones are not counted)
-    requests: int
-    #: prompt tokens of those requests (once per request, also for n > 1)
-    prompt_tokens: int
-    #: tokens generated, over all choices
-    generated_tokens: int
-    #: draft tokens proposed by speculation and verified
-    speculative_proposed: int
-    #: draft tokens that matched the model's choice
-    speculative_accepted: int
-    #: sequences (choices) in a slot now
-    running_sequences: int = 0
-    #: sequences waiting for a slot now
-    waiting_sequences: int = 0
-    #: steps run (llama_decode calls)
-    steps: int = 0
-    #: prompt tokens evaluated (those not found in the cache)
-    prefill_tokens: int = 0
-    #: prompt tokens found in the cache (a slot's own, copied from another, or a sibling's)
-    cached_prompt_tokens: int = 0
-    #: tokens fed for decoding: one per sequence and step, plus speculative drafts
-    decode_tokens: int = 0
-    #: steps by batch size: ``batch_sizes[k]`` steps held k sequences
-    batch_sizes: tuple[int, ...] = ()
+#: milliseconds a step beside decoding sequences should take, by default (prompt chunks are
+#: sized to it): on two cores about three decode steps, so a new prompt delays the running
+#: answers by tens of ms per token instead of a 128-token chunk's ~0.4 s
+DEFAULT_STEP_MS: Final = 60.0
+#: tokens a step may evaluate while no sequence waits for its next token (prompts that
+#: arrive together are prefilled together, and their answers then run in step)
+IDLE_STEP_TOKENS: Final = 512
 
 
 def _default_threads() -> int:
@@ -126,11 +109,33 @@ class LlamaEngine:
         n_threads: CPU threads for llama.cpp (default: every CPU this process may use).
         parallel: sequences decoded together (slots); more requests wait for a slot, in
             arrival order.
-        step_tokens: most tokens one step evaluates: a token of every decoding sequence,
-            then chunks of pending prompts, then drafts. At least ``parallel`` and 16.
+        step_tokens: most tokens one step evaluates while sequences decode: a token of
+            every decoding sequence, then chunks of pending prompts, then drafts. At least
+            ``parallel`` and 16. While none decodes, a step takes up to 512 prompt tokens.
+        step_ms: while sequences decode, size prompt chunks so that a step takes about
+            this long (learnt from the steps run; 0: by ``step_tokens`` alone): bounds
+            the inter-token latency a new prompt causes the running sequences
+            (docs/llama.md, "Concurrency").
         speculative: prompt-lookup speculative decoding for greedy requests.
         block_size: tokens per KV block in the KV events (the KV router's block size).
         kv_events: receives the KV events of the slots' cells; see :attr:`kv_events`.
+        role: ``"aggregated"`` serves everything; ``"prefill"`` answers one token with a
+            transfer handle and keeps the prompt's KV for a decode worker to pull;
+            ``"decode"`` (and ``"aggregated"``) continue a request carrying a handle from
+            the pulled KV (docs/llama.md, "Disaggregated serving").
+        worker_id: this worker's name in the handles it issues.
+        transfer_secret: the key handles are signed and transfers authenticated with;
+            prefill and decode workers must share it (None: a secret of this process).
+        transfer_host: the address a prefill worker serves its KV on (port: any free).
+        transfer_timeout: how long a decode worker waits for KV before prefilling itself.
+        kv_tiers: where KV blocks go when their slot is overwritten, the first tier
+            first (:mod:`pipeline.kv_tier`); a new prompt's blocks found there are
+            restored instead of prefilled.
+        kv_host_cache_mb: a :class:`~pipeline.MemoryKvTier` of this many MiB in front of
+            ``kv_tiers`` (0: none).
+        kv_disk_cache: a directory for a :class:`~pipeline.DiskKvTier` of
+            ``kv_disk_cache_mb`` MiB below the host tier (its blocks are kept apart per
+            model and layout).
 
     Structured output: a request's ``constraint`` (``response_format``, a required tool
     call) is honoured by masking each choice's logits with llguidance (docs/llama.md,
@@ -156,9 +161,19 @@ class LlamaEngine:
         n_threads: int | None = None,
         parallel: int = DEFAULT_PARALLEL,
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        step_ms: float = DEFAULT_STEP_MS,
         speculative: NgramSpeculation | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         kv_events: KvEventSink | None = None,
+        role: Role = "aggregated",
+        worker_id: str = "llama",
+        transfer_secret: bytes | None = None,
+        transfer_host: str = "127.0.0.1",
+        transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT,
+        kv_tiers: Sequence[KvTier] = (),
+        kv_host_cache_mb: int = 0,
+        kv_disk_cache: str | Path | None = None,
+        kv_disk_cache_mb: int = 1024,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise ImportError(
@@ -171,6 +186,8 @@ class LlamaEngine:
             ) from _GRAMMAR_IMPORT_ERROR
         if n_ctx < 16:
             raise ValueError(f"n_ctx must be >= 16, got {n_ctx}")
+        if not step_ms >= 0:
+            raise ValueError(f"step_ms must be >= 0, got {step_ms}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         most = int(llama_cpp.llama_max_parallel_sequences())
@@ -181,6 +198,15 @@ class LlamaEngine:
                 f"step_tokens must be >= parallel ({parallel}) and >= 16, got {step_tokens}: "
                 "every step carries a token of each running sequence"
             )
+        if kv_host_cache_mb < 0 or kv_disk_cache_mb < 0:
+            raise ValueError("kv_host_cache_mb and kv_disk_cache_mb must be >= 0")
+        disagg = Disaggregation(
+            role,
+            worker_id=worker_id,
+            secret=transfer_secret,
+            host=transfer_host,
+            timeout=transfer_timeout,
+        )  # validates the role and the timeout
         kv = KvReporter(KvLedger(parallel, block_size))  # validates block_size
         path = _find_default_model() if model_path is None else Path(model_path)
         if not path.is_file():
@@ -191,7 +217,11 @@ class LlamaEngine:
         self._step_tokens = step_tokens
         self._n_threads = n_threads or _default_threads()
         runtime = Runtime(
-            path, n_ctx=n_ctx, n_threads=self._n_threads, parallel=parallel, n_batch=step_tokens
+            path,
+            n_ctx=n_ctx,
+            n_threads=self._n_threads,
+            parallel=parallel,
+            n_batch=max(step_tokens, IDLE_STEP_TOKENS),
         )
         self._runtime: Runtime | None = runtime
         runtime.ledger = kv.ledger
@@ -201,9 +231,16 @@ class LlamaEngine:
         self._n_vocab = runtime.n_vocab
         self._eos = runtime.eog
         self._grammars = Grammars(runtime)
-        # Every decode runs in the scheduler's thread, the probe included (see there).
+        moving = role != "aggregated" or bool(kv_tiers) or bool(kv_host_cache_mb)
+        moving = moving or kv_disk_cache is not None
+        # Every decode runs in the scheduler's thread, the probes included (see there).
         self._scheduler = Scheduler(
-            runtime, step_tokens=step_tokens, speculation=speculative, kv=kv
+            runtime,
+            step_tokens=step_tokens,
+            speculation=speculative,
+            kv=kv,
+            check_kv=moving,
+            step_ms=step_ms,
         )
         try:
             self._batch_invariant = self._scheduler.batch_invariant()
@@ -211,6 +248,34 @@ class LlamaEngine:
             self._scheduler.stop()
             runtime.close()
             raise
+        layout = runtime.layout if self._scheduler.kv_portable else None
+        if moving and layout is None:
+            logger.warning(
+                "this model's KV cells cannot be exported and loaded exactly: no KV tiers, "
+                "and disaggregated requests are prefilled again on the decode worker"
+            )
+        self._tiers: list[KvTier] = []
+        if layout is not None:
+            self._tiers = build_tiers(
+                kv_tiers,
+                kv_host_cache_mb,
+                kv_disk_cache,
+                kv_disk_cache_mb,
+                path,
+                layout,
+                block_size,
+            )
+            kv.tiers = TierLedger(self._tiers)
+            self._scheduler.mover = KvMover(
+                runtime,
+                self._tiers,
+                block_size=block_size,
+                layout=layout,
+                counters=self._scheduler.counters,
+            )
+        self._disagg = disagg
+        disagg.start(layout)
+        self._scheduler.issuer = disagg.issuer(runtime)
         if not self._batch_invariant:
             logger.warning(
                 "this llama.cpp build computes a token's logits differently depending on the "
@@ -224,12 +289,14 @@ class LlamaEngine:
         self._embeddings: Embeddings | None = None  # created by the first embed()
         self._embedding = anyio.Lock()
         logger.info(
-            "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d)",
+            "loaded %s (n_ctx=%d per sequence, parallel=%d, step_tokens=%d, threads=%d, role=%s%s)",
             path.name,
             self._n_ctx,
             parallel,
             step_tokens,
             self._n_threads,
+            role,
+            "".join(f", {tier!r}" for tier in self._tiers),
         )
 
     # ------------------------------------------------------------------------ properties
@@ -274,6 +341,22 @@ class LlamaEngine:
         return self._speculation
 
     @property
+    def role(self) -> Role:
+        """What this worker does: ``"aggregated"``, ``"prefill"`` or ``"decode"``."""
+        return self._disagg.role
+
+    @property
+    def transfer_address(self) -> str | None:
+        """Where a prefill worker serves its KV (``host:port``); None for other roles."""
+        server = self._disagg.server
+        return None if server is None else server.address
+
+    @property
+    def kv_tiers(self) -> list[KvTier]:
+        """The KV tiers below the slots, the first first (empty: none)."""
+        return list(self._tiers)
+
+    @property
     def block_size(self) -> int:
         """Tokens per block in the KV events."""
         return self._kv.ledger.block_size
@@ -297,22 +380,7 @@ class LlamaEngine:
 
     def statistics(self) -> LlamaStatistics:
         """Counters since the engine was created, and the current load."""
-        scheduler = self._scheduler
-        counters = scheduler.counters
-        return LlamaStatistics(
-            requests=counters.requests,
-            prompt_tokens=counters.prompt,
-            generated_tokens=counters.generated,
-            speculative_proposed=counters.proposed,
-            speculative_accepted=counters.accepted,
-            running_sequences=scheduler.running,
-            waiting_sequences=self._slots.waiting + scheduler.queued,
-            steps=counters.steps,
-            prefill_tokens=counters.prefill,
-            cached_prompt_tokens=counters.cached,
-            decode_tokens=counters.decode,
-            batch_sizes=tuple(counters.batch_sizes),
-        )
+        return statistics(self._scheduler, self._slots.waiting, self._disagg.pull_seconds)
 
     def recent_steps(self) -> list[LlamaStep]:
         """What the last steps did, oldest first (at most 1024 are kept)."""
@@ -337,8 +405,14 @@ class LlamaEngine:
                 be compiled (the message says why).
             EngineError: llama.cpp failed, or the engine is closed.
         """
-        request = ctx.data
+        disagg = self._disagg
+        request, handle = disagg.continuation(ctx)
+        if handle is not None and ctx.is_stopped:
+            await disagg.release(handle)  # stopped before it reached us: nothing to decode
+            return
         budget = token_budget(request, ctx.id, n_ctx=self._n_ctx, n_vocab=self._n_vocab)
+        if disagg.role == "prefill":
+            budget = min(budget, 1)
         if self._closing:
             raise EngineError("the llama engine is closed", request_id=ctx.id)
         matchers = None
@@ -351,6 +425,8 @@ class LlamaEngine:
                 raise EngineError("the llama engine is closed", request_id=ctx.id) from exc
         n = max(request.n, 1)
         if budget == 0:
+            if handle is not None:
+                await disagg.release(handle)
             for index in range(n):
                 yield EngineOutput([], None, None, "length", index)
             return
@@ -365,11 +441,28 @@ class LlamaEngine:
         try:
             if ctx.is_stopped:
                 return
-            job = Job(ctx, budget=budget, width=width, matchers=matchers)
+            transfer = handle if handle is not None and disagg.pullable(handle) else None
+            job = Job(
+                ctx,
+                budget=budget,
+                width=width,
+                matchers=matchers,
+                request=request,
+                resumed=handle is not None,
+                transfer=transfer,
+                rng_state=None if handle is None else handle.rng,
+            )
             try:
                 scheduler.submit(job)
                 waited = True
                 while True:
+                    if transfer is not None and job.pull_from is not None:
+                        start, job.pull_from = job.pull_from, None
+                        scheduler.arrive(job, await disagg.pull(transfer, start))
+                        continue
+                    if transfer is not None and job.release_transfer:
+                        job.release_transfer = False
+                        await disagg.release(transfer)
                     if not waited:
                         await checkpoint()  # outputs may be ready at once: let a kill in
                     output = job.take()
@@ -456,6 +549,7 @@ class LlamaEngine:
             embeddings.close()
         runtime, self._runtime = self._runtime, None
         if runtime is not None:
+            self._disagg.close()
             self._scheduler.stop()
             runtime.close()
 
@@ -468,7 +562,11 @@ class LlamaEngine:
     def __repr__(self) -> str:
         state = "closed" if self._runtime is None else f"n_ctx={self._n_ctx}"
         speculative = f", speculative={self._speculation}" if self._speculation else ""
-        return f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{speculative})"
+        role = "" if self.role == "aggregated" else f", role={self.role!r}"
+        return (
+            f"LlamaEngine({self._path.name!r}, {state}, parallel={self._parallel}{role}"
+            f"{speculative})"
+        )
 
 
 def _trace_steps(span: Span, timeline: list[tuple[str, int, dict[str, int]]], outputs: int) -> None:
