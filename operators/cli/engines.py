@@ -140,6 +140,7 @@ async def load_llama(
             kv_host_cache_mb=config.kv_host_cache_mb,
             kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
             kv_disk_cache_mb=config.kv_disk_cache_mb,
+            loras={name: str(path) for name, path in config.lora},
         )
     )
 
