@@ -333,7 +333,6 @@ class Scheduler:
                 continue
             for slot, owner in enumerate(self._owners):
                 if owner is adapter and self._slots[slot] is None:
-                    self._runtime.keep(slot, 0)
                     self._own(slot, None)
             self._runtime.free_adapter(adapter.handle)
             adapter.freed = True
@@ -341,7 +340,10 @@ class Scheduler:
             self._retiring.remove(adapter)
 
     def _own(self, slot: int, adapter: Adapter | None) -> None:
-        """Slot ``slot``'s cells are (to be) computed under ``adapter``."""
+        """Slot ``slot``'s cells are (to be) computed under ``adapter``: another adapter's
+        are cut first."""
+        if self._owners[slot] is not adapter:
+            self._runtime.keep(slot, 0)
         self._owners[slot] = adapter
         ledger = self._runtime.ledger
         if ledger is not None:
@@ -390,17 +392,20 @@ class Scheduler:
         mover = self.mover
         job = seq.job
         adapter, owners = job.adapter, self._owners
-        # only cells computed under the same adapter are a prefix of this prompt
+        # only cells computed under the same adapter are a prefix of this prompt; on a tie,
+        # a slot of its own adapter's or an empty one goes before one whose cells another
+        # adapter could still reuse
         cached = [cells if owners[s] is adapter else () for s, cells in enumerate(runtime.cached)]
+        free = sorted(free, key=lambda s: owners[s] is not adapter and bool(runtime.cached[s]))
         slot, reused, donor = choose_slot(cached, self._slots, free, seq.prompt)
         if mover is not None and owners[slot] is None:  # the tiers keep base-model blocks
             mover.save(slot, 0 if donor >= 0 else reused)
+        self._own(slot, adapter)
         if donor >= 0:
             # With a mover, copied at once: no copy queued under a load to come.
             if mover is None or not mover.transplant(donor, slot, reused):
                 runtime.copy(donor, slot)
         runtime.keep(slot, reused)
-        self._own(slot, adapter)
         if mover is not None and adapter is None:
             reused += mover.restore(slot, seq.prompt, len(seq.prompt) - 1)
         seq.slot = slot
@@ -466,10 +471,10 @@ class Scheduler:
         while (move := compaction(self._slots, _COMPACT_REMAINING)) is not None:
             seq, source, target = move
             length = len(runtime.cached[source])
+            self._own(target, self._owners[source])
             if self.mover is None or not self.mover.transplant(source, target, length):
                 runtime.copy(source, target)
             self._slots[source], self._slots[target] = None, seq
-            self._own(target, self._owners[source])
             seq.slot = target
             self.counters.compactions += 1
 
