@@ -59,7 +59,7 @@ from .ui import WorkerGroups, attach_ui
 if TYPE_CHECKING:
     from pipeline import Engine, Operator, WorkerSet
 
-    from .contracts.llm import Embedder, EngineOutput, PreprocessedRequest
+    from .contracts.llm import Embedder, EngineOutput, LoraEngine, PreprocessedRequest
     from .edges.http.routes import Edge
     from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
@@ -77,7 +77,9 @@ class ModelSpec:
     ``chat_template``, ``tool_call_parser``, ``max_model_len``...), over the ones
     ``build_app`` was given for every model; ``before`` inserts operators into its graph
     only; ``embedder`` serves its ``/v1/embeddings`` (default: the engine, if it embeds);
-    ``root`` is where it was loaded from (its model card's ``root``).
+    ``root`` is where it was loaded from (its model card's ``root``); ``lora`` loads and
+    unloads its adapters (default: the engine, if it declares ``LORA``; for several
+    in-process workers, :class:`~operators.contracts.adapters.EveryWorker`).
     """
 
     engine: Engine[PreprocessedRequest, EngineOutput]
@@ -86,6 +88,7 @@ class ModelSpec:
     before: _Before | None = None
     embedder: Embedder | None = None
     root: str | None = None
+    lora: LoraEngine | None = None
 
 
 ModelEntry = ModelSpec | tuple["Engine[PreprocessedRequest, EngineOutput]", "Tokenizer"]
@@ -100,6 +103,7 @@ def build_model(
     before: _Before | None = None,
     embedder: Embedder | None = None,
     root: str | None = None,
+    lora: LoraEngine | None = None,
     **graph_options: Unpack[GraphOptions],
 ) -> ServedModel:
     """The default graph in front of ``engine``, served as ``name``: what an app's
@@ -108,14 +112,16 @@ def build_model(
     ``before`` and ``graph_options`` are :func:`~operators.graph.default_graph`'s; the
     model's ``/v1/embeddings`` go to ``embedder`` (default: the engine, if it has
     ``embed``), its ``/tokenize`` and ``count_tokens`` through the graph's preprocessor.
-    An engine that declares ``LORA`` runs requests naming its adapters (the graph reads
-    ``engine.loras``); :func:`adapter_models` lists them as models of their own.
+    An engine that declares ``LORA`` (or ``lora``, for an engine routing to several that
+    do) runs requests naming its adapters (the graph reads ``loras``); :func:`adapter_models`
+    lists them as models of their own.
 
     Raises:
         ValueError: a key of ``before`` names no stage, a parser is not registered, or the
             chat template does not compile.
     """
-    lora = lora_engine_of(engine)
+    if lora is None:
+        lora = lora_engine_of(engine)
     if lora is not None:
         graph_options.setdefault("adapters", lora.loras)
     stages = default_stages(tokenizer, model_name=name, **graph_options)
@@ -241,6 +247,7 @@ def build_app(
                 before=merged,
                 embedder=spec.embedder,
                 root=spec.root,
+                lora=spec.lora,
                 **options,
             )
         )

@@ -465,8 +465,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error("--prefill-workers needs --engine mocker or llama")
         elif args.engine == "vllm" and args.decode_workers != 1:
             parser.error("--engine vllm serves one in-process model: drop --decode-workers")
-    if args.command == "serve" and args.lora and args.nats is not None:
-        parser.error("--nats: the workers load adapters (worker --lora NAME=PATH), not serve")
+    if getattr(args, "lora", None) and (args.command == "worker" or args.nats is not None):
+        parser.error("--lora: adapters are served in process only (serve without --nats)")
     if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
         parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
     if args.command == "worker" and args.role != "aggregated":

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from operators.contracts.adapters import EveryWorker
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.edges.http.guard import Guard
 from operators.edges.http.metrics import ServerMetrics
@@ -43,7 +44,7 @@ from .output_options import output_options
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-    from operators.contracts.llm import Embedder
+    from operators.contracts.llm import Embedder, LoraEngine
     from operators.contracts.transport import WorkerSets
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
@@ -297,6 +298,7 @@ async def _served_models(
         embedder: Embedder | None = None
         loaded: Any = None
         local: tuple[_Workers, _Workers | None] | None = None
+        lora: LoraEngine | None = None
         if nc is not None:
             from operators.contracts.remote_embed import RemoteEmbedder
             from operators.contracts.transport import discover_workers
@@ -324,6 +326,9 @@ async def _served_models(
                 loaded = decode.members[0].engine  # one engine: no worker sets
             else:
                 local = (decode, prefill)
+                workers_of = [*decode.members, *(prefill.members if prefill else ())]
+                each: list[Any] = [worker.engine for worker in workers_of]
+                lora = EveryWorker(each)  # (llama engines: each takes adapters)
         elif model.engine.engine in MODEL_ENGINES:
             try:
                 loaded = await load_engine(model.engine, log_level=config.log_level)
@@ -343,6 +348,7 @@ async def _served_models(
             before=load_insertions(model.insert_before),
             embedder=embedder,
             root=None if model.engine.model is None else str(model.engine.model),
+            lora=lora,
         )
         if found is not None:
             groups[name] = found

@@ -17,7 +17,7 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, run_cli
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(180)]
 
@@ -215,3 +215,73 @@ def test_loading_and_unloading_need_the_api_key(server: ServerProcess, lora_dir:
     assert post(server, "load_lora_adapter", body, key=None).status_code == 401
     assert post(server, "load_lora_adapter", body, key="wrong").status_code == 401
     assert post(server, "unload_lora_adapter", {"lora_name": "tiny"}, key=None).status_code == 401
+
+
+async def test_the_kv_router_keeps_each_adapters_prefix_apart(
+    lora_dir: Path, expected: dict[str, list[str]]
+) -> None:
+    """Two in-process workers behind ``--router kv``: a prompt cached under the adapter is
+    found again under it (routed to its holder) and never under the base model."""
+    server = ServerProcess(
+        "--engine", "llama", "--model-name", BASE, "--decode-workers", "2", "--router", "kv",
+        "--n-ctx", "512", "--lora", f"tiny={lora_dir / 'tiny.gguf'}",
+        startup_timeout=60,
+    )  # fmt: skip
+    prompt = PROMPTS[0] * 3  # long enough for several blocks
+    try:
+        async with openai.AsyncOpenAI(
+            base_url=server.base_url, api_key="x", max_retries=0, timeout=60
+        ) as api:
+
+            async def cached(model: str, text: str = prompt) -> int:
+                reply = await api.completions.create(
+                    model=model, prompt=text, max_tokens=2, temperature=0
+                )
+                assert reply.usage is not None
+                details = reply.usage.prompt_tokens_details
+                return 0 if details is None else details.cached_tokens or 0
+
+            assert await cached("tiny") == 0
+            assert await cached("tiny") > 0  # the worker holding tiny's prefix
+            assert await cached(BASE) == 0  # the same tokens, another model's cells
+            assert await cached(BASE) > 0
+            # loaded at run time, an adapter is loaded in every worker
+            body = {"lora_name": "other", "lora_path": str(lora_dir / "other.gguf")}
+            loaded = post(server, "load_lora_adapter", body, key=None)
+            assert loaded.status_code == 200, loaded.text
+            for _ in range(2):
+                answer = await api.completions.create(
+                    model="other", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+                )
+                assert answer.choices[0].text == expected["other"][0]
+    finally:
+        server.stop()
+    assert "Traceback" not in server.stderr()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "--engine", "echo", "--lora", "tiny=a.gguf"], "--lora needs --engine llama"),
+        (["serve", "--engine", "llama", "--lora", "tiny"], "expected NAME=PATH"),
+        (["serve", "--nats", "nats://h:4222", "--lora", "t=a.gguf"], "served in process only"),
+        (
+            ["worker", "--nats", "nats://h:4222", "--engine", "llama", "--lora", "t=a.gguf"],
+            "served in process only",
+        ),
+    ],
+)
+def test_lora_option_mistakes_are_usage_errors(argv: list[str], said: str) -> None:
+    result = run_cli(argv)
+    assert result.returncode == 2
+    assert said in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_adapter_file_the_engine_cannot_load_stops_serve_with_one_line(lora_dir: Path) -> None:
+    result = run_cli(
+        ["serve", "--engine", "llama", "--port", "0", "--lora", f"x={lora_dir / 'broken.gguf'}"]
+    )
+    assert result.returncode == 1
+    assert "broken.gguf" in result.stderr
+    assert "Traceback" not in result.stderr
