@@ -58,6 +58,7 @@ SERVER_OPTIONS: Final = frozenset(
         "no-ui",
         "models",
         "model-name",
+        "lora-dir",
     }
 )
 
