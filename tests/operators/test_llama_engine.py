@@ -22,6 +22,7 @@ from operators.contracts.llm import (
     StopConditions,
 )
 from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
+from operators.engines.llama.engine import IDLE_STEP_TOKENS
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, InvalidRequest, open_stream
 from pipeline.testing import collect, make_context
@@ -784,14 +785,16 @@ async def test_a_traced_request_has_its_steps_as_span_events(
             ended.append(span)
 
     span = Tracer(Sink()).start("engine")
-    req = request(tokenizer, REPEAT, max_tokens=8)
+    # longer than a step takes even while nothing decodes (IDLE_STEP_TOKENS)
+    long = SENTENCE * (IDLE_STEP_TOKENS // len(tokenizer.encode(SENTENCE)) + 2)
+    req = request(tokenizer, CHAT.format(long), max_tokens=8)
     outputs = await collect(chunked_engine, Context.new(req, span=span))
     span.end()
     assert len(ids(outputs)) == 8
     names = [event.name for event in span.events]
     assert names[0] == "slot_acquired"
     chunks = [e for e in span.events if e.name == "prefill_chunk"]
-    # a prompt longer than a step's 32 tokens goes in several chunks, every token once
+    # a prompt longer than a step's tokens goes in several chunks, every token once
     assert len(chunks) >= 2
     assert sum(int(e.attributes["llm_pipeline.prefill_tokens"]) for e in chunks) <= len(
         req.token_ids
