@@ -46,7 +46,7 @@ restarts it with a child context, so whatever it keeps per request belongs in
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
@@ -128,6 +128,7 @@ class GraphOptions(TypedDict, total=False):
     tool_call_parser: str | ToolCallFormat | None
     reasoning_parser: str | ReasoningFormat | None
     engine_features: frozenset[str] | None
+    adapters: Container[str]
 
 
 def _check_point(name: str, valid: Sequence[str], where: str) -> None:
@@ -281,6 +282,7 @@ def default_stages(
     tool_call_parser: str | ToolCallFormat | None = "hermes",
     reasoning_parser: str | ReasoningFormat | None = None,
     engine_features: frozenset[str] | None = None,
+    adapters: Container[str] = frozenset(),
 ) -> Stages:
     """The default graph's stages, all sharing ``tokenizer``, ready to splice and link.
 
@@ -295,7 +297,8 @@ def default_stages(
     ``tool_call_parser`` and ``reasoning_parser`` are formats or their registered names
     (:mod:`operators.parsers`; None: no parsing, and requests with tools get a 400);
     ``engine_features`` overrides what the engine declares (a Router over workers that
-    check constraints themselves).
+    check constraints themselves); ``adapters`` names the engine's adapters (LoRA: a live
+    set, read per request), which requests may name as their model.
 
     Raises:
         ValueError: a parser name is not registered.
@@ -317,6 +320,7 @@ def default_stages(
             chat_template=chat_template,
             images=images,
             tool_format=tools,
+            adapters=adapters,
         ),
         parser=OutputParsers(tools, reasoning),
         migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),

@@ -12,6 +12,8 @@ The parts:
   :class:`KvRouter` (:mod:`pipeline.kv_routing`) is the policy that prefers the worker
   caching a request's prefix, per a :class:`PrefixIndex` fed by KV events
   (:mod:`pipeline.prefix_index`).
+- :mod:`pipeline.priority` — who goes first among waiting requests (priority, then
+  arrival, with aging), for every queue that admits requests.
 - :mod:`pipeline.kv_tier` — :class:`KvTier`: where an engine keeps KV blocks evicted from
   its working cache (:class:`MemoryKvTier`, :class:`DiskKvTier`), by block id.
 - :mod:`pipeline.errors` — the one exception hierarchy (re-exported here).

@@ -7,12 +7,16 @@ flight; a request keeps the worker it was given, new requests see the new set.
 
 A :class:`Router` wraps a WorkerSet and a policy (:class:`RoundRobin`, :class:`Random`,
 :class:`LeastLoaded`, :class:`Direct`) and is itself an Engine, so it links like any other.
+
+Requests waiting for a member are let through in :mod:`pipeline.priority` order when the
+membership changes: by their payload's ``priority`` (lower first), then arrival, with aging.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeVar, final
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, T
 import anyio
 
 from .errors import CapacityExhausted
+from .priority import PriorityQueue, admission_key, priority_of
 
 if TYPE_CHECKING:
     from .context import Context
@@ -86,6 +91,11 @@ class WorkerSet(Generic[In, Out]):
         self._workers: dict[str, Worker[In, Out]] = {}
         self._members: tuple[Worker[In, Out], ...] = ()
         self._changed: anyio.Event | None = None
+        #: requests waiting for a member, woken in priority order
+        self._queue: PriorityQueue[anyio.Event] = PriorityQueue()
+        #: the waiters of the last change, woken one after another (each by the one before,
+        #: once that one has chosen its worker): the first in priority order chooses first
+        self._batch: deque[anyio.Event] = deque()
         self._waiting = 0
         self._ever_had_members = False
         self._listeners: list[MembershipListener] = []
@@ -191,7 +201,8 @@ class WorkerSet(Generic[In, Out]):
         The wait also ends when the context's deadline passes, or when the context is
         stopped: then the members are returned as they are (check ``ctx.is_stopped``). A
         kill cancels the wait like any other. ``wanted`` names what is waited for in the
-        error message.
+        error message. When the membership changes, the waiting requests are woken in
+        :mod:`pipeline.priority` order (``ctx.data.priority``, then arrival).
 
         Raises:
             CapacityExhausted: when no acceptable member appeared in time.
@@ -202,10 +213,16 @@ class WorkerSet(Generic[In, Out]):
         deadline = start + wait
         if ctx.deadline is not None:
             deadline = min(deadline, ctx.deadline)
+        key = admission_key(priority_of(ctx.data), start)
         self._waiting += 1
+        turn: anyio.Event | None = None
         try:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 while not accept(self._members) and not ctx.is_stopped:
+                    if turn is not None:  # woken, yet not accepted: the next one's turn
+                        self._wake_next()
+                    turn = anyio.Event()
+                    self._queue.push(key, turn)
                     async with anyio.create_task_group() as tg:
 
                         async def stopped(tg: anyio.abc.TaskGroup = tg) -> None:
@@ -213,10 +230,15 @@ class WorkerSet(Generic[In, Out]):
                             tg.cancel_scope.cancel()
 
                         tg.start_soon(stopped)
-                        await self.wait_changed()
+                        await turn.wait()
                         tg.cancel_scope.cancel()
         finally:
             self._waiting -= 1
+            if turn is not None:
+                if turn.is_set():  # its turn came: the next one's comes once it has chosen
+                    self._wake_next()
+                elif not self._queue.remove(turn) and turn in self._batch:
+                    self._batch.remove(turn)
         if accept(self._members) or ctx.is_stopped:
             return self._members
         waited = "" if wait == 0 else f" after waiting {anyio.current_time() - start:.3g}s"
@@ -228,6 +250,19 @@ class WorkerSet(Generic[In, Out]):
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+        queue = self._queue
+        if not queue:
+            return
+        batch = self._batch
+        idle = not batch
+        while queue:  # in priority order: the first chooses its worker first
+            batch.append(queue.pop())
+        if idle:
+            self._wake_next()
+
+    def _wake_next(self) -> None:
+        if self._batch:
+            self._batch.popleft().set()
 
     def __repr__(self) -> str:
         return f"WorkerSet({self.name!r}, {[w.id for w in self._members]})"

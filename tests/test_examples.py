@@ -65,7 +65,7 @@ RUNS: dict[str, Run] = {
         expect=(
             "whole: {'text': 'Hello, plain world'}\n",
             'streamed: data: {"text":"Hi"} | data: {"text":" there"} | event: done data: {}\n',
-            'counted: endpoint="/v1/plain",status="200"} 2.0\n',
+            'counted: endpoint="/v1/plain",model="echo",status="200"} 2.0\n',
         )
     ),
     "extend_default_graph.py": Run(

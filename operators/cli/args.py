@@ -15,6 +15,7 @@ from .defaults import (
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
+    MODEL_ENGINES,
     NATS_CONNECT_TIMEOUT,
     ROLES,
     ROUTERS,
@@ -24,6 +25,7 @@ from .observability import add_observability_options, check_otel
 from .options import (
     add_engine_options,
     add_log_level,
+    api_key,
     fraction,
     non_negative_float,
     non_negative_int,
@@ -65,6 +67,29 @@ def build_parser() -> argparse.ArgumentParser:
         serve_parser,
         ENGINES,
         model_help="the model name clients must ask for (others get 404) and responses report",
+    )
+    serve_parser.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=(
+            "serve several models: a TOML file of [[model]] tables, each with its name, "
+            "engine and that engine's options under the names of these flags (model, "
+            "parallel, n-ctx, chat-template, tool-call-parser, ...); options given here "
+            "apply to every model that does not set its own; requests are routed by their "
+            "model"
+        ),
+    )
+    serve_parser.add_argument(
+        "--lora-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=(
+            "POST /v1/load_lora_adapter may load adapters from this folder only (None: from "
+            "any path the server can read; set it when clients are not trusted)"
+        ),
     )
     serve_parser.add_argument(
         "--insert-before",
@@ -249,13 +274,15 @@ def build_parser() -> argparse.ArgumentParser:
     guard.add_argument(
         "--api-key",
         action="append",
+        type=api_key,
         default=None,
-        metavar="KEY",
+        metavar="KEY[:PRIORITY]",
         help=(
             f"require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/*, /tokenize "
             f"and /detokenize (repeatable; or set "
             f"{API_KEY_ENV}; the command line is visible to other users, the environment "
-            "is not)"
+            "is not); ':PRIORITY' gives the key's requests a default priority (an integer; "
+            "lower runs earlier; a request's own 'priority' wins)"
         ),
     )
     guard.add_argument(
@@ -417,6 +444,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         raise SystemExit(2)
     check_otel(parser, args)
     if args.command == "serve":
+        if getattr(args, "models", None) is not None:
+            if args.nats is not None:
+                parser.error("--models serves models of its own: drop --nats (or --models)")
+            if args.model_name is not None:
+                parser.error("--models names each model in the file: drop --model-name")
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
         if args.nats is None and args.router != "round-robin" and args.engine == "vllm":
@@ -435,7 +467,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error("--prefill-workers needs --engine mocker or llama")
         elif args.engine == "vllm" and args.decode_workers != 1:
             parser.error("--engine vllm serves one in-process model: drop --decode-workers")
-    elif args.command == "worker" and args.role != "aggregated":
+    if getattr(args, "lora", None) and (args.command == "worker" or args.nats is not None):
+        parser.error("--lora: adapters are served in process only (serve without --nats)")
+    if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
+        parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
+    if args.command == "worker" and args.role != "aggregated":
         if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
             engines = "mocker" if args.role == "encode" else "mocker or llama"
             parser.error(f"--role {args.role} needs --engine {engines}")

@@ -19,6 +19,7 @@ from .args import build_parser, check_args
 from .config import ServeConfig, WorkerConfig
 from .defaults import MODEL_ENGINES, TRANSFER_SECRET_ENV
 from .engines import load_tokenizer
+from .models_file import read_models_file
 from .nats import OneLineErrors
 from .observability import configure_logging
 from .serve import run_serve
@@ -40,9 +41,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_args(parser, args)
     if args.command == "convert-gguf":
         return convert(args.gguf, args.directory)
-    config = (
-        ServeConfig.from_args(args) if args.command == "serve" else WorkerConfig.from_args(args)
-    )
+    config: ServeConfig | WorkerConfig
+    if args.command == "serve":
+        try:
+            models = [] if args.models is None else read_models_file(args.models, parser, args)
+        except ValueError as exc:
+            print(f"llm-pipeline: {exc}", file=sys.stderr)
+            return 2
+        config = ServeConfig.from_args(args, models)
+    else:
+        config = WorkerConfig.from_args(args)
     configure_logging(config.log_level, config.log_format)
     if config.log_level != "debug":
         logging.getLogger("nats.aio.client").addFilter(OneLineErrors())

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,9 +38,34 @@ from .observability import LogFormat
 if TYPE_CHECKING:
     from operators.graph import Point
 
-__all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig")
+__all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig", "key_priorities")
 
 LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+#: the most a priority may be either way (as the edge bounds a request's ``priority``)
+_MAX_PRIORITY = 2**31 - 1
+
+
+def key_priorities(keys: Sequence[str]) -> dict[str, int]:
+    """``--api-key`` values (``KEY`` or ``KEY:PRIORITY``) as key -> default priority (0 when
+    a key gives none; a key that ends in ``:`` and an integer is read as ``KEY:PRIORITY``).
+
+    Raises:
+        ValueError: a priority out of bounds, or an empty key.
+    """
+    found: dict[str, int] = {}
+    for text in keys:
+        key, priority = text, 0
+        head, sep, tail = text.rpartition(":")
+        if sep and tail.lstrip("+-").isdigit():
+            key, priority = head, int(tail)
+            if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
+                raise ValueError(f"the priority of an API key must be within ±{_MAX_PRIORITY}")
+        if not key.strip():
+            raise ValueError("an API key must not be empty")
+        found[key] = priority
+    return found
 
 
 def _fields_from(cls: type[Any], args: argparse.Namespace, **given: Any) -> dict[str, Any]:
@@ -91,6 +117,8 @@ class EngineConfig:
     block_size: int | None = None
     #: None: a secret of this process (``from_args`` reads LLM_PIPELINE_TRANSFER_SECRET)
     transfer_secret: str | None = None
+    #: adapters (LoRA) to load: (served name, file or folder)
+    lora: tuple[tuple[str, Path], ...] = ()
 
     @property
     def served_name(self) -> str:
@@ -118,7 +146,11 @@ class EngineConfig:
         secret = args.transfer_secret
         if secret is None:
             secret = os.environ.get(TRANSFER_SECRET_ENV) or None
-        return cls(**_fields_from(cls, args, transfer_secret=secret))
+        return cls(
+            **_fields_from(
+                cls, args, transfer_secret=secret, lora=tuple(getattr(args, "lora", None) or ())
+            )
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,6 +176,8 @@ class ServeConfig:
     worker_wait: float = 5.0
     allowed_image_hosts: frozenset[str] = frozenset()
     max_image_bytes: int = 8 * 1024 * 1024
+    #: as given: ``KEY``, or ``KEY:PRIORITY`` for the key's default priority
+    #: (:func:`key_priorities`)
     api_keys: tuple[str, ...] = ()
     max_inflight: int | None = None
     request_timeout: float | None = None
@@ -166,16 +200,28 @@ class ServeConfig:
     log_format: LogFormat = "text"
     #: serve the web UI at / (and /status)
     ui: bool = True
+    #: the only folder adapters may be loaded from at run time (None: any)
+    lora_dir: Path | None = None
+    #: ``--models FILE``: one config per model (its engine and graph options; the
+    #: server's own options are this config's); empty: the one model of ``engine``
+    models: tuple[ServeConfig, ...] = ()
 
     @property
     def model_name(self) -> str:
         """The served model name (the engine config's)."""
         return self.engine.served_name
 
+    @property
+    def served(self) -> tuple[ServeConfig, ...]:
+        """One config per model served: :attr:`models`, or this one."""
+        return self.models or (self,)
+
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> ServeConfig:
+    def from_args(
+        cls, args: argparse.Namespace, models: Sequence[argparse.Namespace] = ()
+    ) -> ServeConfig:
         """The config of ``serve`` from its parsed arguments; API keys from ``--api-key``
-        and the environment."""
+        and the environment; ``models``: each model's arguments (``--models FILE``)."""
         keys = list(args.api_key or ())
         from_env = os.environ.get(API_KEY_ENV, "").strip()
         if from_env:
@@ -190,6 +236,7 @@ class ServeConfig:
                 api_keys=tuple(keys),
                 insert_before=tuple(getattr(args, "insert_before", None) or ()),
                 tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                models=tuple(cls.from_args(model) for model in models),
             )
         )
 

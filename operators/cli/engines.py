@@ -33,6 +33,7 @@ __all__ = (
     "load_vllm",
     "make_engine",
     "watch_engine",
+    "watch_engines",
     "watch_llama",
     "watch_vllm",
     "worker_set",
@@ -139,6 +140,7 @@ async def load_llama(
             kv_host_cache_mb=config.kv_host_cache_mb,
             kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
             kv_disk_cache_mb=config.kv_disk_cache_mb,
+            loras={name: str(path) for name, path in config.lora},
         )
     )
 
@@ -188,6 +190,7 @@ async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
                 block_size=config.kv_block_size,
                 fail_after_tokens=config.fail_after_tokens,
                 log_level=log_level,
+                loras=dict(config.lora),
             )
         )
         return started[0]
@@ -200,11 +203,60 @@ async def load_vllm(config: EngineConfig, *, log_level: str = "warning") -> Any:
         raise
 
 
-async def load_engine(config: EngineConfig, *, log_level: str = "warning") -> Any:
-    """The model engine (llama or vllm) ``config`` asks for."""
+async def load_engine(
+    config: EngineConfig,
+    *,
+    log_level: str = "warning",
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+) -> Any:
+    """The model engine (llama or vllm) ``config`` asks for (a llama engine in ``role``,
+    as ``worker_id``)."""
     if config.engine == "vllm":
         return await load_vllm(config, log_level=log_level)
-    return await load_llama(config)
+    return await load_llama(config, role, worker_id)
+
+
+def watch_engines(
+    metrics: ServerMetrics, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
+) -> None:
+    """Export the statistics of every model engine a server loaded (one per model of
+    ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
+    ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum over the engines of
+    their kind."""
+    llama = [engine for engine in engines if hasattr(engine, "recent_steps")]
+    vllm = [engine for engine in engines if not hasattr(engine, "recent_steps")]
+    if llama or prefill:
+        watch_llama(metrics, *llama, prefill=prefill)
+    if len(vllm) == 1:
+        watch_vllm(metrics, vllm[0])
+    elif vllm:
+        watch_vllm(metrics, _Summed(vllm))
+
+
+class _Summed:
+    """Several engines' ``statistics()`` as one: counts added (sequences by place), ratios
+    averaged."""
+
+    def __init__(self, engines: Sequence[Any]) -> None:
+        self._engines = engines
+
+    def statistics(self) -> Any:
+        every = [engine.statistics() for engine in self._engines]
+        first = every[0]
+        summed: dict[str, Any] = {}
+        for name in first._fields:
+            values = [getattr(stats, name) for stats in every]
+            if isinstance(values[0], Sequence):
+                length = max(len(value) for value in values)
+                summed[name] = [
+                    sum(value[i] for value in values if i < len(value)) for i in range(length)
+                ]
+            elif isinstance(values[0], float):
+                summed[name] = sum(values) / len(values)
+            else:
+                summed[name] = sum(values)
+        return type(first)(**summed)
 
 
 def watch_engine(metrics: ServerMetrics, engine: Any) -> None:

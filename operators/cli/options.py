@@ -24,6 +24,8 @@ from .defaults import (
 
 __all__ = (
     "add_engine_options",
+    "api_key",
+    "lora_adapter",
     "add_log_level",
     "fraction",
     "non_negative_float",
@@ -70,6 +72,25 @@ def positive_float(text: str) -> float:
     if not value > 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def api_key(text: str) -> str:
+    """``KEY`` or ``KEY:PRIORITY``, checked (and kept as given)."""
+    from .config import key_priorities
+
+    try:
+        key_priorities([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def lora_adapter(text: str) -> tuple[str, Path]:
+    """``NAME=PATH``: an adapter's served name and its file (or folder, for vLLM)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name.strip(), Path(path.strip())
 
 
 def fraction(text: str) -> float:
@@ -237,6 +258,18 @@ def add_engine_options(
         default=8,
         metavar="K",
         help="--speculative ngram: most tokens drafted per step",
+    )
+    parser.add_argument(
+        "--lora",
+        type=lora_adapter,
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help=(
+            "serve an adapter (LoRA) of the model as the model NAME (its parent the base "
+            "model; repeatable): llama: an adapter GGUF (llama.cpp's convert_lora_to_gguf); "
+            "vllm: a PEFT adapter folder"
+        ),
     )
     llama.add_argument(
         "--kv-host-cache-mb",

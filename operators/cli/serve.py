@@ -3,7 +3,9 @@ over HTTP until SIGINT/SIGTERM.
 
 The graph and the app are built by :func:`operators.serving.build_app` (and so by
 :func:`operators.graph.default_graph`), exactly as a user serving from Python builds
-them; this module only chooses the engine and worker sets the config asks for.
+them; this module only chooses the engine and worker sets the config asks for: one model,
+each model of ``--models FILE`` (a graph, tokenizer and engine of its own), or with
+``--nats`` and no ``--model-name`` every model workers register (:mod:`.discovered`).
 """
 
 from __future__ import annotations
@@ -11,148 +13,49 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.contracts.adapters import EveryWorker
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.edges.http.guard import Guard
 from operators.edges.http.metrics import ServerMetrics
-from operators.edges.openai.images import ImagePolicy
+from operators.edges.http.models import Models
 from operators.edges.responses import MemoryResponseStore
-from operators.engines.mocker import MockerStatistics
 from operators.graph import default_graph
-from operators.serving import build_app, serve
+from operators.serving import ModelSpec, build_app, serve
 from operators.telemetry import SpanBuffer, make_tracer, tracing_options
-from operators.ui import WorkerGroups, attach_ui
-from pipeline import Engine, PrefixIndex, Router, WorkerSet
+from operators.ui import attach_ui
+from pipeline import Engine, PrefixIndex, WorkerSet
 
-from .config import ServeConfig
+from .config import ServeConfig, key_priorities
 from .defaults import MODEL_ENGINES
-from .engines import load_engine, load_llama_workers, watch_engine, watch_llama, worker_set
+from .discovered import DiscoveredModels
+from .engines import load_engine, load_llama_workers, load_tokenizer, watch_engines
 from .insertions import load_insertions
+from .model_graph import engine_and_options
 from .nats import close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
-from .routing import remote_kv_policy, routing_policy
 
 if TYPE_CHECKING:
-    from operators.contracts.llm import Embedder
+    from nats.aio.client import Client
+
+    from operators.contracts.llm import Embedder, LoraEngine
     from operators.contracts.transport import WorkerSets
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.edges.responses import ResponseStore
-    from operators.graph import GraphOptions
     from operators.text.tokenizer import Tokenizer
-    from pipeline import RoutingPolicy
+    from operators.ui import WorkerGroups
 
 __all__ = ("build_graph", "guard", "run_serve")
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 _Engine = Engine[PreprocessedRequest, EngineOutput]
-
-
-def _engine_and_options(
-    config: ServeConfig,
-    tokenizer: Tokenizer,
-    workers: WorkerSets | None,
-    engine: _Engine | None,
-    metrics: ServerMetrics | None = None,
-    kv_indexes: Sequence[PrefixIndex] | None = None,
-    local: tuple[_Workers, _Workers | None] | None = None,
-) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
-    """The engine to put behind the default graph, the graph's options, and the worker
-    sets by role (for the status view; None: ``engine`` was given, a single one).
-
-    In-process decode workers are routed as ``config.router`` says (one worker under the
-    default round-robin is used directly); their KV routing decisions and prefix-cache
-    counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
-    (llama.cpp's); without it they are made from ``config`` (echo, mocker).
-
-    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
-    ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
-    a round-robin Router over ``workers.decode`` whose retries avoid the workers already
-    tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
-    ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
-    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
-    (unfed ones when not given), and so does the PrefillRouter.
-    """
-    encode: _Workers | None
-    prefill: _Workers | None
-    features: frozenset[str] | None = None  # what the engine declares
-    prefill_policy: RoutingPolicy | None = None
-    groups: WorkerGroups | None = None
-    if engine is not None:
-        encode = prefill = None
-    elif workers is None:
-        engine_config = config.engine
-        decode_role = "decode" if config.prefill_workers else "aggregated"
-        kv = config.router == "kv"
-        encode = None
-        if local is not None:
-            decode, prefill = local
-        else:
-            made = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
-            assert made is not None
-            decode = made
-            encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
-            prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
-        if len(decode) == 1 and config.router == "round-robin":
-            engine = decode.members[0].engine
-        else:
-            engine = Router(decode, routing_policy(config, decode, metrics))
-        if kv and prefill is not None:  # prompts are prefilled where their prefix is
-            prefill_policy = routing_policy(config, prefill, metrics)
-        if metrics is not None and engine_config.engine != "echo":
-            metrics.watch_prefill(_prefill_counts(decode, prefill))
-        groups = {decode_role: decode, "prefill": prefill, "encode": encode}
-    else:
-        from operators.contracts.transport import RetryElsewhere
-
-        policy: RoutingPolicy = RetryElsewhere()
-        if config.router == "kv":
-            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
-            policy = remote_kv_policy(config, decode_index, metrics)
-            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
-        engine = Router(workers.decode, policy, wait=config.worker_wait)
-        encode, prefill = workers.encode, workers.prefill
-        groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
-        # Remote workers check constraints themselves: the llama engine honours them, the
-        # echo and mocker engines refuse them with a 400 that travels back by name.
-        features = frozenset({CONSTRAINED_DECODING})
-    options: GraphOptions = {
-        **output_options(config),
-        "max_model_len": config.max_model_len,
-        "default_max_tokens": config.default_max_tokens,
-        "migration_limit": config.migration_limit,
-        "encode_workers": encode,
-        "prefill_workers": prefill,
-        "prefill_policy": prefill_policy,
-        "disagg_min_prompt_tokens": config.disagg_min_prompt_tokens,
-        "images": ImagePolicy(
-            allowed_hosts=config.allowed_image_hosts, max_bytes=config.max_image_bytes
-        ),
-        "engine_features": features,
-    }
-    return engine, options, groups
-
-
-def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:
-    """Per worker, (prompt tokens prefilled, prompt tokens found cached), at scrape time."""
-    members = [worker for workers in sets if workers is not None for worker in workers.members]
-
-    def counts() -> dict[str, tuple[int, int]]:
-        found: dict[str, tuple[int, int]] = {}
-        for worker in members:
-            statistics = getattr(worker.engine, "statistics", None)
-            stats: Any = statistics() if statistics is not None else None
-            if isinstance(stats, MockerStatistics) or hasattr(stats, "prefill_tokens"):
-                # the mocker's and the llama engine's statistics alike
-                found[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
-        return found
-
-    return counts
 
 
 def build_graph(
@@ -175,7 +78,7 @@ def build_graph(
     """
     if isinstance(config, argparse.Namespace):
         config = ServeConfig.from_args(config)
-    engine, options, _ = _engine_and_options(config, tokenizer, workers, engine, metrics)
+    engine, options, _ = engine_and_options(config, tokenizer, workers, engine, metrics)
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
@@ -184,7 +87,7 @@ def build_graph(
 def guard(config: ServeConfig) -> Guard:
     """The protections ``serve`` was asked for."""
     return Guard(
-        api_keys=config.api_keys,
+        api_keys=key_priorities(config.api_keys),
         max_inflight=config.max_inflight,
         request_timeout=config.request_timeout,
     )
@@ -214,86 +117,93 @@ def _display_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _check(config: ServeConfig) -> str | None:
+    """What cannot be loaded of each model's insertions, parsers and template (None: all
+    can), said as the error line."""
+    for model in config.served:
+        try:
+            load_insertions(model.insert_before)
+        except ValueError as exc:
+            return f"cannot insert an operator: {exc}"
+        try:
+            output_options(model)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+async def _tokenizers(config: ServeConfig, tokenizer: Tokenizer) -> list[Tokenizer]:
+    """Each model's tokenizer: ``tokenizer`` (the command line's) for the one model of a
+    plain ``serve``, else each model's own, loaded once per path.
+
+    Raises:
+        Exception: a tokenizer cannot be loaded (tokenizers raises plain ``Exception``).
+    """
+    if not config.models:
+        return [tokenizer]
+    loaded: dict[Path | None, Tokenizer] = {config.engine.tokenizer_path: tokenizer}
+    found = []
+    for model in config.models:
+        path = model.engine.tokenizer_path
+        if path not in loaded:
+            loaded[path] = await anyio.to_thread.run_sync(load_tokenizer, path)
+        found.append(loaded[path])
+    return found
+
+
 async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
     """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine; 2: an
-    operator to insert, a parser or the chat template cannot be loaded)."""
-    try:
-        before = load_insertions(config.insert_before)
-    except ValueError as exc:
-        print(f"llm-pipeline: cannot insert an operator: {exc}", file=sys.stderr)
+    operator to insert, a parser, the chat template or a model's tokenizer cannot be
+    loaded)."""
+    problem = _check(config)
+    if problem is not None:
+        print(f"llm-pipeline: {problem}", file=sys.stderr)
         return 2
     try:
-        output_options(config)
-    except ValueError as exc:
-        print(f"llm-pipeline: {exc}", file=sys.stderr)
+        tokenizers = await _tokenizers(config, tokenizer)
+    except Exception as exc:  # tokenizers raises plain Exception for a missing file
+        print(f"llm-pipeline: cannot load a model's tokenizer: {exc}", file=sys.stderr)
         return 2
     metrics = ServerMetrics()
     async with contextlib.AsyncExitStack() as stack:
-        workers = None
-        kv_indexes: list[PrefixIndex] | None = None
-        via = ""
         megabytes = config.responses_store_mb * 1024 * 1024
         store: ResponseStore = MemoryResponseStore(megabytes, config.responses_store_ttl)
-        embedder: Embedder | None = None
+        nc = None
         if config.nats is not None:
-            from operators.contracts.transport import discover_workers
-
             nc = await connect_nats(config.nats, name="llm-pipeline serve")
             if nc is None:
                 return 1
             stack.push_async_callback(close_nats, nc)
-            try:
-                workers = await stack.enter_async_context(
-                    discover_workers(nc, model=config.model_name)
+        groups: Mapping[str, WorkerGroups] = {}
+        specs: dict[str, ModelSpec] = {}
+        engine_name = "engine"
+        discovered: DiscoveredModels | None = None
+        try:
+            if nc is not None and config.engine.model_name is None:  # every model
+                discovered = DiscoveredModels(
+                    nc,
+                    Models(),
+                    config=config,
+                    tokenizer=tokenizer,
+                    metrics=metrics,
+                    before=load_insertions(config.insert_before),
                 )
-            except Exception as exc:  # nats-py's errors, a server without JetStream
-                print(f"llm-pipeline: cannot discover workers: {one_line(exc)}", file=sys.stderr)
-                return 1
-            via = f" with workers via {config.nats}"
-            from operators.contracts.remote_embed import RemoteEmbedder
-            from operators.edges.responses.nats_store import NatsResponseStore
-
-            try:
-                store = await NatsResponseStore.open(
-                    nc, ttl=config.responses_store_ttl, max_bytes=megabytes
-                )
-            except Exception as exc:  # nats-py's errors, a server without JetStream
-                print(f"llm-pipeline: cannot open the responses store: {exc}", file=sys.stderr)
-                return 1
-            embedder = RemoteEmbedder(nc, model=config.model_name, workers=workers.decode)
-            if config.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
-                kv_indexes = await follow_kv_events(
-                    tg, nc, model=config.model_name, sets=(workers.decode, workers.prefill)
+                try:
+                    await tg.start(discovered.run)
+                except Exception as exc:  # nats-py's errors, a server without JetStream
+                    raise _Unavailable(f"cannot discover workers: {one_line(exc)}") from exc
+                groups, engine_name = discovered.groups, "Router"
+            else:
+                specs, groups, engine_name = await _served_models(
+                    config, tokenizers, nc, metrics, stack
                 )
-        loaded: Any = None
-        local: tuple[Any, Any] | None = None
-        if workers is None and config.engine.engine == "llama":
-            try:
-                local = await _load_llama_sets(config, stack)
-            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
-                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
-                return 1
-            decode, prefill = local
-            if len(decode) == 1 and config.prefill_workers == 0:
-                loaded, local = decode.members[0].engine, None  # one model: no worker sets
-            watch_llama(
-                metrics,
-                *(worker.engine for worker in decode.members),
-                prefill=[] if prefill is None else [worker.engine for worker in prefill.members],
-            )
-        elif workers is None and config.engine.engine in MODEL_ENGINES:
-            try:
-                loaded = await load_engine(config.engine, log_level=config.log_level)
-            except Exception as exc:  # the extra missing, a bad model, the engine failing
-                print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
-                return 1
-            stack.push_async_callback(loaded.aclose)
-            watch_engine(metrics, loaded)
-        engine, options, groups = _engine_and_options(
-            config, tokenizer, workers, loaded, metrics, kv_indexes, local
-        )
+            if nc is not None:
+                store = await _nats_store(nc, config, megabytes)
+        except _Unavailable as exc:
+            print(f"llm-pipeline: {exc}", file=sys.stderr)
+            return 1
         tracing = tracing_options(config.otlp_traces_endpoint, service_name=SERVICE_NAME)
         buffer = SpanBuffer() if config.ui else None
         tracer, exporter = make_tracer(
@@ -302,33 +212,36 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         if exporter is not None:
             stack.callback(exporter.shutdown)  # last: what the drain's requests recorded
         app = build_app(
-            engine,
-            tokenizer,
-            model_name=config.model_name,
+            models=specs,
             guard=guard(config),
             metrics=metrics,
-            before=before,
             responses_store=store,
-            embedder=embedder,
             tracer=tracer,
-            **options,
+            lora_dir=config.lora_dir,
+            reasoning_parser=output_options(config).get("reasoning_parser"),
         )
+        if discovered is not None:
+            discovered.attach(app.models)
         if config.ui:
             attach_ui(
                 app,
                 buffer=buffer,
-                workers=None if groups is None else lambda: groups,
-                where="in-process" if workers is None else "nats",
-                engine_name=type(engine).__name__,
+                workers=_merged(groups) if groups or discovered is not None else None,
+                where="in-process" if nc is None else "nats",
+                engine_name=engine_name,
                 exporting=None if exporter is None else exporter.endpoint,
             )
 
         def announce(host: str, port: int) -> None:
-            print(
-                f"llm-pipeline serving model {config.model_name!r} on "
-                f"http://{_display_host(host)}:{port}{via}",
-                flush=True,
-            )
+            url = f"http://{_display_host(host)}:{port}"
+            if discovered is not None:
+                where = f"with workers via {config.nats} (every model its workers register)"
+                print(f"llm-pipeline serving model '*' on {url} {where}", flush=True)
+                return
+            first, *rest = specs
+            via = "" if nc is None else f" with workers via {config.nats}"
+            more = f" (and {', '.join(repr(name) for name in rest)})" if rest else ""
+            print(f"llm-pipeline serving model {first!r} on {url}{via}{more}", flush=True)
 
         await serve(
             app,
@@ -339,3 +252,123 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             drain_timeout=config.drain_timeout,
         )
     return 0
+
+
+class _Unavailable(Exception):
+    """A model's engine or workers cannot be had (exit code 1)."""
+
+
+async def _nats_store(nc: Client, config: ServeConfig, megabytes: int) -> ResponseStore:
+    """The Responses store in NATS JetStream.
+
+    Raises:
+        _Unavailable: the bucket cannot be opened.
+    """
+    from operators.edges.responses.nats_store import NatsResponseStore
+
+    try:
+        return await NatsResponseStore.open(nc, ttl=config.responses_store_ttl, max_bytes=megabytes)
+    except Exception as exc:  # nats-py's errors, a server without JetStream
+        raise _Unavailable(f"cannot open the responses store: {exc}") from exc
+
+
+async def _served_models(
+    config: ServeConfig,
+    tokenizers: Sequence[Tokenizer],
+    nc: Client | None,
+    metrics: ServerMetrics,
+    stack: contextlib.AsyncExitStack,
+) -> tuple[dict[str, ModelSpec], dict[str, WorkerGroups], str]:
+    """Each model of ``config`` as :func:`~operators.serving.build_app` takes it, its worker
+    sets by role, and the (first) engine's class name. With ``nc``, the one model's workers
+    are discovered over NATS; otherwise model engines are loaded (closed by ``stack``).
+
+    Raises:
+        _Unavailable: no workers can be discovered, or an engine cannot be loaded.
+    """
+    specs: dict[str, ModelSpec] = {}
+    groups: dict[str, WorkerGroups] = {}
+    engines: list[Any] = []
+    prefill_engines: list[Any] = []
+    engine_name = "engine"
+    for model, tokenizer in zip(config.served, tokenizers, strict=True):
+        name = model.model_name
+        workers: WorkerSets | None = None
+        kv_indexes: list[PrefixIndex] | None = None
+        embedder: Embedder | None = None
+        loaded: Any = None
+        local: tuple[_Workers, _Workers | None] | None = None
+        lora: LoraEngine | None = None
+        if nc is not None:
+            from operators.contracts.remote_embed import RemoteEmbedder
+            from operators.contracts.transport import discover_workers
+
+            try:
+                workers = await stack.enter_async_context(discover_workers(nc, model=name))
+            except Exception as exc:  # nats-py's errors, a server without JetStream
+                raise _Unavailable(f"cannot discover workers: {one_line(exc)}") from exc
+            embedder = RemoteEmbedder(nc, model=name, workers=workers.decode)
+            if model.router == "kv":  # fed by the KV events the workers publish
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                stack.callback(tg.cancel_scope.cancel)
+                kv_indexes = await follow_kv_events(
+                    tg, nc, model=name, sets=(workers.decode, workers.prefill)
+                )
+        elif model.engine.engine == "llama":
+            try:
+                decode, prefill = await _load_llama_sets(model, stack)
+            except Exception as exc:  # the extra missing, a bad model file, llama.cpp failing
+                raise _Unavailable(f"cannot load the engine of {name!r}: {exc}") from exc
+            engines.extend(worker.engine for worker in decode.members)
+            if prefill is not None:
+                prefill_engines.extend(worker.engine for worker in prefill.members)
+            if len(decode) == 1 and prefill is None:
+                loaded = decode.members[0].engine  # one engine: no worker sets
+            else:
+                local = (decode, prefill)
+                workers_of = [*decode.members, *(prefill.members if prefill else ())]
+                each: list[Any] = [worker.engine for worker in workers_of]
+                lora = EveryWorker(each)  # (llama engines: each takes adapters)
+        elif model.engine.engine in MODEL_ENGINES:
+            try:
+                loaded = await load_engine(model.engine, log_level=config.log_level)
+            except Exception as exc:  # the extra missing, a bad model, the engine failing
+                raise _Unavailable(f"cannot load the engine of {name!r}: {exc}") from exc
+            stack.push_async_callback(loaded.aclose)
+            engines.append(loaded)
+        engine, options, found = engine_and_options(
+            model, tokenizer, workers, loaded, metrics, kv_indexes, local
+        )
+        if not specs:
+            engine_name = type(engine).__name__
+        specs[name] = ModelSpec(
+            engine=engine,
+            tokenizer=tokenizer,
+            options=options,
+            before=load_insertions(model.insert_before),
+            embedder=embedder,
+            root=None if model.engine.model is None else str(model.engine.model),
+            lora=lora,
+        )
+        if found is not None:
+            groups[name] = found
+    if engines:
+        watch_engines(metrics, engines, prefill=prefill_engines)
+    return specs, groups, engine_name
+
+
+def _merged(groups: Mapping[str, WorkerGroups]) -> Callable[[], WorkerGroups]:
+    """The status view's worker sets: one model's by role, several models' by model and
+    role (read at each call: discovered models come and go)."""
+
+    def merged() -> WorkerGroups:
+        current = dict(groups)
+        if len(current) == 1:
+            return next(iter(current.values()))
+        return {
+            f"{model} {role}": workers
+            for model, by_role in current.items()
+            for role, workers in by_role.items()
+        }
+
+    return merged

@@ -17,12 +17,14 @@ from typing import Any, Final, Literal, Protocol
 
 __all__ = (
     "CONSTRAINED_DECODING",
+    "LORA",
     "BackendOutput",
     "Constraint",
     "Embedder",
     "EngineOutput",
     "FinishReason",
     "HasFeatures",
+    "LoraEngine",
     "MultimodalItem",
     "OutputOptions",
     "PreprocessedRequest",
@@ -33,6 +35,7 @@ __all__ = (
     "TopLogprobs",
     "embedder_of",
     "engine_features",
+    "lora_engine_of",
 )
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -131,6 +134,42 @@ CONSTRAINED_DECODING: Final = "constrained_decoding"
 """The feature an engine declares when it honours ``PreprocessedRequest.constraint``."""
 
 
+LORA: Final = "lora"
+"""The feature an engine declares when it runs requests with adapters
+(``PreprocessedRequest.lora``) and loads them: it is then a :class:`LoraEngine`."""
+
+
+class LoraEngine(Protocol):
+    """An engine that runs requests with adapters (LoRA) of its model, by name."""
+
+    @property
+    def loras(self) -> Mapping[str, str]:
+        """The adapters loaded now: name -> where from (a live view)."""
+        ...
+
+    async def load_lora(self, name: str, path: str, /) -> None:
+        """Load the adapter at ``path`` as ``name``.
+
+        Raises:
+            InvalidRequest: the name is taken, or the file is no adapter of this model
+                (``param`` names the field at fault: ``lora_name``, ``lora_path``).
+        """
+        ...
+
+    async def unload_lora(self, name: str, /) -> None:
+        """Forget the adapter ``name``: new requests cannot name it; running ones finish.
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        ...
+
+
+def lora_engine_of(engine: object) -> LoraEngine | None:
+    """``engine`` if it declares :data:`LORA` (and so runs and loads adapters), else None."""
+    return engine if LORA in engine_features(engine) else None  # type: ignore[return-value]
+
+
 class HasFeatures(Protocol):
     """An engine that declares what it supports beyond the base contract."""
 
@@ -191,6 +230,12 @@ class PreprocessedRequest:
     #: what every choice's output must match (``response_format``, a required tool call);
     #: an engine that cannot honour it raises ``InvalidRequest(param=constraint.param)``
     constraint: Constraint | None = None
+    #: the scheduling priority: lower runs earlier (vLLM's convention); engines and
+    #: routers admit waiting requests by priority, then arrival, with aging
+    #: (:mod:`pipeline.priority`)
+    priority: int = 0
+    #: the adapter (LoRA) to run with, by name (None: the base model)
+    lora: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -136,7 +136,7 @@ class KvDelivery:
 
     def snapshot(self) -> KvSnapshot:
         """Every block held as of the last event delivered (waiting ones are delivered
-        first), parents before children."""
+        first), parents before children; the lower tiers' (by tier) beside them."""
         self.drain()
         lower = tuple((tier, tuple(blocks)) for tier, blocks in self._lower.items() if blocks)
         return KvSnapshot(tuple(self._held), self._seq, lower)

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Final, final
 
-from operators.routing.kv_blocks import block_hashes
+from operators.routing.kv_blocks import adapter_salt, block_hashes
 from pipeline import KvCleared, KvEvent, KvEventSink, KvRemoved, KvSnapshot, KvStored
 
 __all__ = ("DEFAULT_BLOCK_SIZE", "DEFAULT_CACHE_BLOCKS", "KvEventSink", "PrefixCache")
@@ -81,9 +81,10 @@ class PrefixCache:
     def __contains__(self, block_id: object) -> bool:
         return block_id in self._blocks
 
-    def block_ids(self, token_ids: Sequence[int]) -> list[int]:
-        """The chained ids of the full blocks of ``token_ids``."""
-        return block_hashes(token_ids, self.block_size)
+    def block_ids(self, token_ids: Sequence[int], adapter: str | None = None) -> list[int]:
+        """The chained ids of the full blocks of ``token_ids`` (salted by ``adapter``: a
+        prefix cached under one adapter is another prefix under any other)."""
+        return block_hashes(token_ids, self.block_size, parent=adapter_salt(adapter))
 
     def lookup(self, blocks: Sequence[int], prompt_tokens: int) -> int:
         """Prompt tokens of a request found in the cache: its leading held blocks.

@@ -309,7 +309,7 @@ class MockerEngine:
                 request_id=ctx.id,
             )
         cache = self._cache if plan.prefill_tokens and self.role != "encode" else None
-        blocks = cache.block_ids(request.token_ids) if cache is not None else []
+        blocks = cache.block_ids(request.token_ids, request.lora) if cache is not None else []
         self._waiting += 1
         try:
             await self._slots.acquire()

@@ -23,6 +23,11 @@ block sizes never meet. Why not the alternatives:
   Pythons would disagree. xxhash would be faster but is not a dependency.
 - A 32-bit checksum (``zlib.crc32``) collides within ~65k blocks (birthday bound); 64 bits
   puts the first collision near 4 billion blocks, and a collision only misroutes.
+- **Adapters salt the chain**: the cells of a prompt run under an adapter (LoRA) hold other
+  numbers than the base model's, so the first block of such a prompt hashes
+  :func:`adapter_salt` (the adapter's name) as its parent. A prefix cached under one
+  adapter is never reused, nor routed to, under another or the base model; base-model ids
+  are unchanged.
 - A fresh ``blake2b(..., digest_size=8)`` per block costs more than copying one prepared
   hasher (keyword parsing). Measured on the 2-core development machine for 16-token
   blocks (``benchmarks/bench_kv_index.py``, medians of two runs): 155-300 µs for a
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
     from operators.contracts.llm import PreprocessedRequest
     from pipeline import Context
 
-__all__ = ("BlockHasher", "block_hashes", "request_block_ids")
+__all__ = ("BlockHasher", "adapter_salt", "block_hashes", "request_block_ids")
 
 #: an array typecode for unsigned 32-bit ints (``I`` on every platform we know of)
 _U32 = next(code for code in ("I", "L") if array.array(code).itemsize == 4)
@@ -168,16 +173,28 @@ class BlockHasher:
         return ids
 
 
+@functools.lru_cache(maxsize=256)
+def adapter_salt(adapter: str | None) -> int | None:
+    """The parent id of the first block of a prompt run under ``adapter`` (None: the base
+    model's prompts have no salt)."""
+    if adapter is None:
+        return None
+    digest = hashlib.blake2b(adapter.encode(), digest_size=8, person=b"llmp-lora").digest()
+    return int.from_bytes(digest, "little")
+
+
 def request_block_ids(block_size: int) -> Callable[[Context[PreprocessedRequest]], list[int]]:
     """The ``block_ids`` function a :class:`~pipeline.kv_routing.KvRouter` in front of
     LLM workers takes: the block ids of the request's ``token_ids`` (prompt, plus replayed
-    output after a migration: the new worker's cache may hold those too).
+    output after a migration: the new worker's cache may hold those too), salted by its
+    adapter (:func:`adapter_salt`).
 
     ``block_size`` must be the engines' (one size per worker pool).
     """
     _hasher(block_size)
 
     def block_ids(ctx: Context[PreprocessedRequest]) -> list[int]:
-        return block_hashes(ctx.data.token_ids, block_size)
+        request = ctx.data
+        return block_hashes(request.token_ids, block_size, parent=adapter_salt(request.lora))
 
     return block_ids

@@ -112,6 +112,7 @@ __all__ = (
     "open_bucket",
     "quietly",
     "settle",
+    "unescape_token",
 )
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,17 @@ def escape_token(text: str) -> str:
     if _TOKEN.fullmatch(text):
         return text
     return _UNSAFE.sub(lambda m: "".join(f"={b:02X}" for b in m.group().encode()), text)
+
+
+def unescape_token(token: str) -> str:
+    """The text :func:`escape_token` made ``token`` of (``=XX`` escapes decoded)."""
+    if "=" not in token:
+        return token
+    return re.sub(
+        r"(?:=[0-9A-F]{2})+",
+        lambda m: bytes.fromhex(m.group().replace("=", "")).decode("utf-8", "replace"),
+        token,
+    )
 
 
 def check_token(what: str, value: str) -> str:

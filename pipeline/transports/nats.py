@@ -34,6 +34,8 @@
   and a worker that leaves the set (stopped, evicted at "no responders", expired) has its
   blocks dropped at once (:meth:`~pipeline.WorkerSet.listen`), long before its key would
   expire.
+* :class:`NatsModels` follows which models workers register for at all, for a frontend
+  that serves every model its workers serve (one NatsDiscovery per model then).
 * :func:`connect` makes the connection workers and frontends use: reconnecting forever
   once connected, :class:`~pipeline.ConnectFailed` when the first connection does not
   succeed within ``give_up_after`` seconds. An outage of the bus is ridden out: while a
@@ -91,6 +93,7 @@ from ._nats_kv import NatsKvEventsStatistics as NatsKvEventsStatistics
 from ._nats_kv import NatsKvPublisher as NatsKvPublisher
 from ._nats_kv import NatsKvPublisherStatistics as NatsKvPublisherStatistics
 from ._nats_kv import kv_subject as kv_subject
+from ._nats_models import NatsModels as NatsModels
 from ._nats_worker import NatsWorker as NatsWorker
 from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
 from ._nats_worker import serve as serve
@@ -116,6 +119,7 @@ __all__ = (
     "NatsKvEventsStatistics",
     "NatsKvPublisher",
     "NatsKvPublisherStatistics",
+    "NatsModels",
     "NatsTimeouts",
     "NatsWorker",
     "NatsWorkerStatistics",

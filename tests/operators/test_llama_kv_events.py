@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.llama import LlamaEngine
 from operators.engines.llama._kv_events import KvLedger, KvReporter, TierLedger
-from operators.routing.kv_blocks import block_hashes
+from operators.routing.kv_blocks import adapter_salt, block_hashes
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import (
     KvCleared,
@@ -65,6 +65,7 @@ _operation = st.one_of(
     st.tuples(st.just("copy"), st.integers(0, SLOTS - 1), st.integers(0, SLOTS - 1)),
     st.tuples(st.just("clear")),
     st.tuples(st.just("sync")),
+    st.tuples(st.just("salt"), st.integers(0, SLOTS - 1), st.sampled_from([None, "a", "b"])),
 )
 
 
@@ -74,10 +75,15 @@ def test_ledger_events_track_the_union_of_the_slots_full_blocks(
     block_size: int, operations: list[tuple[Any, ...]]
 ) -> None:
     """Applied to a set, the events equal the union of the slots' full blocks after every
-    sync, whatever happened to the slots in between (as the runtime marks it)."""
+    sync, whatever happened to the slots in between (as the runtime marks it); a slot
+    holding an adapter's cells (LoRA) has its blocks salted by the adapter's name."""
     ledger = KvLedger(SLOTS, block_size)
     cached: list[list[int]] = [[] for _ in range(SLOTS)]
+    salts: list[int | None] = [None] * SLOTS
     held: set[int] = set()
+
+    def ids_of(slot: int) -> list[int]:
+        return block_hashes(cached[slot], block_size, parent=salts[slot])
 
     def sync() -> None:
         events = ledger.sync(cached)
@@ -88,7 +94,7 @@ def test_ledger_events_track_the_union_of_the_slots_full_blocks(
             if isinstance(event, KvStored):  # prefix order: every parent held already
                 parents = {
                     ids[i]: ids[i - 1] if i else None
-                    for ids in (block_hashes(tokens, block_size) for tokens in cached)
+                    for ids in (ids_of(slot) for slot in range(SLOTS))
                     for i in range(len(ids))
                 }
                 for block in event.block_ids:
@@ -97,7 +103,7 @@ def test_ledger_events_track_the_union_of_the_slots_full_blocks(
                     held.add(block)
             else:
                 apply(held, event)
-        expected = set().union(*(block_hashes(tokens, block_size) for tokens in cached))
+        expected = set().union(*(ids_of(slot) for slot in range(SLOTS)))
         assert held == expected == ledger.held()
 
     for operation in operations:
@@ -111,10 +117,19 @@ def test_ledger_events_track_the_union_of_the_slots_full_blocks(
                     del cached[slot][length:]
             case ("extend", slot, tokens):
                 cached[slot].extend(tokens)
-            case ("copy", source, target):
+            case ("copy", source, target):  # (between slots of one adapter)
                 if source != target:
+                    salts[target] = salts[source]
+                    ledger.salted(target, salts[source])
                     cached[target] = list(cached[source])
                     ledger.truncated(target, 0)
+            case ("salt", slot, adapter):  # another adapter's sequence: its cells are cut
+                salt = adapter_salt(adapter)
+                if salt != salts[slot]:
+                    ledger.truncated(slot, 0)
+                    cached[slot] = []
+                salts[slot] = salt
+                ledger.salted(slot, salt)
             case ("clear",):
                 for tokens in cached:
                     tokens.clear()

@@ -159,6 +159,7 @@ def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCo
             "top_k": request.top_k,
             "user": request.user,
             "stream": stream,
+            "priority": request.priority,
         }
     return ChatCompletionRequest.model_construct(
         model=request.model,

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Final, final
 import orjson
 
 from operators.edges.http.asgi import send_json
-from operators.edges.http.failures import ApiError, Refusal, describe_failure
+from operators.edges.http.failures import ApiError, Refusal, describe_failure, unknown_path
 from operators.edges.http.generation import Exchange, KeepAlive
-from operators.edges.http.routes import Call, Host, Route, check_model
+from operators.edges.http.routes import Call, Host, Route, resolve_model
 
 from .conversation import chat_request
 from .errors import ANTHROPIC_ERRORS
@@ -63,8 +63,10 @@ def _check_version(call: Call) -> None:
 class AnthropicEdge:
     """Anthropic's Messages API over the app's graph.
 
-    ``preprocessor`` is the graph's own (``count_tokens`` renders and encodes exactly as a
-    message request would; without it, count_tokens answers 404 as unknown).
+    ``count_tokens`` renders and encodes through the model's own preprocessor
+    (:attr:`~operators.edges.http.models.ServedModel.preprocessor`), exactly as a message
+    request would, or through ``preprocessor`` for a model that has none; without either
+    it answers 404 as an unknown path.
     """
 
     def __init__(
@@ -83,7 +85,7 @@ class AnthropicEdge:
             async def prepare(body: bytes) -> Exchange:
                 _check_version(call)
                 request = parse_messages_request(body)
-                check_model(request.model, host)
+                model = resolve_model(call, request.model, host)
                 renderer = MessageRenderer(
                     f"msg_{uuid.uuid4().hex}",
                     request.model,
@@ -96,6 +98,8 @@ class AnthropicEdge:
                     AnthropicReply(renderer),
                     keep_alive=self._keep_alive if request.stream else None,
                     response_id=renderer.message_id,
+                    graph=model.graph,
+                    model=model.name,
                 )
 
             return await host.generations.run(
@@ -107,9 +111,11 @@ class AnthropicEdge:
                 body = await _read(call, host)
                 _check_version(call)
                 request = parse_count_tokens_request(body)
-                check_model(request.model, host)
-                assert self._preprocessor is not None  # (routed only with one)
-                legs = await self._preprocessor.prepare(chat_request(request))
+                model = resolve_model(call, request.model, host)
+                preprocessor = model.preprocessor or self._preprocessor
+                if preprocessor is None:
+                    raise Refusal(unknown_path(COUNT_TOKENS))
+                legs = await preprocessor.prepare(chat_request(request))
             except Refusal as exc:
                 error = exc.error
             except Exception as exc:  # InvalidRequest: the template, the context length
@@ -122,10 +128,10 @@ class AnthropicEdge:
             await send_json(call.send, rendered.status, rendered.body, rendered.headers)
             return rendered.status
 
-        routes = [Route(MESSAGES, _POST, create, ANTHROPIC_ERRORS)]
-        if self._preprocessor is not None:
-            routes.append(Route(COUNT_TOKENS, _POST, count_tokens, ANTHROPIC_ERRORS))
-        return routes
+        return [
+            Route(MESSAGES, _POST, create, ANTHROPIC_ERRORS),
+            Route(COUNT_TOKENS, _POST, count_tokens, ANTHROPIC_ERRORS),
+        ]
 
 
 async def _read(call: Call, host: Host) -> bytes:

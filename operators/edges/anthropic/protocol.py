@@ -22,7 +22,15 @@ from typing import Annotated, Any, Final, Literal
 import orjson
 from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
 
-from operators.edges.openai.protocol.base import MAX_INT, Bool, Count, Float, Model, invalid
+from operators.edges.openai.protocol.base import (
+    MAX_INT,
+    Bool,
+    Count,
+    Float,
+    Model,
+    Priority,
+    invalid,
+)
 from operators.edges.openai.protocol.parsing import from_validation_error
 from operators.edges.openai.protocol.requests import MAX_STOP_STRINGS
 from pipeline import InvalidRequest
@@ -303,6 +311,9 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT)
     stream: Bool = False
     metadata: dict[str, Any] | None = None
+    #: lower runs earlier (None: the API key's default priority, else 0); not Anthropic's
+    #: own field: the clients send it in ``extra_body``
+    priority: Priority | None = None
 
     @field_validator("stop_sequences")
     @classmethod

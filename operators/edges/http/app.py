@@ -1,12 +1,15 @@
-"""The ASGI app every edge is served by: :class:`EdgeApp`, one port, one graph, many APIs.
+"""The ASGI app every edge is served by: :class:`EdgeApp`, one port, many models, many APIs.
 
 ::
 
     request --> route (exact path, else a {name} template) --> API key (guarded routes)
-            --> the edge's handler --> llm_pipeline_requests_total{endpoint, status}
+            --> the edge's handler --> its model (app.models) --> that model's graph
+            --> llm_pipeline_requests_total{endpoint, status, model}
     GET /health, GET /metrics: the app's own, never guarded
 
-The app knows no API: each :class:`~.routes.Edge` brings its routes and the
+The app knows no API and routes every API by model the same way (:mod:`.models`: each
+model its own graph; an unknown model is a 404 in the edge's words). Each
+:class:`~.routes.Edge` brings its routes and the
 :class:`~.failures.ErrorStyle` they answer in (OpenAI's, Anthropic's), and hands generation
 requests to :class:`~.generation.Generations`, which owns admission, deadlines, request
 ids, disconnects and the drain for all of them. :class:`operators.edges.openai.server.
@@ -27,6 +30,7 @@ from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
 from .generation import Generations
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .models import Models, ServedModel
 from .routes import Call, Edge, Route
 
 if TYPE_CHECKING:
@@ -51,11 +55,14 @@ class _Methods(dict[str, Route]):
 
 
 class EdgeApp:
-    """The ASGI app: ``edges`` over ``graph``, serving one model name.
+    """The ASGI app: ``edges`` over the graphs of ``models``.
 
     Args:
-        graph: what generation requests run on (usually the default graph).
-        model_name: the one model served.
+        graph: what generation requests run on (usually the default graph), for an app of
+            one model, ``model_name``; or None, with ``models``.
+        model_name: that one model's name.
+        models: the models served, each with its graph (:mod:`.models`); may change while
+            the app serves (``app.models``).
         edges: the APIs served, in order; a path claimed twice keeps its first route.
         errors: how the app says "unknown path" (and 401 there).
         metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
@@ -68,9 +75,10 @@ class EdgeApp:
 
     def __init__(
         self,
-        graph: Engine[Any, Any],
+        graph: Engine[Any, Any] | None = None,
         *,
-        model_name: str,
+        model_name: str | None = None,
+        models: Models | Iterable[ServedModel] | None = None,
         edges: Iterable[Edge],
         errors: ErrorStyle,
         metrics: ServerMetrics | None = None,
@@ -79,19 +87,17 @@ class EdgeApp:
         tracer: Tracer | None = None,
         pages: Pages | None = None,
     ) -> None:
-        self._graph = graph
-        self._model_name = model_name
+        self._models = _models(graph, model_name, models)
         self._errors = errors
         self._guard = guard if guard is not None else Guard()
         self.metrics = metrics if metrics is not None else ServerMetrics()
         #: what answers the GET paths no edge serves (the web UI), or None
         self.pages = pages
         self._generations = Generations(
-            graph,
+            self._models,
             guard=self._guard,
             metrics=self.metrics,
             max_body_bytes=max_body_bytes,
-            model_name=model_name,
             tracer=tracer,
         )
         self._exact: dict[str, _Methods] = {}
@@ -115,14 +121,27 @@ class EdgeApp:
     # ------------------------------------------------------------------ the Host protocol
 
     @property
+    def models(self) -> Models:
+        """The models served, each with its graph; add and remove them while serving."""
+        return self._models
+
+    @property
     def graph(self) -> Engine[Any, Any]:
-        """The serving graph."""
-        return self._graph
+        """The default model's graph (what a request naming no model runs on).
+
+        Raises:
+            LookupError: no model is served now.
+        """
+        default = self._models.default
+        if default is None:
+            raise LookupError("no model is served now")
+        return default.graph
 
     @property
     def model_name(self) -> str:
-        """The model this app serves."""
-        return self._model_name
+        """The default model's name ("" while none is served)."""
+        default = self._models.default
+        return "" if default is None else default.name
 
     @property
     def generations(self) -> Generations:
@@ -224,8 +243,9 @@ class EdgeApp:
             self.metrics.count_request(any_route.endpoint, rendered.status)
             return
         owner = self._guard.owner(scope) if self._guard.requires_key else ""
-        status = await route.handler(Call(scope, receive, send, params, owner))
-        self.metrics.count_request(route.endpoint, status)
+        call = Call(scope, receive, send, params, owner)
+        status = await route.handler(call)
+        self.metrics.count_request(route.endpoint, status, call.model)
 
     async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> bool:
         """Whether the request may go on (no keys, or a valid one); a 401 otherwise."""
@@ -261,3 +281,22 @@ class EdgeApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         self.metrics.count_request(path, status)
+
+
+def _models(
+    graph: Engine[Any, Any] | None,
+    model_name: str | None,
+    models: Models | Iterable[ServedModel] | None,
+) -> Models:
+    """The app's models: ``models``, or the one ``graph`` serving ``model_name``.
+
+    Raises:
+        TypeError: neither, or both, were given.
+    """
+    if models is not None:
+        if graph is not None:
+            raise TypeError("give either graph (with model_name) or models, not both")
+        return models if isinstance(models, Models) else Models(models)
+    if graph is None or model_name is None:
+        raise TypeError("give graph and model_name, or models")
+    return Models([ServedModel(name=model_name, graph=graph)])

@@ -22,6 +22,7 @@ A handler refuses a request by raising :class:`Refusal` (an ``ApiError`` as an e
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, final
 
@@ -161,11 +162,13 @@ def unknown_path(path: str) -> ApiError:
     return ApiError("not_found", f"Unknown path {path!r}.")
 
 
-def unknown_model(name: str, served: str) -> ApiError:
-    """The request names a model other than the one served."""
+def unknown_model(name: str, served: str | Iterable[str]) -> ApiError:
+    """The request names a model the server does not serve (``served``: the names it does)."""
+    names = [served] if isinstance(served, str) else list(served)
+    serves = ", ".join(repr(n) for n in names) if names else "no model now"
     return ApiError(
         "not_found",
-        f"The model {name!r} does not exist; this server serves {served!r}.",
+        f"The model {name!r} does not exist; this server serves {serves}.",
         param="model",
         code="model_not_found",
     )

@@ -5,7 +5,9 @@ become its API's response (an :class:`Exchange` carrying a :class:`Reply`). Ever
 else happens here, once, for chat completions, Responses, Messages and a user's own edge::
 
     read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
+                                           (its model resolved: its graph, :mod:`.models`)
     draining? (503)  at max_inflight? (admission: the edge says 503 or 529)
+    no priority given? the API key's default (Guard)
     x-request-id (unique in flight), the deadline (Guard), a Context
     run the graph under open_stream, a watcher task killing it when the client leaves
         stream:  the reply renders each event; sse_writer decides when bytes leave
@@ -16,7 +18,7 @@ else happens here, once, for chat completions, Responses, Messages and a user's 
 :meth:`Generations.drain` refuses new requests and lets the in-flight ones finish;
 :meth:`Generations.abort` kills what is left, each ending with an error, never a finish
 it did not earn. Every request counts in ``llm_pipeline_inflight_requests`` and
-``llm_pipeline_request_duration_seconds``.
+``llm_pipeline_request_duration_seconds`` (by model, as its other per-request series).
 
 With a :class:`~pipeline.tracing.Tracer`, every generation request, whichever its edge,
 gets a span (:mod:`.request_span`: HTTP and GenAI attributes, the first token, the usage)
@@ -63,6 +65,7 @@ from .request_span import (
     record_usage,
     start_request,
 )
+from .routes import MODEL_SCOPE_KEY
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 
 if TYPE_CHECKING:
@@ -70,7 +73,8 @@ if TYPE_CHECKING:
     from pipeline.tracing import Span, Tracer
 
     from .guard import Guard
-    from .metrics import ServerMetrics
+    from .metrics import ModelMetrics, ServerMetrics
+    from .models import Models
 
 __all__ = ("Exchange", "Generations", "KeepAlive", "Prepare", "Reply")
 
@@ -132,11 +136,14 @@ class Exchange:
     request: Any
     stream: bool
     reply: Reply[Any]
-    #: the graph to run (None: the app's)
+    #: the graph to run (None: the graph of ``model``)
     graph: Engine[Any, Any] | None = None
     keep_alive: KeepAlive | None = None
     #: the id the response is named by (for traces; None: OpenAI's, from the request id)
     response_id: str | None = None
+    #: the served model it runs on, as :meth:`~.models.Models.resolve` named it (None: the
+    #: default model); labels its metrics and its span
+    model: str | None = None
 
 
 Prepare = Callable[[bytes], Awaitable[Exchange]]
@@ -149,29 +156,28 @@ class Generations:
     """The generation requests in flight, and the rules they all run under.
 
     Args:
-        graph: what an :class:`Exchange` runs on unless it names its own.
-        guard: admission control and deadlines (API keys are checked before dispatch).
+        models: the models served: an :class:`Exchange` runs on its model's graph (unless
+            it brings its own), the default model's when it names none.
+        guard: admission control, deadlines, and the API keys' default priorities (keys
+            are checked before dispatch).
         metrics: in-flight gauge, durations, tokens, rejections, timeouts.
         max_body_bytes: larger bodies get a 413.
-        model_name: the model served (for traces).
         tracer: traces every generation request (None: none is traced, nothing is done).
     """
 
     def __init__(
         self,
-        graph: Engine[Any, Any],
+        models: Models,
         *,
         guard: Guard,
         metrics: ServerMetrics,
         max_body_bytes: int,
-        model_name: str = "",
         tracer: Tracer | None = None,
     ) -> None:
-        self.graph = graph
+        self.models = models
         self.guard = guard
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
-        self.model_name = model_name
         #: what traces the requests (None: untraced)
         self.tracer = tracer
         self._contexts: set[Context[Any]] = set()
@@ -223,15 +229,16 @@ class Generations:
         span = None if tracer is None else start_request(tracer, scope, route or scope["path"])
         status = 500
         error: BaseException | None = None
+        served = [""]  # the model it ran on, once known
         try:
-            status = await self._serve(scope, receive, send, errors, prepare, started, span)
+            status = await self._serve(scope, receive, send, errors, prepare, started, span, served)
             return status
         except BaseException as exc:
             error = exc
             raise
         finally:
             metrics.inflight.dec()
-            metrics.request_duration.observe(perf_counter() - started)
+            metrics.for_model(served[0]).request_duration.observe(perf_counter() - started)
             if span is not None:
                 finish_request(span, status, error)
 
@@ -244,6 +251,7 @@ class Generations:
         prepare: Prepare,
         started: float,
         span: Span | None,
+        served: list[str],
     ) -> int:
         async def refuse(error: ApiError, request_id: str | None = None) -> int:
             rendered = errors.render(error, request_id)
@@ -262,6 +270,17 @@ class Generations:
             return await refuse(exc.error)
         except Exception as exc:  # InvalidRequest, or a store failing under the edge
             return await refuse(describe_failure(exc, "(not started)"))
+        graph = exchange.graph
+        model_name = exchange.model
+        if graph is None or model_name is None:
+            try:
+                model = self.models.resolve(model_name)
+            except Refusal as exc:
+                return await refuse(exc.error)
+            model_name = model.name
+            graph = model.graph if graph is None else graph
+        served[0] = scope[MODEL_SCOPE_KEY] = model_name
+        metrics = self.metrics.for_model(model_name)
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             return await refuse(draining())
@@ -279,6 +298,9 @@ class Generations:
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
         time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
+        request = exchange.request
+        if getattr(request, "priority", 0) is None:  # the API key's default, else 0
+            request.priority = self.guard.priority_for(scope)
         tracer = self.tracer
         ctx = Context.new(
             exchange.request,
@@ -288,8 +310,7 @@ class Generations:
             span=span if tracer is not None and tracer.stages else None,
         )
         if span is not None:
-            record_request(span, exchange.request, ctx.id, self.model_name, exchange.response_id)
-        graph = self.graph if exchange.graph is None else exchange.graph
+            record_request(span, exchange.request, ctx.id, model_name, exchange.response_id)
         self._contexts.add(ctx)
         status = CLIENT_GONE
         failed: BaseException | None = None
@@ -319,14 +340,22 @@ class Generations:
                             exchange.reply,
                             errors=errors,
                             started=started,
-                            metrics=self.metrics,
+                            metrics=metrics,
                             ended_by_server=ended_by_server,
                             state=state,
                             span=span,
                         )
                     else:
                         status = await self._complete(
-                            graph, ctx, send, exchange.reply, errors, ended_by_server, span, started
+                            graph,
+                            ctx,
+                            send,
+                            exchange.reply,
+                            errors,
+                            ended_by_server,
+                            span,
+                            started,
+                            metrics,
                         )
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
@@ -363,6 +392,7 @@ class Generations:
         ended_by_server: Callable[[Context[Any]], ApiError | None],
         span: Span | None,
         started: float,
+        metrics: ModelMetrics,
     ) -> int:
         """Run the graph to the end and send the folded response as one JSON body."""
         error: ApiError | None = None
@@ -393,6 +423,6 @@ class Generations:
             return rendered.status
         tokens = reply.output_tokens
         if tokens:
-            self.metrics.output_tokens.inc(tokens)
+            metrics.output_tokens.inc(tokens)
         await send_json(send, 200, body, id_header(ctx))
         return 200

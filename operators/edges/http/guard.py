@@ -14,6 +14,10 @@ graph, whichever edge it came through:
 * **Admission.** With ``max_inflight``, a generation request arriving while that many are
   in flight is refused at once (OpenAI: 503 with ``Retry-After``; Anthropic: 529): an
   overloaded server answers "later" instead of queueing without bound.
+* **Priorities.** A key may carry a default scheduling priority (``--api-key KEY:PRIORITY``;
+  lower runs earlier, vLLM's convention): a generation request that sets no ``priority`` of
+  its own gets its key's (0 without one). The engine and the routers admit waiting requests
+  by priority, then arrival.
 * **Deadlines.** With ``request_timeout``, a generation request is killed down to the
   engine once it has run that long, and ends with a timeout error. A client may ask for
   less: the official OpenAI SDKs send their own timeout as ``X-Stainless-Read-Timeout``
@@ -29,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import math
-from collections.abc import Iterable, MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any, Final, final
 
 __all__ = ("CLIENT_TIMEOUT_HEADER", "Guard")
@@ -46,7 +50,8 @@ class Guard:
     """The server's protections; each is off unless configured.
 
     Args:
-        api_keys: the keys that may call ``/v1/*`` (none: no authentication).
+        api_keys: the keys that may call ``/v1/*`` (none: no authentication); a mapping
+            gives each key its default priority.
         max_inflight: most generation requests in flight; more get 503 (None: no limit).
         request_timeout: seconds a generation request may run (None: no limit).
 
@@ -54,16 +59,17 @@ class Guard:
         ValueError: an empty key, a ``max_inflight`` below 1, a timeout not above 0.
     """
 
-    __slots__ = ("_keys", "max_inflight", "request_timeout")
+    __slots__ = ("_keys", "_priorities", "max_inflight", "request_timeout")
 
     def __init__(
         self,
         *,
-        api_keys: Iterable[str] = (),
+        api_keys: Iterable[str] | Mapping[str, int] = (),
         max_inflight: int | None = None,
         request_timeout: float | None = None,
     ) -> None:
-        keys = tuple(key.encode() for key in api_keys)
+        priorities = dict(api_keys) if isinstance(api_keys, Mapping) else dict.fromkeys(api_keys, 0)
+        keys = tuple(key.encode() for key in priorities)
         if any(not key.strip() for key in keys):
             raise ValueError("an API key must not be empty")
         if max_inflight is not None and max_inflight < 1:
@@ -71,6 +77,7 @@ class Guard:
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self._keys = keys
+        self._priorities = tuple(priorities.values())
         self.max_inflight = max_inflight
         self.request_timeout = request_timeout
 
@@ -90,6 +97,20 @@ class Guard:
         for key in self._keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(presented, key)
         return matched, True
+
+    def priority_for(self, scope: MutableMapping[str, Any]) -> int:
+        """The default priority of the request's API key (0: no keys, or a key without
+        one). Every key is compared, in constant time each, as :meth:`check_key` does."""
+        if not self._keys or not any(self._priorities):
+            return 0
+        presented = _presented_key(scope)
+        if presented is None:
+            return 0
+        found = 0
+        for key, priority in zip(self._keys, self._priorities, strict=True):
+            if hmac.compare_digest(presented, key):
+                found = priority
+        return found
 
     def owner(self, scope: MutableMapping[str, Any]) -> str:
         """Who a request acts for, as stored state is scoped: a digest of its API key

@@ -7,14 +7,19 @@ lock and a bucket scan per observation there, so the histograms here are plain l
 updated from the event loop's single thread and exposed by a collector at scrape time:
 an observation is one ``bisect`` and two additions.
 
+The per-request series carry a ``model`` label: the served model the request was routed to
+(an adapter's own name), or "" for a request that named none it serves (an unknown name is
+never a label value: clients could grow the registry). :meth:`ServerMetrics.for_model`
+gives one model's children, looked up once per request.
+
 Series::
 
-    llm_pipeline_requests_total{endpoint, status}    counter, one per finished request
+    llm_pipeline_requests_total{endpoint, status, model}  counter, one per finished request
     llm_pipeline_inflight_requests                   gauge, generation requests in progress
-    llm_pipeline_output_tokens_total                 counter, completion tokens generated
-    llm_pipeline_time_to_first_token_seconds         histogram, request start -> first token
-    llm_pipeline_inter_token_latency_seconds         histogram, gap between token writes
-    llm_pipeline_request_duration_seconds            histogram, request start -> end
+    llm_pipeline_output_tokens_total{model}          counter, completion tokens generated
+    llm_pipeline_time_to_first_token_seconds{model}  histogram, request start -> first token
+    llm_pipeline_inter_token_latency_seconds{model}  histogram, gap between token writes
+    llm_pipeline_request_duration_seconds{model}     histogram, request start -> end
     llm_pipeline_migrations_total{kind, outcome}     counter, one per lost worker
     llm_pipeline_speculative_{proposed,accepted}_tokens_total   counters, draft tokens
     llm_pipeline_llama_running_sequences             gauge, sequences in a slot (llama engine)
@@ -63,7 +68,9 @@ __all__ = (
     "BatchingCounts",
     "EngineLoad",
     "Histogram",
+    "HistogramFamily",
     "KvCounts",
+    "ModelMetrics",
     "ServerMetrics",
 )
 
@@ -116,19 +123,62 @@ class Histogram:
 
     def family(self) -> HistogramMetricFamily:
         """The histogram as a Prometheus metric family (cumulative buckets)."""
+        return HistogramMetricFamily(
+            self.name, self.documentation, buckets=self.buckets(), sum_value=self._sum
+        )
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """The cumulative buckets, as Prometheus exposes them."""
         buckets: list[tuple[str, float]] = []
         total = 0
         for bound, count in zip(self._bounds, self._counts, strict=False):
             total += count
             buckets.append((repr(bound), total))
         buckets.append(("+Inf", total + self._counts[-1]))
-        return HistogramMetricFamily(
-            self.name, self.documentation, buckets=buckets, sum_value=self._sum
-        )
+        return buckets
+
+
+@final
+class HistogramFamily:
+    """Lock-free :class:`Histogram` s by the value of one label (``model``), exposed as one
+    Prometheus family; the event loop's thread only, like :class:`Histogram`."""
+
+    __slots__ = ("_buckets", "_children", "documentation", "label", "name")
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], label: str) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.label = label
+        self._buckets = tuple(buckets)
+        self._children: dict[str, Histogram] = {}
+
+    def labels(self, value: str) -> Histogram:
+        """The histogram of the label's ``value`` (made on first use)."""
+        child = self._children.get(value)
+        if child is None:
+            child = self._children[value] = Histogram(self.name, self.documentation, self._buckets)
+        return child
+
+    @property
+    def count(self) -> int:
+        """Observations so far, every label value together."""
+        return sum(child.count for child in self._children.values())
+
+    @property
+    def sum(self) -> float:
+        """The sum of every observation so far."""
+        return sum(child.sum for child in self._children.values())
+
+    def family(self) -> HistogramMetricFamily:
+        """Every child as one Prometheus metric family."""
+        family = HistogramMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, child in sorted(self._children.items()):
+            family.add_metric([value], child.buckets(), child.sum)
+        return family
 
 
 class _HistogramCollector(Collector):
-    def __init__(self, histograms: Sequence[Histogram]) -> None:
+    def __init__(self, histograms: Sequence[HistogramFamily]) -> None:
         self._histograms = tuple(histograms)
 
     def collect(self) -> Iterator[Metric]:
@@ -137,7 +187,39 @@ class _HistogramCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         for histogram in self._histograms:
-            yield HistogramMetricFamily(histogram.name, histogram.documentation)
+            yield HistogramMetricFamily(
+                histogram.name, histogram.documentation, labels=[histogram.label]
+            )
+
+
+@final
+class ModelMetrics:
+    """One model's per-request series (children of :class:`ServerMetrics`' families)."""
+
+    __slots__ = (
+        "_model",
+        "_output_tokens",
+        "_tokens",
+        "inter_token_latency",
+        "request_duration",
+        "time_to_first_token",
+    )
+
+    def __init__(self, metrics: ServerMetrics, model: str) -> None:
+        self.time_to_first_token = metrics.time_to_first_token.labels(model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model)
+        self.request_duration = metrics.request_duration.labels(model)
+        self._tokens = metrics.output_tokens
+        self._model = model
+        self._output_tokens: Counter | None = None
+
+    @property
+    def output_tokens(self) -> Counter:
+        """The model's ``llm_pipeline_output_tokens_total`` (shown from its first token)."""
+        counter = self._output_tokens
+        if counter is None:
+            counter = self._output_tokens = self._tokens.labels(self._model)
+        return counter
 
 
 class _SpeculationCollector(Collector):
@@ -385,8 +467,9 @@ class ServerMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.requests = Counter(
             "llm_pipeline_requests",
-            "Finished HTTP requests by endpoint and status code (499: the client went away).",
-            ["endpoint", "status"],
+            "Finished HTTP requests by endpoint, status code (499: the client went away) and "
+            "model ('' for requests of no served model).",
+            ["endpoint", "status", "model"],
             registry=self.registry,
         )
         self.inflight = Gauge(
@@ -396,23 +479,27 @@ class ServerMetrics:
         )
         self.output_tokens = Counter(
             "llm_pipeline_output_tokens",
-            "Completion tokens of finished responses (from their usage).",
+            "Completion tokens of finished responses (from their usage), by model.",
+            ["model"],
             registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = HistogramFamily(
             "llm_pipeline_time_to_first_token_seconds",
-            "From the request's arrival to the write of its first token.",
+            "From the request's arrival to the write of its first token, by model.",
             _TTFT_BUCKETS,
+            "model",
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = HistogramFamily(
             "llm_pipeline_inter_token_latency_seconds",
-            "Gap between consecutive token writes of one streamed response.",
+            "Gap between consecutive token writes of one streamed response, by model.",
             _ITL_BUCKETS,
+            "model",
         )
-        self.request_duration = Histogram(
+        self.request_duration = HistogramFamily(
             "llm_pipeline_request_duration_seconds",
-            "From a generation request's arrival to the end of its response.",
+            "From a generation request's arrival to the end of its response, by model.",
             _DURATION_BUCKETS,
+            "model",
         )
         self.registry.register(
             _HistogramCollector(
@@ -458,15 +545,25 @@ class ServerMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)
-        self._request_counters: dict[tuple[str, int], Counter] = {}
+        self._request_counters: dict[tuple[str, int, str], Counter] = {}
         self._decision_counters: dict[str, Counter] = {}
+        self._models: dict[str, ModelMetrics] = {}
 
-    def count_request(self, endpoint: str, status: int) -> None:
-        """Count one finished request."""
-        key = (endpoint, status)
+    def for_model(self, model: str) -> ModelMetrics:
+        """The per-request series of ``model`` (a served model's name, or "")."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
+
+    def count_request(self, endpoint: str, status: int, model: str = "") -> None:
+        """Count one finished request (``model``: the served model it was routed to)."""
+        key = (endpoint, status, model)
         counter = self._request_counters.get(key)
         if counter is None:
-            counter = self._request_counters[key] = self.requests.labels(endpoint, str(status))
+            counter = self._request_counters[key] = self.requests.labels(
+                endpoint, str(status), model
+            )
         counter.inc()
 
     def count_migration(self, kind: str, outcome: str) -> None:

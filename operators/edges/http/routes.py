@@ -8,15 +8,19 @@ refusals the app answers on its behalf). A handler gets a :class:`Call` and retu
 status it answered with (for ``llm_pipeline_requests_total``). Generation handlers hand
 their request to ``host.generations.run(...)``, which does everything an API does not
 decide (:mod:`.generation`); other handlers answer with :func:`.asgi.send_json`.
+
+A request naming a model is routed by :func:`resolve_model` (``host.models``, :mod:`.models`):
+its graph, or the 404 every edge gives for a model it does not serve; the name resolved is
+the ``model`` label of the request's metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-from .failures import ErrorStyle, Refusal, unknown_model
+from .failures import ErrorStyle
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -25,8 +29,21 @@ if TYPE_CHECKING:
     from .generation import Generations
     from .guard import Guard
     from .metrics import ServerMetrics
+    from .models import Models, ServedModel
 
-__all__ = ("Call", "Edge", "Handler", "Host", "Route", "check_model")
+__all__ = (
+    "MODEL_SCOPE_KEY",
+    "Call",
+    "Edge",
+    "Handler",
+    "Host",
+    "Route",
+    "check_model",
+    "resolve_model",
+)
+
+#: where the ASGI scope of a request keeps the name of the model it was routed to
+MODEL_SCOPE_KEY: Final = "llm_pipeline.model"
 
 Handler = Callable[["Call"], Awaitable[int]]
 """A route's handler: answers the call, returns its status (499: the client left)."""
@@ -49,6 +66,17 @@ class Call:
         """The HTTP method."""
         method: str = self.scope["method"]
         return method
+
+    @property
+    def model(self) -> str:
+        """The served model the request was routed to ("" until it is, or for a request of
+        no model): the ``model`` label of its metrics."""
+        model: str = self.scope.get(MODEL_SCOPE_KEY, "")
+        return model
+
+    @model.setter
+    def model(self, name: str) -> None:
+        self.scope[MODEL_SCOPE_KEY] = name
 
     @property
     def query(self) -> bytes:
@@ -87,7 +115,12 @@ class Host(Protocol):
 
     @property
     def model_name(self) -> str:
-        """The one model served."""
+        """The default model's name (what a request naming none gets)."""
+        ...
+
+    @property
+    def models(self) -> Models:
+        """Every model served, by name (:mod:`.models`)."""
         ...
 
     @property
@@ -114,11 +147,24 @@ class Edge(Protocol):
         ...
 
 
-def check_model(name: str | None, host: Host) -> None:
-    """Refuse a request naming a model other than the served one (None: it named none).
+def resolve_model(call: Call, name: str | None, host: Host) -> ServedModel:
+    """The model ``call`` runs on: the one its request names (None: the default), now the
+    ``model`` label of its metrics.
+
+    Raises:
+        Refusal: ``not_found`` naming ``model`` for a model not served (no label then: a
+            label per unknown name would let clients grow the registry).
+    """
+    model = host.models.resolve(name)
+    call.model = model.name
+    return model
+
+
+def check_model(name: str | None, host: Host) -> ServedModel:
+    """The model a request naming ``name`` runs on (None: the default); for a handler that
+    has no :class:`Call` at hand (:func:`resolve_model` also labels the metrics).
 
     Raises:
         Refusal: ``not_found``, ``param: model``.
     """
-    if name is not None and name != host.model_name:
-        raise Refusal(unknown_model(name, host.model_name))
+    return host.models.resolve(name)

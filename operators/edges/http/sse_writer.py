@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from pipeline.tracing import Span
 
     from .generation import Reply
-    from .metrics import ServerMetrics
+    from .metrics import ModelMetrics
 
 __all__ = (
     "CLIENT_GONE",
@@ -100,7 +100,7 @@ async def stream_response(
     *,
     errors: ErrorStyle,
     started: float,
-    metrics: ServerMetrics,
+    metrics: ModelMetrics,
     ended_by_server: Callable[[Context[Any]], ApiError | None],
     state: StreamState | None = None,
     span: Span | None = None,

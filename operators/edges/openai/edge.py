@@ -4,26 +4,26 @@
 
     POST /v1/chat/completions   parse_chat_request        --[graph]--> events -> OpenAIReply
     POST /v1/completions        parse_completion_request  --[graph]--> events -> OpenAIReply
-    GET  /v1/models, /v1/models/{model}
+    GET  /v1/models, /v1/models/{model}   every model served (adapters with their ``parent``)
     POST /v1/embeddings         the engine's ``embed`` (:mod:`.embeddings`)
     POST /tokenize, /detokenize vLLM's shapes, through the preprocessor (:mod:`.tokenize`)
 
 This is the whole of an edge: how each body becomes what the graph takes, and which
-:class:`~.reply.OpenAIReply` renders the graph's events; admission, deadlines, request ids,
-disconnects, the drain and the metrics are :mod:`operators.edges.http`'s.
+:class:`~.reply.OpenAIReply` renders the graph's events; the request's model (its graph),
+admission, deadlines, request ids, disconnects, the drain and the metrics are
+:mod:`operators.edges.http`'s.
 """
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Final, final
 
 import orjson
 
 from operators.edges.http.asgi import send_json
-from operators.edges.http.failures import unknown_model
+from operators.edges.http.failures import Refusal
 from operators.edges.http.generation import Exchange
-from operators.edges.http.routes import Call, Handler, Host, Route, check_model
+from operators.edges.http.routes import Call, Handler, Host, Route, resolve_model
 
 from .errors import OPENAI_ERRORS
 from .protocol import parse_chat_request, parse_completion_request
@@ -54,19 +54,19 @@ class OpenAIEdge:
 
     def routes(self, host: Host) -> list[Route]:
         """The OpenAI routes on ``host``."""
-        card = {
-            "id": host.model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "llm-pipeline",
-        }
 
         def generation(parse: Callable[[bytes], OpenAIRequest], path: str) -> Handler:
             async def handle(call: Call) -> int:
                 async def prepare(body: bytes) -> Exchange:
                     request = parse(body)
-                    check_model(request.model, host)
-                    return Exchange(request, request.stream, OpenAIReply(request))
+                    model = resolve_model(call, request.model, host)
+                    return Exchange(
+                        request,
+                        request.stream,
+                        OpenAIReply(request),
+                        graph=model.graph,
+                        model=model.name,
+                    )
 
                 return await host.generations.run(
                     call.scope, call.receive, call.send, OPENAI_ERRORS, prepare, route=path
@@ -75,17 +75,19 @@ class OpenAIEdge:
             return handle
 
         async def models(call: Call) -> int:
-            await send_json(call.send, 200, orjson.dumps({"object": "list", "data": [card]}))
+            cards = [model.card() for model in host.models]
+            await send_json(call.send, 200, orjson.dumps({"object": "list", "data": cards}))
             return 200
 
         async def model(call: Call) -> int:
-            name = call.params["model"]
-            if name == host.model_name:
-                await send_json(call.send, 200, orjson.dumps(card))
-                return 200
-            rendered = OPENAI_ERRORS.render(unknown_model(name, host.model_name))
-            await send_json(call.send, rendered.status, rendered.body)
-            return rendered.status
+            try:
+                found = resolve_model(call, call.params["model"], host)
+            except Refusal as exc:
+                rendered = OPENAI_ERRORS.render(exc.error)
+                await send_json(call.send, rendered.status, rendered.body)
+                return rendered.status
+            await send_json(call.send, 200, orjson.dumps(found.card()))
+            return 200
 
         routes = [
             Route(

@@ -1,13 +1,13 @@
 """``POST /v1/embeddings``: OpenAI's embeddings, from the engine's optional ``embed``.
 
 ``input`` is a string, a list of strings, a list of token ids or a list of such lists;
-strings are encoded with the served tokenizer. ``encoding_format`` ``float`` gives lists of
-numbers, ``base64`` the little-endian float32 bytes (what OpenAI's SDKs ask for by
-default). ``usage.prompt_tokens`` counts every input's tokens. The model's vectors have one
-length: ``dimensions`` is refused (a 400 naming it) since no engine here can shorten them.
-An engine without ``embed`` (echo, mocker, a router over in-process workers) answers a 400
-naming ``model``. Embeddings do not run through the graph: no migration, no stop strings;
-the request timeout applies.
+strings are encoded with the model's tokenizer (its preprocessor's). ``encoding_format``
+``float`` gives lists of numbers, ``base64`` the little-endian float32 bytes (what OpenAI's
+SDKs ask for by default). ``usage.prompt_tokens`` counts every input's tokens. The model's
+vectors have one length: ``dimensions`` is refused (a 400 naming it) since no engine here
+can shorten them. An engine without ``embed`` (echo, mocker, a router over in-process
+workers) answers a 400 naming ``model``. Embeddings do not run through the graph: no
+migration, no stop strings; the request timeout applies.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from operators.edges.http.failures import (
     describe_failure,
     timed_out,
 )
-from operators.edges.http.routes import Call, Host, Route, check_model
+from operators.edges.http.routes import Call, Host, Route, resolve_model
 from pipeline import InvalidRequest
 
 from .errors import OPENAI_ERRORS
@@ -144,10 +144,12 @@ def _encoded(vector: Sequence[float], encoding: str) -> list[float] | str:
 
 
 def embedding_routes(
-    embedder: Embedder | None, tokenizer: TokenizerLike
+    embedder: Embedder | None = None, tokenizer: TokenizerLike | None = None
 ) -> Callable[[Host], list[Route]]:
-    """The embeddings route over ``embedder`` (None: every request is a 400 naming
-    ``model``), encoding strings with ``tokenizer``."""
+    """The embeddings route: each request's model embeds through its own embedder and
+    tokenizer (:class:`~operators.edges.http.models.ServedModel`), or through ``embedder``
+    and ``tokenizer`` when it has none; a model with no embedder is a 400 naming
+    ``model``."""
 
     def routes(host: Host) -> list[Route]:
         async def embeddings(call: Call) -> int:
@@ -176,21 +178,23 @@ def embedding_routes(
             if body is None:
                 raise Refusal(ApiError("invalid_request", "the client went away"))
             request = parse_embedding_request(body)
-            check_model(request.model, host)
-            if embedder is None:
+            model = resolve_model(call, request.model, host)
+            own = model.preprocessor
+            served = model.embedder if model.embedder is not None else embedder
+            encoder = own.tokenizer if own is not None else tokenizer
+            if served is None or encoder is None:
                 raise InvalidRequest(
-                    f"the model {host.model_name!r} does not serve embeddings (its engine "
-                    "has no embed)",
+                    f"the model {model.name!r} does not serve embeddings (its engine has no embed)",
                     param="model",
                 )
             inputs = request.inputs
             if sum(len(item) for item in inputs) > OFF_LOOP_CHARS:
-                ids = await anyio.to_thread.run_sync(_encode, inputs, tokenizer)
+                ids = await anyio.to_thread.run_sync(_encode, inputs, encoder)
             else:
-                ids = _encode(inputs, tokenizer)
+                ids = _encode(inputs, encoder)
             timeout = host.guard.request_timeout
             with anyio.fail_after(timeout):
-                vectors = await embedder.embed(ids)
+                vectors = await served.embed(ids)
             tokens = sum(len(item) for item in ids)
             return {
                 "object": "list",
@@ -202,7 +206,7 @@ def embedding_routes(
                     }
                     for index, vector in enumerate(vectors)
                 ],
-                "model": request.model or host.model_name,
+                "model": request.model or model.name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -92,6 +92,8 @@ class OpenAIPreprocessor:
             hosts only when allowed).
         tool_format: the tool-call format the server parses (None: requests with tools
             get a 400); it also builds the constraint of ``tool_choice: "required"``.
+        adapters: the names of the model's adapters (LoRA), read at each request (a live
+            set): a request naming one runs with it (``PreprocessedRequest.lora``).
 
     Raises:
         ValueError: the chat template does not compile.
@@ -107,8 +109,10 @@ class OpenAIPreprocessor:
         chat_template: str | None = None,
         images: ImagePolicy | None = None,
         tool_format: ConstraintBuilder | None = None,
+        adapters: Container[str] = frozenset(),
     ) -> None:
         self._tokenizer = tokenizer
+        self._adapters = adapters
         self._tool_format = tool_format
         self._images = ImagePolicy() if images is None else images
         self._model_name = model_name
@@ -292,6 +296,8 @@ class OpenAIPreprocessor:
             output=request.output_options(),
             model=request.model or self._model_name,
             n=request.n,
+            priority=request.priority or 0,
+            lora=request.model if request.model in self._adapters else None,
         )
         return _Leg(preprocessed, echo)
 

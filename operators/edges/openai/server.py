@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from operators.edges.http.app import Pages
     from operators.edges.http.guard import Guard
     from operators.edges.http.metrics import ServerMetrics
+    from operators.edges.http.models import Models, ServedModel
     from operators.edges.http.routes import Edge, Host, Route
     from pipeline import Engine
     from pipeline.tracing import Tracer
@@ -57,13 +58,17 @@ __all__ = (
 
 @final
 class OpenAIApp(EdgeApp):
-    """The ASGI app: OpenAI endpoints over ``graph``, serving one model name.
+    """The ASGI app: OpenAI endpoints over ``graph``, serving one model name, or over the
+    graphs of several ``models``.
 
     Args:
         graph: takes a validated :data:`OpenAIRequest` and yields its response's
             :mod:`~operators.edges.openai.events` (usually :func:`operators.graph.default_graph`).
         model_name: the one model served; a request naming another gets 404 (a request
             that names none is served).
+        models: instead of ``graph`` and ``model_name``, the models served, each with its
+            graph (:class:`~operators.edges.http.models.ServedModel`; ``build_app`` makes
+            them); requests are routed by their ``model``.
         metrics: where to count (a fresh :class:`ServerMetrics`, own registry, if None).
         max_body_bytes: larger request bodies get 413.
         guard: API keys, admission control and deadlines (:class:`~.guard.Guard`; none of
@@ -76,9 +81,10 @@ class OpenAIApp(EdgeApp):
 
     def __init__(
         self,
-        graph: Engine[OpenAIRequest, OpenAIEvent],
+        graph: Engine[OpenAIRequest, OpenAIEvent] | None = None,
         *,
-        model_name: str,
+        model_name: str | None = None,
+        models: Models | Iterable[ServedModel] | None = None,
         metrics: ServerMetrics | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         guard: Guard | None = None,
@@ -90,6 +96,7 @@ class OpenAIApp(EdgeApp):
         super().__init__(
             graph,
             model_name=model_name,
+            models=models,
             edges=[OpenAIEdge(*openai_routes), *edges],
             errors=OPENAI_ERRORS,
             metrics=metrics,

@@ -4,9 +4,9 @@
 prompt is encoded) or chat ``messages`` (and ``tools``), rendered with the chat template
 exactly as a chat request would be (``add_generation_prompt``, default true), and answers
 ``{"count", "max_model_len", "tokens"}`` (plus ``token_strs`` with ``return_token_strs``).
-The ids come from the graph's own preprocessor, so ``count`` is the ``usage.prompt_tokens``
-of the same request. ``/detokenize`` takes ``{"tokens"}`` and answers ``{"prompt"}``; an id
-outside the vocabulary is a 400 naming ``tokens``.
+The ids come from the preprocessor of the model's graph, so ``count`` is the
+``usage.prompt_tokens`` of the same request. ``/detokenize`` takes ``{"tokens"}`` and
+answers ``{"prompt"}``; an id outside the vocabulary is a 400 naming ``tokens``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import Field, ValidationError
 
 from operators.edges.http.asgi import BodyTooLarge, read_body, send_json
 from operators.edges.http.failures import ApiError, Refusal, body_too_large, describe_failure
-from operators.edges.http.routes import Call, Host, Route, check_model
+from operators.edges.http.routes import Call, Host, Route, resolve_model
 from pipeline import InvalidRequest
 
 from .errors import OPENAI_ERRORS
@@ -69,13 +69,27 @@ def _parse(model: type[Model], body: bytes) -> Any:
 
 
 def tokenize_routes(
-    preprocessor: OpenAIPreprocessor, *, context: int | None = None
+    preprocessor: OpenAIPreprocessor | None = None, *, context: int | None = None
 ) -> Callable[[Host], list[Route]]:
-    """The tokenize and detokenize routes, through ``preprocessor`` (the graph's);
-    ``context``: the engine's context length, reported as ``max_model_len`` when the
-    preprocessor has none of its own."""
-    tokenizer = preprocessor.tokenizer
-    max_model_len = preprocessor.max_model_len or context
+    """The tokenize and detokenize routes, through each request's model's preprocessor
+    (:class:`~operators.edges.http.models.ServedModel`), or ``preprocessor`` for a model
+    that has none; ``context``: the engine's context length, reported as ``max_model_len``
+    when neither the preprocessor nor the model knows one."""
+
+    def through(call: Call, name: str | None, host: Host) -> tuple[OpenAIPreprocessor, Any]:
+        """The preprocessor and ``max_model_len`` of the model ``name``."""
+        model = resolve_model(call, name, host)
+        own: OpenAIPreprocessor | None = model.preprocessor
+        if own is None:
+            own = preprocessor
+            limit = context
+        else:
+            limit = model.context
+        if own is None:
+            raise InvalidRequest(
+                f"the model {model.name!r} cannot tokenize (no preprocessor)", param="model"
+            )
+        return own, own.max_model_len or limit
 
     async def body_of(call: Call, host: Host) -> bytes:
         limit = host.generations.max_body_bytes
@@ -87,9 +101,10 @@ def tokenize_routes(
             raise Refusal(ApiError("invalid_request", "the client went away"))
         return body
 
-    async def tokenize(body: bytes, host: Host) -> dict[str, Any]:
+    async def tokenize(call: Call, body: bytes, host: Host) -> dict[str, Any]:
         request: TokenizeRequest = _parse(TokenizeRequest, body)
-        check_model(request.model, host)
+        preprocessor, max_model_len = through(call, request.model, host)
+        tokenizer = preprocessor.tokenizer
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequest("give either 'prompt' or 'messages'", param="prompt")
         if request.messages is not None:
@@ -122,9 +137,9 @@ def tokenize_routes(
             result["token_strs"] = [tokenizer.id_to_token(token) for token in tokens]
         return result
 
-    async def detokenize(body: bytes, host: Host) -> dict[str, Any]:
+    async def detokenize(call: Call, body: bytes, host: Host) -> dict[str, Any]:
         request: DetokenizeRequest = _parse(DetokenizeRequest, body)
-        check_model(request.model, host)
+        tokenizer = through(call, request.model, host)[0].tokenizer
         vocab: int | None = getattr(tokenizer, "vocab_size", None)
         for position, token in enumerate(request.tokens):
             if vocab is not None and token >= vocab:
@@ -135,10 +150,10 @@ def tokenize_routes(
         return {"prompt": tokenizer.decode(request.tokens, skip_special_tokens=False)}
 
     def routes(host: Host) -> list[Route]:
-        def handler(work: Callable[[bytes, Host], Any], what: str) -> Any:
+        def handler(work: Callable[[Call, bytes, Host], Any], what: str) -> Any:
             async def handle(call: Call) -> int:
                 try:
-                    result = await work(await body_of(call, host), host)
+                    result = await work(call, await body_of(call, host), host)
                 except Refusal as exc:
                     error = exc.error
                 except Exception as exc:  # InvalidRequest: a field, the template, the context

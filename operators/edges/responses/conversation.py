@@ -278,4 +278,5 @@ def chat_request(
         response_format=_response_format(request),
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs if request.logprobs else None,
+        priority=request.priority,
     )

@@ -28,7 +28,7 @@ import orjson
 from operators.edges.http.asgi import send_json
 from operators.edges.http.failures import ApiError, Refusal, Rendered
 from operators.edges.http.generation import Exchange
-from operators.edges.http.routes import Call, Host, Route, check_model
+from operators.edges.http.routes import Call, Host, Route, resolve_model
 from operators.edges.openai.errors import OPENAI_ERRORS
 
 from .conversation import chat_request, input_items
@@ -186,7 +186,7 @@ class ResponsesEdge:
         async def create(call: Call) -> int:
             async def prepare(body: bytes) -> Exchange:
                 request = parse_responses_request(body, reasoning=self._reasoning)
-                check_model(request.model, host)
+                model = resolve_model(call, request.model, host)
                 id_hex = uuid.uuid4().hex
                 conversation: list[dict[str, Any]] = []
                 if request.previous_response_id is not None:
@@ -195,7 +195,7 @@ class ResponsesEdge:
                     )
                     conversation = previous.conversation
                 conversation = [*conversation, *input_items(request, id_hex)]
-                shell = response_shell(request, f"resp_{id_hex}", request.model or host.model_name)
+                shell = response_shell(request, f"resp_{id_hex}", request.model or model.name)
                 renderer = ResponseRenderer(shell, stream=request.stream, logprobs=request.logprobs)
                 reply = ResponsesReply(
                     renderer,
@@ -209,6 +209,8 @@ class ResponsesEdge:
                     request.stream,
                     reply,
                     response_id=shell["id"],
+                    graph=model.graph,
+                    model=model.name,
                 )
 
             return await host.generations.run(

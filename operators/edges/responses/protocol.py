@@ -32,6 +32,7 @@ from operators.edges.openai.protocol.base import (
     Count,
     Float,
     Model,
+    Priority,
     TokenId,
     invalid,
 )
@@ -347,6 +348,8 @@ class ResponsesRequest(Model):
     min_tokens: int = Field(default=0, strict=True, ge=0, le=MAX_INT)
     ignore_eos: Bool = False
     stop_token_ids: list[TokenId] | None = None
+    #: lower runs earlier (None: the API key's default priority, else 0)
+    priority: Priority | None = None
 
     @model_validator(mode="before")
     @classmethod

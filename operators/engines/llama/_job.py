@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from ._constraint import Matcher
     from ._kv_handle import Handle
+    from ._lora import Adapter
     from ._sequence import Sequence
 
 __all__ = ("Job",)
@@ -45,6 +46,7 @@ class Job:
         "_outbox",
         "_reader",
         "_writer",
+        "adapter",
         "budget",
         "cancelled",
         "consumed",
@@ -76,8 +78,11 @@ class Job:
         resumed: bool = False,
         transfer: Handle | None = None,
         rng_state: dict[str, Any] | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
         self.ctx = ctx
+        #: the adapter (LoRA) its choices run with (None: the base model)
+        self.adapter = adapter
         #: what runs: ``ctx.data``, or its continuation after a prefill worker's token
         self.request = ctx.data if request is None else request
         #: 1 when the request continues after a prefill worker's first token (the last

@@ -59,7 +59,7 @@ class KvLedger:
     Owned by the scheduler thread (the runtime calls the marks, the scheduler syncs).
     """
 
-    __slots__ = ("_cleared", "_cut", "_ids", "_refs", "block_size")
+    __slots__ = ("_cleared", "_cut", "_ids", "_refs", "_salts", "block_size")
 
     def __init__(self, slots: int, block_size: int) -> None:
         if block_size < 1:
@@ -68,6 +68,7 @@ class KvLedger:
         self._ids: list[list[int]] = [[] for _ in range(slots)]
         self._cut = [_UNCUT] * slots  # the shortest length each slot was cut to
         self._refs: dict[int, int] = {}  # block -> slots holding it
+        self._salts: list[int | None] = [None] * slots  # each slot's first parent
         self._cleared = False
 
     # ------------------------------------------------------- marks (from the runtime)
@@ -76,6 +77,14 @@ class KvLedger:
         """Slot ``slot``'s cells from ``length`` on were dropped (or replaced)."""
         if length < self._cut[slot]:
             self._cut[slot] = length
+
+    def salted(self, slot: int, salt: int | None) -> None:
+        """Slot ``slot`` holds cells of another adapter from now on (``salt``: its
+        :func:`~operators.routing.kv_blocks.adapter_salt`, the first block's parent; None:
+        the base model's). Its cells were cut to nothing already."""
+        if self._salts[slot] != salt:
+            self._salts[slot] = salt
+            self.truncated(slot, 0)
 
     def cleared(self) -> None:
         """Every slot was emptied at once."""
@@ -119,7 +128,9 @@ class KvLedger:
                 del ids[kept:]
             if full > kept:
                 new = block_hashes(
-                    tokens[kept * size : full * size], size, parent=ids[-1] if ids else None
+                    tokens[kept * size : full * size],
+                    size,
+                    parent=ids[-1] if ids else self._salts[slot],
                 )
                 ids.extend(new)
                 for block in new:  # counted up before any count goes down: see below

@@ -21,7 +21,7 @@ _MIN_COPY: Final = 16
 
 
 def choose_slot(
-    cached: Sequence[list[int]],
+    cached: Sequence[Sequence[int]],
     slots: Sequence[object | None],
     free: list[int],
     prompt: Sequence[int],
@@ -50,7 +50,7 @@ def choose_slot(
     return slot, reused, donor
 
 
-def _common(cached: list[int], prompt: Sequence[int], limit: int) -> int:
+def _common(cached: Sequence[int], prompt: Sequence[int], limit: int) -> int:
     """The length of the common prefix of ``cached`` and ``prompt``, at most ``limit``."""
     n = min(len(cached), limit)
     i = 0

@@ -156,6 +156,7 @@ class Runtime:
         self._copies_queued = False
         #: the layout of this model's cells, known once :meth:`kv_portable` succeeded
         self.layout: KvLayout | None = None
+        self._adapter: object | None = None  # the adapter decodes run with (None: none)
 
     def _should_abort(self, _data: object) -> bool:
         abort = self._abort
@@ -370,6 +371,41 @@ class Runtime:
                 same = same and bool(np.array_equal(alone, self.row(offsets[0])))
         self.clear()
         return same
+
+    # ------------------------------------------------------------------- adapters
+
+    def load_adapter(self, path: str) -> object:
+        """An adapter (LoRA) GGUF of this model, loaded (``llama_adapter_lora_init``).
+
+        Raises:
+            LlamaFailure: llama.cpp refused it (no adapter GGUF, another model's).
+        """
+        adapter = llama_cpp.llama_adapter_lora_init(self._model, path.encode())
+        if not adapter:
+            raise LlamaFailure(f"llama.cpp could not load {path} as an adapter of this model")
+        return adapter
+
+    def use_adapter(self, adapter: object | None) -> None:
+        """Run the next decodes with ``adapter`` at scale 1 (None: the base model)."""
+        if adapter is self._adapter:
+            return
+        if adapter is None:
+            code = llama_cpp.llama_set_adapters_lora(self._ctx, None, 0, None)
+        else:
+            adapters = (llama_cpp.llama_adapter_lora_p_ctypes * 1)(adapter)  # type: ignore[misc]
+            scales = (ctypes.c_float * 1)(1.0)
+            code = llama_cpp.llama_set_adapters_lora(self._ctx, adapters, 1, scales)
+        if code != 0:
+            raise LlamaFailure(f"llama.cpp could not set the adapter (code {code})")
+        self._adapter = adapter
+
+    def free_adapter(self, adapter: object) -> None:
+        """Free an adapter no sequence runs with any more (the base model runs next if it
+        was in use)."""
+        if adapter is self._adapter:
+            self.use_adapter(None)
+        if self._ctx is not None:
+            llama_cpp.llama_adapter_lora_free(adapter)
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[object]:

@@ -10,7 +10,9 @@
                                              retire    cancelled or stopped jobs free slots
                                              admit     place choices in free slots, reusing
                                                        the longest cached prefix
-                                             plan      at most `step_tokens` tokens:
+                                             plan      one adapter's sequences (LoRA; the
+                                                       groups take turns), at most
+                                                       `step_tokens` tokens:
                                                        1. the pending token of every decoding
                                                           sequence whose consumer keeps up
                                                        2. prompt chunks, oldest first
@@ -34,6 +36,11 @@ its task pulls the cells the slot lacks, and joins the prefilling sequences when
 arrived (or failed to: then its prompt is prefilled here). On a prefill worker, a
 sequence's cells are exported for a decode worker when its one token is out (``issuer``).
 
+Adapters (``_lora``): llama.cpp applies them per context, so a step runs the sequences of
+one adapter (or of the base model), the groups with work taking turns; a slot's cells are
+reused only by a sequence of the adapter that computed them. Loading and freeing adapters
+runs in this thread too (:meth:`Scheduler.call`, :meth:`Scheduler.retire`), between steps.
+
 Why a sequence may run at most two outputs ahead of its consumer: the engine stays nearly
 pull-driven (a slow client does not make the engine generate its whole answer into a
 buffer, and a closed stream wastes at most two tokens), yet a consumer that keeps up never
@@ -47,15 +54,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Final, final
 
 from operators.contracts.llm import EngineOutput
 from operators.engines.ngram import NgramSpeculation
-from pipeline import EngineError
+from pipeline import EngineError, InvalidRequest
 
 from ._job import Job
 from ._kv_events import KvReporter
 from ._kv_moves import KvMover
+from ._lora import Adapter, next_group
 from ._pacing import Pacer
 from ._placement import choose_slot, compaction
 from ._runtime import Aborted, Feed, LlamaFailure, Runtime
@@ -129,6 +138,10 @@ class Scheduler:
         self._probed = threading.Event()
         self._probe: bool | Exception = False
         self._gathered = False  # this burst's prompts were gathered already
+        self._owners: list[Adapter | None] = [None] * runtime.parallel  # whose cells
+        self._last_ran: dict[Adapter | None, int] = {}  # the step each group last ran
+        self._calls: deque[tuple[Callable[[], object], Future[object]]] = deque()
+        self._retiring: list[Adapter] = []  # unloaded; freed once no job runs with them
         #: whether KV cells survive an export and a load (checked when asked at start)
         self.kv_portable = False
         self._thread = threading.Thread(target=self._run, name="llama-scheduler", daemon=True)
@@ -167,6 +180,27 @@ class Scheduler:
                 raise EngineError("the llama engine is closed", request_id=job.ctx.id)
             self._inbox.append(job)
         self._wake.set()
+
+    def call(self, work: Callable[[], object]) -> Future[object]:
+        """Run ``work`` in the scheduler's thread between two steps (loading an adapter:
+        llama.cpp's model and context are this thread's); its result or exception in the
+        future.
+
+        Raises:
+            EngineError: the scheduler has stopped.
+        """
+        future: Future[object] = Future()
+        with self._lock:
+            if self._stopped:
+                raise EngineError("the llama engine is closed")
+            self._calls.append((work, future))
+        self._wake.set()
+        return future
+
+    def retire(self, adapter: Adapter) -> None:
+        """Free ``adapter`` once no request runs with it (a request still waiting to
+        start with it then fails: 400 naming ``model``)."""
+        self.call(lambda: self._retiring.append(adapter))
 
     def nudge(self) -> None:
         """Wake the scheduler: an output was taken, or a job was cancelled."""
@@ -213,7 +247,9 @@ class Scheduler:
             while not self._stopping:
                 self._wake.clear()
                 self._receive()
+                self._run_calls()
                 self._retire()
+                self._free_adapters()
                 self._admit()
                 self._gather()
                 self._compact()
@@ -233,6 +269,8 @@ class Scheduler:
             for job in self._jobs:
                 job.end(EngineError(message, request_id=job.ctx.id))
             self._jobs.clear()
+            while self._calls:
+                self._calls.popleft()[1].set_exception(EngineError(message))
             self._slots = [None] * len(self._slots)
             self._prefilling.clear()
             self._awaiting.clear()
@@ -242,6 +280,13 @@ class Scheduler:
         counters = self.counters
         while self._inbox:
             job = self._inbox.popleft()
+            if job.adapter is not None and job.adapter.freed:
+                name = job.adapter.name
+                error = InvalidRequest(
+                    f"the adapter {name!r} was unloaded", param="model", request_id=job.ctx.id
+                )
+                job.end(error)
+                continue
             self._jobs.append(job)
             job.queued.extend(
                 Sequence(
@@ -269,6 +314,40 @@ class Scheduler:
         if cells is None:
             self.counters.recomputed += 1
         self._prefilling.append(seq)
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            work, future = self._calls.popleft()
+            try:
+                result = work()
+            except Exception as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+    def _free_adapters(self) -> None:
+        """Free the unloaded adapters no job runs with; the free slots holding their cells
+        forget them (their blocks are reported removed)."""
+        for adapter in list(self._retiring):
+            if any(job.adapter is adapter for job in self._jobs):
+                continue
+            for slot, owner in enumerate(self._owners):
+                if owner is adapter and self._slots[slot] is None:
+                    self._own(slot, None)
+            self._runtime.free_adapter(adapter.handle)
+            adapter.freed = True
+            self._last_ran.pop(adapter, None)
+            self._retiring.remove(adapter)
+
+    def _own(self, slot: int, adapter: Adapter | None) -> None:
+        """Slot ``slot``'s cells are (to be) computed under ``adapter``: another adapter's
+        are cut first."""
+        if self._owners[slot] is not adapter:
+            self._runtime.keep(slot, 0)
+        self._owners[slot] = adapter
+        ledger = self._runtime.ledger
+        if ledger is not None:
+            ledger.salted(slot, None if adapter is None else adapter.salt)
 
     def _retire(self) -> None:
         """Cancelled jobs and stopped requests leave their slots."""
@@ -298,6 +377,7 @@ class Scheduler:
                     leader.followers.append(seq)
                     seq.slot = free[0]
                     self._slots[free[0]] = seq
+                    self._own(free[0], job.adapter)
                     self.counters.cached += len(seq.prompt)
                 else:
                     self._place(seq, free)
@@ -311,15 +391,22 @@ class Scheduler:
         runtime = self._runtime
         mover = self.mover
         job = seq.job
-        slot, reused, donor = choose_slot(runtime.cached, self._slots, free, seq.prompt)
-        if mover is not None:
+        adapter, owners = job.adapter, self._owners
+        # only cells computed under the same adapter are a prefix of this prompt; on a tie,
+        # a slot of its own adapter's or an empty one goes before one whose cells another
+        # adapter could still reuse
+        cached = [cells if owners[s] is adapter else () for s, cells in enumerate(runtime.cached)]
+        free = sorted(free, key=lambda s: owners[s] is not adapter and bool(runtime.cached[s]))
+        slot, reused, donor = choose_slot(cached, self._slots, free, seq.prompt)
+        if mover is not None and owners[slot] is None:  # the tiers keep base-model blocks
             mover.save(slot, 0 if donor >= 0 else reused)
+        self._own(slot, adapter)
         if donor >= 0:
             # With a mover, copied at once: no copy queued under a load to come.
             if mover is None or not mover.transplant(donor, slot, reused):
                 runtime.copy(donor, slot)
         runtime.keep(slot, reused)
-        if mover is not None:
+        if mover is not None and adapter is None:
             reused += mover.restore(slot, seq.prompt, len(seq.prompt) - 1)
         seq.slot = slot
         self._slots[slot] = seq
@@ -384,6 +471,7 @@ class Scheduler:
         while (move := compaction(self._slots, _COMPACT_REMAINING)) is not None:
             seq, source, target = move
             length = len(runtime.cached[source])
+            self._own(target, self._owners[source])
             if self.mover is None or not self.mover.transplant(source, target, length):
                 runtime.copy(source, target)
             self._slots[source], self._slots[target] = None, seq
@@ -399,12 +487,18 @@ class Scheduler:
             for seq in self._slots
             if seq is not None and seq.pending is not None and seq.behind <= 1
         ]  # in slot order; a sequence whose consumer is two outputs behind waits
+        prefilling = self._prefilling
+        groups = dict.fromkeys(seq.job.adapter for seq in (*decoding, *prefilling))
+        group = next_group(groups, self._last_ran)
+        if len(groups) > 1:  # llama.cpp runs one adapter per step: the groups take turns
+            decoding = [seq for seq in decoding if seq.job.adapter is group]
+            prefilling = [seq for seq in prefilling if seq.job.adapter is group]
         # While nobody waits for a token, a step takes as much prompt as the batch holds.
         waiting = any(seq is not None and seq.pending is not None for seq in self._slots)
         budget = (self._step_tokens if waiting else runtime.n_batch) - len(decoding)
         prompt_budget = self._pacer.prefill_budget(len(decoding), budget)
         chunks: list[tuple[Sequence, int]] = []
-        for seq in self._prefilling:
+        for seq in prefilling:
             if prompt_budget <= 0:
                 break
             assert seq.slot is not None
@@ -446,6 +540,7 @@ class Scheduler:
             prefilled=tuple(seq.slot for seq, _ in chunks if seq.slot is not None),
             prefill_tokens=prompt_tokens,
             seconds=0.0,
+            adapter=None if group is None else group.name,
         )
         stoppable = [seq.job for seq, _ in chunks]
 
@@ -453,8 +548,10 @@ class Scheduler:
             return any(job.cancelled or job.ctx.is_stopped for job in stoppable)
 
         self._ring()
+        self._last_ran[group] = self.counters.steps
         started = time.perf_counter()
         try:
+            runtime.use_adapter(None if group is None else group.handle)
             offsets = runtime.decode([feed for _, feed in work], stopped if stoppable else None)
         except Aborted:
             return True  # the next pass retires the stopped request; the rest run again

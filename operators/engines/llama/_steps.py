@@ -27,6 +27,8 @@ class LlamaStep(NamedTuple):
     prefill_tokens: int
     #: how long llama_decode took, in seconds
     seconds: float
+    #: the adapter (LoRA) every sequence of the step ran with (None: the base model)
+    adapter: str | None = None
 
     @property
     def batch_size(self) -> int:

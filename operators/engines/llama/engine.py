@@ -11,14 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Final, final
 
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines.ngram import NgramSpeculation
 from pipeline import EngineError, InvalidRequest
@@ -30,6 +30,7 @@ from ._embed import Embeddings
 from ._job import Job
 from ._kv_events import KvLedger, KvReporter, TierLedger
 from ._kv_moves import KvMover, build_tiers
+from ._lora import Adapters
 from ._runtime import LlamaFailure, Runtime
 from ._scheduler import Scheduler
 from ._slots import Slots
@@ -108,8 +109,9 @@ class LlamaEngine:
         n_ctx: the context window of one sequence in tokens: a request's prompt +
             max_tokens must fit. The KV cache holds ``parallel * n_ctx`` cells.
         n_threads: CPU threads for llama.cpp (default: every CPU this process may use).
-        parallel: sequences decoded together (slots); more requests wait for a slot, in
-            arrival order.
+        parallel: sequences decoded together (slots); more requests wait for a slot, by
+            priority then arrival (``PreprocessedRequest.priority``, lower first, with
+            :mod:`pipeline.priority`'s aging).
         step_tokens: most tokens one step evaluates while sequences decode: a token of
             every decoding sequence, then chunks of pending prompts, then drafts. At least
             ``parallel`` and 16. While none decodes, a step takes up to 512 prompt tokens.
@@ -137,6 +139,9 @@ class LlamaEngine:
         kv_disk_cache: a directory for a :class:`~pipeline.DiskKvTier` of
             ``kv_disk_cache_mb`` MiB below the host tier (its blocks are kept apart per
             model and layout).
+        loras: adapters (LoRA) to load, by name: llama.cpp adapter GGUFs of this model. A
+            request naming one (``PreprocessedRequest.lora``) runs with it; more load at
+            run time (:meth:`load_lora`). docs/llama.md, "Adapters (LoRA)".
 
     Structured output: a request's ``constraint`` (``response_format``, a required tool
     call) is honoured by masking each choice's logits with llguidance (docs/llama.md,
@@ -152,7 +157,7 @@ class LlamaEngine:
 
     #: what this engine honours beyond the base contract
     #: (:func:`operators.contracts.llm.engine_features`)
-    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
+    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING, LORA})
 
     def __init__(
         self,
@@ -175,6 +180,7 @@ class LlamaEngine:
         kv_host_cache_mb: int = 0,
         kv_disk_cache: str | Path | None = None,
         kv_disk_cache_mb: int = 1024,
+        loras: Mapping[str, str | Path] | None = None,
     ) -> None:
         if _IMPORT_ERROR is not None:
             raise ImportError(
@@ -274,6 +280,14 @@ class LlamaEngine:
                 layout=layout,
                 counters=self._scheduler.counters,
             )
+        self._adapters = Adapters(self._scheduler)
+        try:
+            for name, adapter_path in (loras or {}).items():
+                self._adapters.load_now(runtime, name, str(adapter_path))
+        except ValueError:
+            self._scheduler.stop()
+            runtime.close()
+            raise
         self._disagg = disagg
         disagg.start(layout)
         self._scheduler.issuer = disagg.issuer(runtime)
@@ -383,6 +397,35 @@ class LlamaEngine:
         """Counters since the engine was created, and the current load."""
         return statistics(self._scheduler, self._slots.waiting, self._disagg.pull_seconds)
 
+    # ------------------------------------------------------------------------ adapters
+
+    @property
+    def loras(self) -> Mapping[str, str]:
+        """The adapters (LoRA) loaded now: name -> the GGUF file (a live view)."""
+        return self._adapters.paths
+
+    async def load_lora(self, name: str, path: str, /) -> None:
+        """Load the adapter GGUF at ``path`` as ``name`` (between two steps).
+
+        Raises:
+            InvalidRequest: the name is taken, or the file is no adapter of this model
+                (naming ``lora_name`` or ``lora_path``).
+            EngineError: the engine is closed.
+        """
+        runtime = self._runtime
+        if runtime is None or self._closing:
+            raise EngineError("the llama engine is closed")
+        await self._adapters.load(runtime, name, path)
+
+    async def unload_lora(self, name: str, /) -> None:
+        """Forget the adapter ``name``: requests naming it are refused from now on, running
+        ones finish with it, then llama.cpp frees it.
+
+        Raises:
+            KeyError: no adapter of that name is loaded.
+        """
+        self._adapters.unload(name)
+
     def recent_steps(self) -> list[LlamaStep]:
         """What the last steps did, oldest first (at most 1024 are kept)."""
         return self._scheduler.recent_steps()
@@ -431,11 +474,12 @@ class LlamaEngine:
             for index in range(n):
                 yield EngineOutput([], None, None, "length", index)
             return
+        adapter = self._adapters.get(request.lora, ctx.id)
         width = min(n, self._parallel)
         scheduler = self._scheduler
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
-        await self._slots.acquire(width)
+        await self._slots.acquire(width, request.priority)
         span = ctx.span
         if span is not None:  # a traced request: queue wait, prefill chunks, decode as events
             span.add_event("slot_acquired", {"llm_pipeline.slots": width})
@@ -452,6 +496,7 @@ class LlamaEngine:
                 resumed=handle is not None,
                 transfer=transfer,
                 rng_state=None if handle is None else handle.rng,
+                adapter=adapter,
             )
             try:
                 scheduler.submit(job)

@@ -13,7 +13,9 @@ and only when the user did not say:
   fraction of *all* memory vLLM reserves) or ``VLLM_CPU_KVCACHE_SPACE`` says otherwise:
   vLLM's default reserves 90% of the machine.
 
-Always: the KV events are published on an IPC socket of this process's own (the engine
+Always: requests are scheduled by their priority, then arrival (``scheduling_policy``
+"priority"; vLLM may preempt a running request for a more urgent one when its KV cache is
+full); the KV events are published on an IPC socket of this process's own (the engine
 translates them, see ``_kv_events``); structured outputs use the "guidance" backend, which
 takes the Lark grammar our constraints compile to (:mod:`operators.engines._grammar`);
 the replayed-constraint logits processor (``_replay``) is loaded in the engine core; the
@@ -121,6 +123,8 @@ def engine_args(
         "structured_outputs_config": {"backend": "guidance"},
         "logits_processors": [REPLAY_PROCESSOR],
         "disable_log_stats": True,  # (our stat logger still gets the statistics)
+        # requests carry a priority (lower first); all at 0 this is first come first served
+        "scheduling_policy": "priority",
     }
     if max_model_len is not None:
         args["max_model_len"] = max_model_len

@@ -23,11 +23,11 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, final
+from typing import TYPE_CHECKING, Any, NamedTuple, final
 
 import anyio
 
-from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
 from operators.engines._grammar import lark_grammar
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
@@ -35,6 +35,7 @@ from pipeline import EngineError, InvalidRequest, StreamDisconnected
 
 from ._args import engine_args, import_vllm
 from ._kv_events import BlockTranslator, KvEventListener
+from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
 from ._reaper import ProcessReaper, descendants
 from ._sampling import EngineLimits, SamplingPlan, plan_sampling, replay_args
@@ -100,6 +101,12 @@ class VllmEngine:
         kv_events: receives the KV events; see :attr:`kv_events`.
         engine_args: more of vLLM's ``AsyncEngineArgs`` (they win over the above).
         log_level: vLLM's log level (its processes log to stderr).
+        loras: adapters (LoRA) to serve, by name: PEFT folders. With some, vLLM runs with
+            LoRA on (:mod:`._lora`): requests naming one run with it
+            (``PreprocessedRequest.lora``) and more load at run time (:meth:`load_lora`).
+            Without, the engine runs none.
+
+    Requests are scheduled by their ``priority``, then arrival (vLLM's priority scheduling).
 
     Creating one starts vLLM's engine-core process and loads the model: seconds to a minute,
     blocking; in a running event loop use ``await anyio.to_thread.run_sync(VllmEngine)``.
@@ -117,9 +124,6 @@ class VllmEngine:
         EngineError: vLLM could not start.
     """
 
-    #: what this engine honours beyond the base contract (``engine_features``)
-    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING})
-
     def __init__(
         self,
         model: str | Path | None = None,
@@ -135,6 +139,7 @@ class VllmEngine:
         kv_events: KvEventSink | None = None,
         engine_args: Mapping[str, Any] | None = None,
         log_level: str = "WARNING",
+        loras: Mapping[str, str | Path] | None = None,
     ) -> None:
         missing = _import_error()
         if missing is not None:
@@ -145,6 +150,19 @@ class VllmEngine:
         if fail_after_tokens is not None and fail_after_tokens < 0:
             raise ValueError(f"fail_after_tokens must be >= 0, got {fail_after_tokens}")
         self._translator = BlockTranslator(block_size)  # validates block_size
+        lora: dict[str, Any] = {}
+        self._adapters: VllmAdapters | None = None
+        if loras:
+            paths = {name: Path(path) for name, path in loras.items()}
+            try:
+                lora = lora_args(paths)
+                self._adapters = VllmAdapters(paths, max_rank=lora["max_lora_rank"])
+            except InvalidRequest as exc:
+                raise ValueError(f"cannot serve the adapters: {exc.message}") from exc
+        #: what this engine honours beyond the base contract (``engine_features``)
+        self.features = frozenset(
+            {CONSTRAINED_DECODING} if self._adapters is None else {CONSTRAINED_DECODING, LORA}
+        )
         if model is None:
             from .model_dir import default_model_dir
 
@@ -172,7 +190,7 @@ class VllmEngine:
                 gpu_memory_utilization=gpu_memory_utilization,
                 tensor_parallel_size=tensor_parallel_size,
                 block_size=vllm_block_size,
-                extra=engine_args,
+                extra={**lora, **(engine_args or {})},
                 log_level=log_level,
             )
         except BaseException:
@@ -303,6 +321,48 @@ class VllmEngine:
             preemptions=counts.preemptions,
         )
 
+    # ------------------------------------------------------------------------ adapters
+
+    @property
+    def loras(self) -> Mapping[str, str]:
+        """The adapters served now: name -> folder (empty when LoRA is off)."""
+        return {} if self._adapters is None else self._adapters.paths
+
+    async def load_lora(self, name: str, path: str, /) -> None:
+        """Serve the PEFT adapter in folder ``path`` as ``name`` (its rank at most the
+        largest this engine started with).
+
+        Raises:
+            InvalidRequest: LoRA is off, the name is taken, or vLLM refuses the folder.
+        """
+        adapters, llm = self._adapters, self._llm
+        if adapters is None or llm is None:
+            raise InvalidRequest(
+                "this vLLM engine runs no adapters (start it with one: --lora NAME=DIR)",
+                param="model",
+            )
+        adapters.add(name, Path(path))
+        try:
+            loaded = await llm.add_lora(adapters.request(name, "(load)"))
+        except Exception as exc:  # vLLM's refusal: a wrong shape, a module it cannot adapt
+            adapters.remove(name)
+            raise InvalidRequest(f"vLLM cannot load {path}: {exc}", param="lora_path") from exc
+        if not loaded:
+            adapters.remove(name)
+            raise InvalidRequest(f"vLLM did not load {path}", param="lora_path")
+
+    async def unload_lora(self, name: str, /) -> None:
+        """Stop serving the adapter ``name``.
+
+        Raises:
+            KeyError: no adapter of that name.
+        """
+        if self._adapters is None:
+            raise KeyError(name)
+        lora_id = self._adapters.remove(name)
+        if self._llm is not None:
+            await self._llm.remove_lora(lora_id)
+
     # ------------------------------------------------------------------------ generation
 
     def _sampling_params(self, request: PreprocessedRequest, plan: SamplingPlan) -> Any:
@@ -394,10 +454,21 @@ class VllmEngine:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs.engine import tokens_input
 
+        lora = None
+        if request.lora is not None:
+            if self._adapters is None:
+                raise InvalidRequest(
+                    "this vLLM engine runs no adapters", param="model", request_id=ctx.id
+                )
+            lora = self._adapters.request(request.lora, ctx.id)
         with anyio.CancelScope(shield=True):
             try:
                 return await llm.add_request(
-                    f"{ctx.id}-{next(self._ids)}", tokens_input(request.token_ids), params
+                    f"{ctx.id}-{next(self._ids)}",
+                    tokens_input(request.token_ids),
+                    params,
+                    lora_request=lora,
+                    priority=request.priority,
                 )
             except VLLMValidationError as exc:
                 raise InvalidRequest(

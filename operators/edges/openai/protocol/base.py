@@ -11,7 +11,7 @@ from typing import Annotated, Final
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-__all__ = ("MAX_INT", "Bool", "Count", "Float", "Model", "TokenId", "invalid")
+__all__ = ("MAX_INT", "Bool", "Count", "Float", "Model", "Priority", "TokenId", "invalid")
 
 #: the largest count or token id a request may give: engines hold them in 32-bit integers
 #: (llama.cpp's ``llama_token`` and ``n_predict``), and a bound at the edge keeps a value
@@ -24,6 +24,9 @@ Count = Annotated[int, Field(strict=True, ge=1, le=MAX_INT)]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_INT)]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
+#: a request's scheduling priority (vLLM's ``priority``): lower runs earlier, 0 by default
+#: (or the API key's); bounded both ways like every integer (:mod:`pipeline.priority`)
+Priority = Annotated[int, Field(strict=True, ge=-MAX_INT, le=MAX_INT)]
 
 
 class Model(BaseModel):

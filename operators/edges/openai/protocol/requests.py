@@ -15,7 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from operators.contracts.llm import OutputOptions, SamplingOptions, StopConditions
 
-from .base import MAX_INT, Bool, Count, Float, Model, TokenId, invalid
+from .base import MAX_INT, Bool, Count, Float, Model, Priority, TokenId, invalid
 from .messages import ChatMessage
 from .tools import (
     JsonObjectFormat,
@@ -107,6 +107,8 @@ class GenerationRequest(Model):
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
     stop_token_ids: list[TokenId] | None = None
+    #: lower runs earlier (None: the API key's default priority, else 0)
+    priority: Priority | None = None
 
     @model_validator(mode="before")
     @classmethod

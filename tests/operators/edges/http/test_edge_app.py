@@ -62,9 +62,9 @@ async def test_a_template_route_gets_its_parameters_and_its_own_label() -> None:
     assert deeper.status_code == 404
     assert chat_get.status_code == 405
     assert chat_get.headers["allow"] == "POST"
-    assert 'endpoint="/v1/items/{item}",status="200"} 2.0' in metrics
-    assert 'endpoint="/v1/items/{item}",status="405"} 1.0' in metrics
-    assert 'endpoint="other",status="404"} 1.0' in metrics
+    assert 'endpoint="/v1/items/{item}",model="",status="200"} 2.0' in metrics
+    assert 'endpoint="/v1/items/{item}",model="",status="405"} 1.0' in metrics
+    assert 'endpoint="other",model="",status="404"} 1.0' in metrics
 
 
 async def test_a_quiet_stream_gets_pings_after_its_start_and_never_before() -> None:

@@ -154,7 +154,7 @@ async def test_a_client_leaving_while_its_large_prompt_is_encoded_leaves_nothing
     assert app.inflight == 0
     assert sent == []  # nothing was written to a client that had left
     metrics = app.metrics.render().decode()
-    assert 'endpoint="/v1/chat/completions",status="499"} 1.0' in metrics
+    assert 'endpoint="/v1/chat/completions",model="m",status="499"} 1.0' in metrics
     assert "llm_pipeline_inflight_requests 0.0" in metrics
 
 

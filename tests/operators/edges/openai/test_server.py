@@ -419,7 +419,7 @@ async def test_first_token_on_a_kept_alive_connection_is_not_delayed(
 
 async def test_disconnect_kills_the_request(slow_server: ServerProcess) -> None:
     url = slow_server.url
-    labels = '{endpoint="/v1/completions",status="499"}'
+    labels = '{endpoint="/v1/completions",model="echo",status="499"}'
     gone_before = await metric(url, "llm_pipeline_requests_total", labels)
     body = {"model": "echo", "prompt": "on and on", "stream": True, "max_tokens": 10_000}
     async with httpx.AsyncClient(base_url=slow_server.base_url, timeout=10) as http:
@@ -764,7 +764,10 @@ async def test_a_disconnect_kills_the_request_down_to_the_engine() -> None:
     assert engine.open_streams == 0
     assert app.inflight == 0
     metrics = app.metrics.render().decode()
-    assert 'llm_pipeline_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
+    assert (
+        'llm_pipeline_requests_total{endpoint="/v1/completions",model="m",status="499"} 1.0'
+        in metrics
+    )
     assert "llm_pipeline_inflight_requests 0.0" in metrics
 
 

@@ -1,0 +1,138 @@
+"""One model's engine and graph options as ``serve`` builds them: in-process workers, a
+loaded model engine, or workers discovered over NATS (:func:`engine_and_options`).
+
+Apart from :mod:`.serve` because every model of a server goes through it: the one model of
+a plain ``serve``, each model of ``--models FILE``, and each model ``serve --nats``
+discovers (:mod:`.discovered`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
+from operators.edges.openai.images import ImagePolicy
+from operators.engines.mocker import MockerStatistics
+from pipeline import Engine, PrefixIndex, Router, WorkerSet
+
+from .engines import worker_set
+from .output_options import output_options
+from .routing import remote_kv_policy, routing_policy
+
+if TYPE_CHECKING:
+    from operators.contracts.transport import WorkerSets
+    from operators.edges.http.metrics import ServerMetrics
+    from operators.graph import GraphOptions
+    from operators.text.tokenizer import Tokenizer
+    from operators.ui import WorkerGroups
+    from pipeline import RoutingPolicy
+
+    from .config import ServeConfig
+
+__all__ = ("engine_and_options",)
+
+_Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+_Engine = Engine[PreprocessedRequest, EngineOutput]
+
+
+def engine_and_options(
+    config: ServeConfig,
+    tokenizer: Tokenizer,
+    workers: WorkerSets | None,
+    engine: _Engine | None,
+    metrics: ServerMetrics | None = None,
+    kv_indexes: Sequence[PrefixIndex] | None = None,
+    local: tuple[_Workers, _Workers | None] | None = None,
+) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
+    """The engine to put behind the default graph, the graph's options, and the worker
+    sets by role (for the status view; None: ``engine`` was given, a single one).
+
+    In-process decode workers are routed as ``config.router`` says (one worker under the
+    default round-robin is used directly); their KV routing decisions and prefix-cache
+    counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
+    (llama.cpp's); without it they are made from ``config`` (echo, mocker).
+
+    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
+    ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
+    a round-robin Router over ``workers.decode`` whose retries avoid the workers already
+    tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
+    ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
+    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
+    (unfed ones when not given), and so does the PrefillRouter.
+    """
+    encode: _Workers | None
+    prefill: _Workers | None
+    features: frozenset[str] | None = None  # what the engine declares
+    prefill_policy: RoutingPolicy | None = None
+    groups: WorkerGroups | None = None
+    if engine is not None:
+        encode = prefill = None
+    elif workers is None:
+        engine_config = config.engine
+        decode_role = "decode" if config.prefill_workers else "aggregated"
+        kv = config.router == "kv"
+        encode = None
+        if local is not None:
+            decode, prefill = local
+        else:
+            made = worker_set(engine_config, tokenizer, decode_role, config.decode_workers, kv=kv)
+            assert made is not None
+            decode = made
+            encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
+            prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
+        if len(decode) == 1 and config.router == "round-robin":
+            engine = decode.members[0].engine
+        else:
+            engine = Router(decode, routing_policy(config, decode, metrics))
+        if kv and prefill is not None:  # prompts are prefilled where their prefix is
+            prefill_policy = routing_policy(config, prefill, metrics)
+        if metrics is not None and engine_config.engine != "echo":
+            metrics.watch_prefill(_prefill_counts(decode, prefill))
+        groups = {decode_role: decode, "prefill": prefill, "encode": encode}
+    else:
+        from operators.contracts.transport import RetryElsewhere
+
+        policy: RoutingPolicy = RetryElsewhere()
+        if config.router == "kv":
+            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
+            policy = remote_kv_policy(config, decode_index, metrics)
+            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
+        engine = Router(workers.decode, policy, wait=config.worker_wait)
+        encode, prefill = workers.encode, workers.prefill
+        groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
+        # Remote workers check constraints themselves: the llama engine honours them, the
+        # echo and mocker engines refuse them with a 400 that travels back by name.
+        features = frozenset({CONSTRAINED_DECODING})
+    options: GraphOptions = {
+        **output_options(config),
+        "max_model_len": config.max_model_len,
+        "default_max_tokens": config.default_max_tokens,
+        "migration_limit": config.migration_limit,
+        "encode_workers": encode,
+        "prefill_workers": prefill,
+        "prefill_policy": prefill_policy,
+        "disagg_min_prompt_tokens": config.disagg_min_prompt_tokens,
+        "images": ImagePolicy(
+            allowed_hosts=config.allowed_image_hosts, max_bytes=config.max_image_bytes
+        ),
+        "engine_features": features,
+    }
+    return engine, options, groups
+
+
+def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:
+    """Per worker, (prompt tokens prefilled, prompt tokens found cached), at scrape time."""
+    members = [worker for workers in sets if workers is not None for worker in workers.members]
+
+    def counts() -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
+        for worker in members:
+            statistics = getattr(worker.engine, "statistics", None)
+            stats: Any = statistics() if statistics is not None else None
+            if isinstance(stats, MockerStatistics) or hasattr(stats, "prefill_tokens"):
+                # the mocker's and the llama engine's statistics alike
+                found[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
+        return found
+
+    return counts
