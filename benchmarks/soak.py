@@ -306,11 +306,12 @@ def report_fault(fault: Fault, streams: list[Stream], wanted: list[dict[int, str
     print(f"  {fault.name}: {len(hit)} streams in flight; {same} completed identically; "
           f"{sum(errors.values())} ended with an error {dict(errors) or ''}; "
           f"longest stall {stall:.2f} s")  # fmt: skip
-    if worst is not None and stall > 2 * max(fault.over - fault.at, 1.0):
+    lasted = max(fault.over - fault.at, 0.0)  # (0: a fault that is not undone, a kill)
+    if worst is not None and stall > 2 * max(lasted, 1.0):
         print(f"    (request {worst.request_id or '?'}: {worst.path} n={worst.body.get('n', 1)}, "
               f"stalled from {worst.stall_ended - stall - fault.at:+.2f} s to "
-              f"{worst.stall_ended - fault.at:+.2f} s of the fault, which lasted "
-              f"{fault.over - fault.at:.2f} s)")  # fmt: skip
+              f"{worst.stall_ended - fault.at:+.2f} s of the fault"
+              + (f", which lasted {lasted:.2f} s)" if lasted else ")"))  # fmt: skip
 
 
 def main() -> None:
