@@ -436,6 +436,10 @@ class Scheduler:
             self._prefilling.remove(seq)
         if self._awaiting.get(seq.job) is seq:
             del self._awaiting[seq.job]
+        if all(other is None for other in self._slots):
+            # The burst is over, even if none of it ever decoded (one-token answers): the
+            # next prompts that arrive together are gathered again.
+            self._gathered = False
 
     def _gather(self) -> None:
         """Before the first step of a burst that only prefills, wait a moment for more
@@ -455,9 +459,11 @@ class Scheduler:
         self._gathered = True
         deadline = time.perf_counter() + _GATHER_MAX
         while time.perf_counter() < deadline:
-            self._wake.clear()
             if not self._wake.wait(_GATHER) or self._stopping:
                 return
+            # Cleared before the inbox is read, never after: a prompt submitted in between
+            # would otherwise leave no wake-up behind and wait out the window unseen.
+            self._wake.clear()
             self._receive()
             self._retire()
             self._admit()
