@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Final, final
 import anyio
 import nats.errors
 
-from pipeline.context import Context
 from pipeline.errors import EngineError
 
 from . import wire
@@ -42,6 +41,7 @@ from .wire import BATCH, DATA
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
+    from pipeline.context import Context
     from pipeline.transports.codec import Codec
 
 __all__ = ("Outbox", "Served")

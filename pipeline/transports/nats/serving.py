@@ -188,9 +188,8 @@ class StreamServer(Generic[In, Out]):
             first = await next_item()
         except StopAsyncIteration:
             return
-        await self.outbox.send(
-            served, DATA, first
-        )  # never held: the time to first token is as before
+        # Never held: the time to first token is as before.
+        await self.outbox.send(served, DATA, first)
         pulled = 1  # outputs taken from the engine
         while True:
             try:
