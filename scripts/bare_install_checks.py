@@ -54,7 +54,6 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 NEEDS_EXTRA: dict[str, str] = {
     "pipeline.transports.codec": "nats",
     "pipeline.transports.nats": "nats",
-    "pipeline.transports._": "nats",
     "operators.contracts.transport": "nats",
     "operators.contracts.remote_embed": "nats",
     "operators.edges.responses.nats_store": "nats",

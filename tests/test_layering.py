@@ -105,6 +105,9 @@ def pipeline_import_violations(source: str) -> list[str]:
         ("from pipeline import context", True),
         ("from pipeline import _Controller", True),
         ("from pipeline.testing import _ProbeError", True),
+        ("from pipeline.transports.nats import RemoteEngine, serve", False),
+        ("from pipeline.transports.nats.client import RemoteEngine", True),
+        ("from pipeline.transports.nats import wire", True),
         (
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pipeline.link import x",
             True,

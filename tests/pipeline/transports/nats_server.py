@@ -118,7 +118,7 @@ async def connect(server: NatsServer) -> Client:
 
 async def settle(client: Client) -> None:
     """Wait until the server processed what ``client`` sent (``flush()`` may not, see
-    ``pipeline.transports._wire.settle``)."""
+    ``pipeline.transports.nats.connection.settle``)."""
     inbox = client.new_inbox()
     subscription = await client.subscribe(inbox)
     await client.publish(inbox, b"")

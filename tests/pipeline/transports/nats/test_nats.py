@@ -61,7 +61,7 @@ from pipeline.transports.nats import connect as connect_nats
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[3]
 
 #: a short registration TTL, so that a dead worker's key expires within the test
 FAST = NatsTimeouts(ttl=1, drain=2.0)

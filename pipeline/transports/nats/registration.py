@@ -1,7 +1,7 @@
 """A worker's entry in the discovery bucket: announced, kept alive, withdrawn.
 
-Apart from :class:`~._nats_worker.NatsWorker` because it is the whole of what a worker
-tells :class:`~._nats_discovery.NatsDiscovery`: one JSON record per worker under
+Apart from :class:`~.worker.NatsWorker` because it is the whole of what a worker
+tells :class:`~.discovery.NatsDiscovery`: one JSON record per worker under
 ``<model>.<role>.<worker id>``, published with a per-message TTL and refreshed three times
 per TTL, so that a worker that dies without withdrawing disappears when its TTL runs out.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, final
 
 import anyio
 
-from ._nats_bus import bus_of
+from .bus import bus_of
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ("Registration",)
 
-logger = logging.getLogger("pipeline.transports._nats_worker")
+logger = logging.getLogger("pipeline.transports.nats.worker")
 
 
 @final

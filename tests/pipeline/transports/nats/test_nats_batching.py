@@ -28,9 +28,8 @@ from operators.contracts.llm import EngineOutput
 from operators.contracts.transport import llm_codec
 from pipeline import Context, EngineError, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
-from pipeline.transports import _nats_serving, _wire
 from pipeline.transports.codec import Codec, MsgpackCodec
-from pipeline.transports.nats import NatsTimeouts, NatsWorker, RemoteEngine, serve
+from pipeline.transports.nats import NatsTimeouts, NatsWorker, RemoteEngine, serve, serving, wire
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
@@ -41,13 +40,13 @@ QUIET = NatsTimeouts(ttl=1, heartbeat=60.0, drain=2.0)
 @contextmanager
 def bounds(*, max_batch: int | None = None, max_hold: float = math.inf) -> Iterator[None]:
     """Set the worker's batch bounds for the block (by default: no hold-time bound)."""
-    saved = _nats_serving.MAX_BATCH, _nats_serving.MAX_HOLD
-    _nats_serving.MAX_BATCH = saved[0] if max_batch is None else max_batch
-    _nats_serving.MAX_HOLD = max_hold
+    saved = serving.MAX_BATCH, serving.MAX_HOLD
+    serving.MAX_BATCH = saved[0] if max_batch is None else max_batch
+    serving.MAX_HOLD = max_hold
     try:
         yield
     finally:
-        _nats_serving.MAX_BATCH, _nats_serving.MAX_HOLD = saved
+        serving.MAX_BATCH, serving.MAX_HOLD = saved
 
 
 @asynccontextmanager
@@ -111,7 +110,7 @@ async def test_a_message_carries_at_most_max_batch_outputs(nc: Client, worker_nc
             items, error = await outcome(remote, make_context(None))
             stats = worker.statistics()
     assert (items, error) == (list(range(70)), None)
-    assert _nats_serving.MAX_BATCH == 32
+    assert serving.MAX_BATCH == 32
     # START, 1, 32, 32, 5, END
     assert (stats.messages, stats.outputs) == (6, 70)
 
@@ -235,7 +234,7 @@ async def test_a_wire_1_client_gets_one_message_per_output(nc: Client, worker_nc
 
             async def on_msg(msg: Any) -> None:
                 frames.append(codec.decode(msg.data))
-                if frames[-1][1] in (_wire.END, _wire.ERR):
+                if frames[-1][1] in (wire.END, wire.ERR):
                     ended.set()
 
             inbox = nc.new_inbox()
@@ -245,8 +244,8 @@ async def test_a_wire_1_client_gets_one_message_per_output(nc: Client, worker_nc
             await ended.wait()
             await subscription.unsubscribe()
     kinds = [kind for _, kind, _ in frames]
-    assert kinds == [_wire.START] + [_wire.DATA] * 5 + [_wire.END]
-    assert [body for _, kind, body in frames if kind == _wire.DATA] == list(range(5))
+    assert kinds == [wire.START] + [wire.DATA] * 5 + [wire.END]
+    assert [body for _, kind, body in frames if kind == wire.DATA] == list(range(5))
     assert [seq for seq, _, _ in frames] == list(range(7))
 
 

@@ -1,4 +1,7 @@
-"""The worker half of the NATS transport: :func:`serve`, :class:`NatsWorker` (see `.nats`)."""
+"""The worker half of the NATS transport: :func:`serve`, :class:`NatsWorker`.
+
+The transport as a whole is described in :mod:`pipeline.transports.nats`.
+"""
 
 from __future__ import annotations
 
@@ -13,21 +16,16 @@ from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar, final
 import anyio
 from anyio.abc import TaskStatus
 
-from . import _wire
-from ._nats_bus import bus_of
-from ._nats_registration import Registration
-from ._nats_serving import Served, StreamServer
-from ._wire import (
-    DEFAULT_BUCKET,
-    DEFAULT_NAMESPACE,
-    NatsTimeouts,
-    connect,
-    control_codec,
-    open_bucket,
-    quietly,
-    settle,
-)
-from .codec import Codec, MsgpackCodec
+from pipeline.transports.codec import Codec, MsgpackCodec
+
+from . import wire
+from .bucket import DEFAULT_BUCKET, jetstream_unavailable, open_bucket
+from .bus import bus_of
+from .connection import connect, quietly, settle
+from .outbox import Outbox, Served
+from .registration import Registration
+from .serving import StreamServer
+from .wire import DEFAULT_NAMESPACE, NatsTimeouts, control_codec
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -107,25 +105,24 @@ class NatsWorker(Generic[In, Out]):
         self._nc_given = nc
         self._url = url
         self.model = model
-        self.role = _wire.check_role(role)
-        self.worker_id = _wire.check_token(
+        self.role = wire.check_role(role)
+        self.worker_id = wire.check_token(
             "worker_id", worker_id if worker_id is not None else uuid.uuid4().hex
         )
-        subjects = _wire.Subjects(namespace)
+        subjects = wire.Subjects(namespace)
         #: where direct requests for this worker go
         self.subject = subjects.worker(self.worker_id)
         #: where stop, kill and pings for this worker go
         self.control_subject = subjects.control(self.worker_id)
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
-        self._streams: StreamServer[In, Out] = StreamServer(
-            engine, codec if codec is not None else MsgpackCodec(), self.worker_id, tracer
-        )
+        self._outbox = Outbox(codec if codec is not None else MsgpackCodec(), self.worker_id)
+        self._streams: StreamServer[In, Out] = StreamServer(engine, self._outbox, tracer)
         self._bucket = bucket
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
         self._registration = Registration(
             bucket,
-            f"{_wire.escape_token(model)}.{self.role}.{self.worker_id}",
+            f"{wire.escape_token(model)}.{self.role}.{self.worker_id}",
             {
                 "id": self.worker_id,
                 "subject": self.subject,
@@ -192,9 +189,9 @@ class NatsWorker(Generic[In, Out]):
         return NatsWorkerStatistics(
             in_flight=len(self._served),
             requests=self._requests,
-            clients_gone=self._streams.clients_gone,
-            messages=self._streams.messages,
-            outputs=self._streams.outputs,
+            clients_gone=self._outbox.clients_gone,
+            messages=self._outbox.messages,
+            outputs=self._outbox.outputs,
             paused=self._streams.paused,
             pauses=self._streams.pauses,
         )
@@ -209,7 +206,7 @@ class NatsWorker(Generic[In, Out]):
             assert self._url is not None
             nc = await connect(self._url, name=f"llm-pipeline worker {self.worker_id}")
         self._nc = nc
-        self._streams.nc = nc
+        self._outbox.nc = nc
         subscriptions: list[Subscription] = []
         try:
             js = nc.jetstream()
@@ -232,7 +229,7 @@ class NatsWorker(Generic[In, Out]):
                         try:
                             await self._registration.announce(js)
                         except Exception as exc:  # nats and JetStream API errors
-                            raise _wire.jetstream_unavailable(
+                            raise jetstream_unavailable(
                                 "register in", self._bucket, exc, nc
                             ) from exc
                         tg.start_soon(self._registration.refresh, js, nc, refresh)
@@ -301,7 +298,7 @@ class NatsWorker(Generic[In, Out]):
 
     async def _heartbeats(self) -> None:
         """Heartbeats for quiet streams; and through a bus outage, park every stream (see
-        ``_nats_serving``) and cut off those whose clients do not come back for them."""
+        :mod:`.outbox`) and cut off those whose clients do not come back for them."""
         assert self._nc is not None
         bus = bus_of(self._nc)
         while True:
@@ -318,9 +315,9 @@ class NatsWorker(Generic[In, Out]):
                             "did not come back for it",
                             self.worker_id,
                         )
-                        self._streams.client_gone(served)
+                        self._outbox.client_gone(served)
                 elif served.ctx is not None and served.seq == served.beat and not served.gone:
-                    await self._streams.heartbeat(served)
+                    await self._outbox.heartbeat(served)
                 served.beat = served.seq
 
     def _abandoned(self, served: Served, now: float) -> bool:
@@ -354,27 +351,27 @@ class NatsWorker(Generic[In, Out]):
         except Exception:
             logger.warning("worker %s: malformed control message %r", self.worker_id, msg.data)
             return
-        if op == _wire.PING:  # [PING, inbox] or [PING, inbox, next seq]
+        if op == wire.PING:  # [PING, inbox] or [PING, inbox, next seq]
             served = self._served.get(args[0]) if args else None
             if msg.reply and self._nc is not None:
-                reply = _wire.UNKNOWN if served is None else _wire.KNOWN
+                reply = wire.UNKNOWN if served is None else wire.KNOWN
                 await quietly(self._nc.publish, msg.reply, reply)
             if served is not None and served.parked is not None and self._tg is not None:
                 # Its client is connected and subscribed again: what was held goes out.
                 next_seq = args[1] if len(args) > 1 and isinstance(args[1], int) else None
-                self._tg.start_soon(self._streams.resume, served, next_seq)
+                self._tg.start_soon(self._outbox.resume, served, next_seq)
             return
         served = self._served.get(args[-1]) if args else None
         if served is None:
             return
-        if op == _wire.CREDIT:  # [CREDIT, total, inbox] or [CREDIT, total, next seq, inbox]
+        if op == wire.CREDIT:  # [CREDIT, total, inbox] or [CREDIT, total, next seq, inbox]
             if isinstance(args[0], int):
                 served.grant(args[0])
             if len(args) > 2 and isinstance(args[1], int):
                 served.acknowledge(args[1])
-        elif op == _wire.KILL:
-            self._streams.client_gone(served)
-        elif op == _wire.STOP:
+        elif op == wire.KILL:
+            self._outbox.client_gone(served)
+        elif op == wire.STOP:
             served.stop()
 
     async def _on_gone(self, msg: Msg) -> None:
@@ -383,7 +380,7 @@ class NatsWorker(Generic[In, Out]):
         if served is not None and (msg.headers or {}).get("Status") == "503":
             if served.parked is not None:
                 return  # a frame flushed after an outage, before the client was back
-            self._streams.client_gone(served)
+            self._outbox.client_gone(served)
 
     # -- serving one request
 

@@ -1,4 +1,4 @@
-"""What the NATS worker, client and discovery share: names, frames, errors, timeouts.
+"""The wire format the NATS worker and client share: subjects, frames, errors, timeouts.
 
 Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
 
@@ -44,7 +44,7 @@ Bus outages. Frames in flight when the NATS connection of either side breaks are
 killed nats-server loses what it held). So a worker serving a flow-controlled stream
 keeps the frames it sent until the client acknowledges them: PING and CREDIT carry the
 sequence number the client expects next, and frames before it are dropped. Through an
-outage the worker holds new frames back (``_nats_serving``); the client's first ping from
+outage the worker holds new frames back (:mod:`.outbox`); the client's first ping from
 its re-established connection tells it where to resume, and it sends again from there,
 so the stream goes on with no gap and no migration. (Senders of the older two-element
 PING and three-element CREDIT are read as before: no resumption point, no retransmission.)
@@ -52,47 +52,27 @@ PING and three-element CREDIT are read as before: no resumption point, no retran
 
 from __future__ import annotations
 
-import logging
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, final
-
-import anyio
-import nats.errors
-import nats.js.errors
-from nats.aio.client import Client as NatsClient
-from nats.js.api import KeyValueConfig
+from typing import Any, Final, final
 
 from pipeline import errors
-from pipeline.errors import ConnectFailed, EngineError, InvalidRequest, RequestError
-
-from ._nats_bus import bus_of
-from .codec import MsgpackCodec
-from .roles import ROLES
-
-if TYPE_CHECKING:
-    from nats.aio.client import Client
-    from nats.aio.msg import Msg
-    from nats.js import JetStreamContext
-    from nats.js.kv import KeyValue
+from pipeline.errors import EngineError, InvalidRequest, RequestError
+from pipeline.transports.codec import MsgpackCodec
+from pipeline.transports.roles import ROLES
 
 __all__ = (
     "BATCH",
-    "CONNECT_TIMEOUT",
     "CREDIT",
     "DATA",
-    "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
     "DEFAULT_WINDOW",
     "END",
     "ERR",
     "HB",
     "HEARTBEAT",
-    "JetStreamUnavailable",
     "KILL",
     "KNOWN",
-    "MARKER_TTL",
     "NatsTimeouts",
     "PING",
     "ROLES",
@@ -103,26 +83,15 @@ __all__ = (
     "WIRE_VERSION",
     "check_role",
     "check_token",
-    "connect",
     "control_codec",
     "error_body",
     "error_from_body",
     "escape_token",
-    "jetstream_unavailable",
-    "open_bucket",
-    "quietly",
-    "settle",
     "unescape_token",
 )
 
-logger = logging.getLogger(__name__)
-
 #: the first token of every subject this transport uses
 DEFAULT_NAMESPACE: Final = "llm-pipeline"
-#: the JetStream KV bucket workers register in
-DEFAULT_BUCKET: Final = "llm-pipeline-workers"
-#: how long the server keeps the marker of an expired key (what tells watchers of a death)
-MARKER_TTL: Final = 60.0
 
 START: Final = 0
 DATA: Final = 1
@@ -298,146 +267,3 @@ class NatsTimeouts:
                 raise ValueError(f"NatsTimeouts.{name} must be > 0, got {value!r}")
         if self.ttl < 1:
             raise ValueError(f"NatsTimeouts.ttl must be >= 1 (NATS message TTLs), got {self.ttl}")
-
-
-#: how long :func:`connect` tries to reach a NATS server before ConnectFailed (seconds)
-CONNECT_TIMEOUT: Final = 10.0
-
-
-async def connect(
-    url: str | list[str], *, name: str | None = None, give_up_after: float = CONNECT_TIMEOUT
-) -> Client:
-    """A NATS connection for serving or discovery: once connected, it reconnects forever.
-
-    Workers and frontends outlive server restarts (it retries every 0.5 s); a connection
-    that gave up would not. An outage is logged twice: when the connection is lost, and
-    when it is back (with how long it was away). The first connection, though, is
-    bounded: no server at ``url`` within ``give_up_after`` seconds is a mistake to report,
-    not to wait out.
-
-    Raises:
-        ConnectFailed: when no server at ``url`` accepted the connection within
-            ``give_up_after`` seconds (an unreachable address, an authorization failure), or
-            ``url`` is malformed; chained from nats-py's last error.
-    """
-    nc = NatsClient()
-    bus = bus_of(nc)
-    try:
-        with anyio.fail_after(give_up_after):
-            await nc.connect(
-                url,
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds, annotated int
-                connect_timeout=2,
-                # An outage is two log lines, not one per reconnection attempt.
-                error_cb=bus.on_error,
-                disconnected_cb=bus.on_disconnected,
-                reconnected_cb=bus.on_reconnected,
-            )
-    except TimeoutError as exc:
-        last = nc.last_error
-        await _abandon(nc)
-        raise ConnectFailed(
-            f"no NATS server accepted a connection at {url} within {give_up_after:g}s"
-            + ("" if last is None else f" (last error: {last!r})")
-        ) from (last or exc)
-    except (nats.errors.Error, OSError) as exc:  # a malformed URL
-        await _abandon(nc)
-        raise ConnectFailed(f"cannot connect to NATS at {url}: {exc}") from exc
-    _ = bus.connected  # seen up: an outage from now on is one (not a first connection)
-    return nc
-
-
-async def _abandon(nc: Client) -> None:
-    """Close a client whose first connection failed (it may hold a half-open socket)."""
-    with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-        try:
-            await nc.close()
-        except Exception as exc:  # nats-py asserts when the URL never parsed
-            logger.debug("closing a client that never connected: %r", exc)
-
-
-async def settle(nc: Client) -> None:
-    """Wait until the server has processed everything sent on ``nc`` so far.
-
-    ``Client.flush()`` does not promise that in nats-py 2.16: its PING is written ahead of
-    the commands still buffered, so a subscription made just before may not be active yet
-    (measured: 27 of 300 subscribe-flush-request rounds got "no responders"). A message to
-    ourselves travels behind those commands.
-
-    Raises:
-        TimeoutError: when the server does not answer within 5 seconds.
-    """
-    inbox = nc.new_inbox()
-    arrived = anyio.Event()
-
-    async def on_msg(msg: Msg) -> None:
-        arrived.set()
-
-    subscription = await nc.subscribe(inbox, cb=on_msg)
-    try:
-        await nc.publish(inbox, b"")
-        with anyio.fail_after(5.0):
-            await arrived.wait()
-    finally:
-        await quietly(subscription.unsubscribe)
-
-
-async def quietly(call: Callable[..., Any], *args: Any) -> None:
-    """Await ``call(*args)``, logging (not raising) NATS errors: for best-effort cleanup."""
-    try:
-        await call(*args)
-    except nats.errors.Error as exc:
-        logger.debug("ignored during cleanup: %r", exc)
-
-
-class JetStreamUnavailable(RuntimeError):
-    """Discovery's JetStream KV bucket cannot be used: the server has no JetStream, or this
-    connection may not create, read or write the bucket. A mistake in the deployment, said
-    once at start (the message names the bucket and what the server answered)."""
-
-
-def jetstream_unavailable(
-    what: str, bucket: str, exc: BaseException, nc: Client | None = None
-) -> JetStreamUnavailable:
-    """The error for ``exc`` while doing ``what`` with ``bucket``, with the server's last
-    complaint on ``nc`` (a permissions violation is reported apart from the request it
-    made fail, which only times out)."""
-    if isinstance(exc, JetStreamUnavailable):
-        return exc
-    reason = str(exc) or type(exc).__name__
-    told = bus_of(nc).last_error if nc is not None else None
-    if told is not None:
-        reason += f"; the server said: {told}"
-    return JetStreamUnavailable(
-        f"cannot {what} the JetStream KV bucket {bucket!r} (workers register there): {reason}"
-    )
-
-
-async def open_bucket(
-    js: JetStreamContext, bucket: str = DEFAULT_BUCKET, *, nc: Client | None = None
-) -> KeyValue:
-    """The workers' KV bucket, created when missing (per-key TTLs and expiry markers on).
-
-    Raises:
-        JetStreamUnavailable: when the server has no JetStream, or the bucket cannot be
-            opened or created (permissions; JetStream's own timeout bounds the wait).
-    """
-    try:
-        try:
-            return await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            pass
-        config = KeyValueConfig(bucket=bucket, history=1, limit_marker_ttl=MARKER_TTL)
-        try:
-            return await js.create_key_value(config)
-        except nats.js.errors.APIError:
-            return await js.key_value(bucket)  # another process created it first
-    except nats.js.errors.ServiceUnavailableError as exc:
-        raise JetStreamUnavailable(
-            "the NATS server has no JetStream, which discovery needs: start nats-server "
-            "with -js (from Python, NatsWorker(register=False) serves without discovery)"
-        ) from exc
-    except (nats.errors.Error, OSError) as exc:
-        raise jetstream_unavailable("open", bucket, exc, nc) from exc

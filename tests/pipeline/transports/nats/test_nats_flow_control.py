@@ -25,9 +25,8 @@ from nats_server import NatsServer, connect, settle
 
 from pipeline import Context, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
-from pipeline.transports import _wire
 from pipeline.transports.codec import MsgpackCodec
-from pipeline.transports.nats import NatsTimeouts, NatsWorker, RemoteEngine, serve
+from pipeline.transports.nats import NatsTimeouts, NatsWorker, RemoteEngine, serve, wire
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
@@ -104,8 +103,8 @@ async def test_a_fast_reader_never_waits_for_credit_per_token(
     grants: list[Any] = []
 
     async def spy(msg: Msg) -> None:
-        op, *args = _wire.control_codec.decode(msg.data)
-        if op == _wire.CREDIT:
+        op, *args = wire.control_codec.decode(msg.data)
+        if op == wire.CREDIT:
             grants.append(args[0])
 
     async with serving(engine, worker_nc) as worker:
@@ -116,7 +115,7 @@ async def test_a_fast_reader_never_waits_for_credit_per_token(
         )
         items = [item async for item in remote.generate(make_context(None))]
     assert items == list(range(4000))
-    assert len(grants) <= 4000 // (_wire.DEFAULT_WINDOW // 2)
+    assert len(grants) <= 4000 // (wire.DEFAULT_WINDOW // 2)
     assert grants == sorted(grants)  # totals, so a lost or late grant is harmless
 
 
@@ -162,7 +161,7 @@ async def test_a_client_that_leaves_a_paused_stream_frees_the_worker(
             inbox = crashing.new_inbox()
             await crashing.subscribe(inbox)
             request = {"id": "r1", "data": None, "timeout": None, "metadata": {}}
-            request |= {"wire": _wire.WIRE_VERSION, "window": 4}
+            request |= {"wire": wire.WIRE_VERSION, "window": 4}
             await crashing.publish(worker.subject, CODEC.encode(request), reply=inbox)
             await wait_until(lambda: worker.statistics().paused == 1)
             await crashing.close()
@@ -183,7 +182,7 @@ async def raw_request(
     async def on_msg(msg: Msg) -> None:
         frame = CODEC.decode(msg.data)
         frames.append(frame)
-        if frame[1] in (_wire.END, _wire.ERR):
+        if frame[1] in (wire.END, wire.ERR):
             done.set()
 
     await nc.subscribe(inbox, cb=on_msg)
@@ -212,8 +211,8 @@ async def test_a_wire_2_client_gets_no_flow_control_and_numbered_heartbeats(
         stats = worker.statistics()
     kinds = [kind for _, kind, _ in frames]
     assert [seq for seq, _, _ in frames] == list(range(len(frames)))  # heartbeats numbered
-    assert _wire.HB in kinds
-    assert set(kinds) <= {_wire.START, _wire.DATA, _wire.BATCH, _wire.HB, _wire.END}
+    assert wire.HB in kinds
+    assert set(kinds) <= {wire.START, wire.DATA, wire.BATCH, wire.HB, wire.END}
     assert stats.outputs == outputs
     assert stats.pauses == 0
 
@@ -231,7 +230,7 @@ async def test_a_wire_3_worker_waits_for_the_credit_a_client_sends(
             await wait_until(lambda: worker.statistics().pauses == pauses)  # noqa: B023
             await wait_until(lambda: worker.statistics().paused == 1)
             assert worker.statistics().outputs == granted
-            credit = _wire.control_codec.encode([_wire.CREDIT, granted + 10, inbox])
+            credit = wire.control_codec.encode([wire.CREDIT, granted + 10, inbox])
             await nc.publish(worker.control_subject, credit)
         await done.wait()
     assert worker.statistics().outputs == 30
@@ -242,12 +241,12 @@ async def test_a_client_reads_all_from_a_worker_that_ignores_its_window(
 ) -> None:
     # A worker one version behind: numbered heartbeats, no pause, CREDIT ignored.
     old = await connect(nats_server)
-    outputs = 3 * _wire.DEFAULT_WINDOW
+    outputs = 3 * wire.DEFAULT_WINDOW
 
     async def answer(msg: Msg) -> None:
-        frames = [[0, _wire.START, "old"], [1, _wire.HB, None]]
-        frames += [[2 + i, _wire.DATA, i] for i in range(outputs)]
-        frames.append([2 + outputs, _wire.END, None])
+        frames = [[0, wire.START, "old"], [1, wire.HB, None]]
+        frames += [[2 + i, wire.DATA, i] for i in range(outputs)]
+        frames.append([2 + outputs, wire.END, None])
         for frame in frames:
             await old.publish(msg.reply, CODEC.encode(frame))
 

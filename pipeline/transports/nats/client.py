@@ -1,4 +1,7 @@
-"""The client half of the NATS transport: :class:`RemoteEngine` (see :mod:`.nats`)."""
+"""The client half of the NATS transport: :class:`RemoteEngine`.
+
+The transport as a whole is described in :mod:`pipeline.transports.nats`.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from pipeline.errors import ConnectFailed, EngineError, ResponseTimeout, StreamDisconnected
+from pipeline.transports.codec import Codec, MsgpackCodec
 
-from . import _wire
-from ._nats_bus import POLL, bus_of
-from ._nats_inbox import IDLE, STOPPED, ClientStream, Signal
-from ._wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, control_codec, quietly
-from .codec import Codec, MsgpackCodec
+from . import wire
+from .bus import POLL, bus_of
+from .connection import quietly
+from .inbox import IDLE, STOPPED, ClientStream, Signal
+from .wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, control_codec
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -103,10 +107,10 @@ class RemoteEngine(Generic[In, Out]):
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 output, got {window}")
-        subjects = _wire.Subjects(namespace)
-        _wire.check_role(role)
+        subjects = wire.Subjects(namespace)
+        wire.check_role(role)
         if worker_id is not None:
-            _wire.check_token("worker_id", worker_id)
+            wire.check_token("worker_id", worker_id)
         if subject is None:
             if worker_id is not None:
                 subject = subjects.worker(worker_id)
@@ -178,7 +182,7 @@ class RemoteEngine(Generic[In, Out]):
                     "data": ctx.data,
                     "timeout": None if deadline is None else deadline - anyio.current_time(),
                     "metadata": metadata,
-                    "wire": _wire.WIRE_VERSION,
+                    "wire": wire.WIRE_VERSION,
                     "window": self._window,
                 }
             )
@@ -289,7 +293,7 @@ class RemoteEngine(Generic[In, Out]):
                         request_id=ctx.id,
                     )
                 expected += 1
-                if kind == _wire.DATA or kind == _wire.BATCH:
+                if kind == wire.DATA or kind == wire.BATCH:
                     if ctx.is_stopped:
                         # Asked to stop: what the worker sent before it heard is not wanted
                         # (as a local engine would yield nothing more); tell it now, not at
@@ -297,35 +301,35 @@ class RemoteEngine(Generic[In, Out]):
                         if control is not None and not stop_sent:
                             stop_sent = True
                             await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
-                    elif kind == _wire.DATA:
+                    elif kind == wire.DATA:
                         yield body
                     else:
                         for item in body:
                             yield item
                             if ctx.is_stopped:
                                 break
-                    read += 1 if kind == _wire.DATA else len(body)
-                elif kind == _wire.START:
+                    read += 1 if kind == wire.DATA else len(body)
+                elif kind == wire.START:
                     worker = str(body)
                     if control is None:
                         control = self._subjects.control(worker)
                     if ctx.is_stopped and not stop_sent:
                         stop_sent = True
                         await self._send_control(control, ctx, inbox, kill=ctx.is_killed)
-                elif kind == _wire.END:
+                elif kind == wire.END:
                     finished = True
                     return
-                elif kind == _wire.ERR:
+                elif kind == wire.ERR:
                     finished = True
-                    raise _wire.error_from_body(body, ctx.id)
-                elif kind != _wire.HB:
+                    raise wire.error_from_body(body, ctx.id)
+                elif kind != wire.HB:
                     raise StreamDisconnected(
                         f"unknown frame kind {kind!r} from worker {worker}", request_id=ctx.id
                     )
                 if read >= regrant and control is not None:
                     # The consumer read half a window: let the worker run a window ahead.
                     regrant = read + step
-                    credit = control_codec.encode([_wire.CREDIT, read + window, expected, inbox])
+                    credit = control_codec.encode([wire.CREDIT, read + window, expected, inbox])
                     await quietly(nc.publish, control, credit)
         finally:
             self._unwatch(stream)
@@ -374,14 +378,14 @@ class RemoteEngine(Generic[In, Out]):
         try:
             reply = await self._nc.request(
                 control,
-                control_codec.encode([_wire.PING, inbox, expected]),
+                control_codec.encode([wire.PING, inbox, expected]),
                 timeout=self._timeouts.ping,
             )
         except nats.errors.Error as exc:
             if self._bus.disturbed_since(sent, self._timeouts.settle):
                 return None  # the worker may be reconnecting, like us
             raise self._ping_error(exc, worker, ctx, control, expected > 0) from exc
-        return reply.data == _wire.KNOWN
+        return reply.data == wire.KNOWN
 
     def _ping_error(
         self,
@@ -410,7 +414,7 @@ class RemoteEngine(Generic[In, Out]):
     async def _send_control(
         self, control: str, ctx: Context[Any], inbox: str, *, kill: bool
     ) -> None:
-        op = _wire.KILL if kill else _wire.STOP
+        op = wire.KILL if kill else wire.STOP
         await quietly(self._nc.publish, control, control_codec.encode([op, ctx.id, inbox]))
 
     def _watch(self, stream: ClientStream) -> None:

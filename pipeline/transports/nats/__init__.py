@@ -10,9 +10,9 @@
 * :func:`serve` / :class:`NatsWorker` expose any Engine: requests arrive on the model's
   queue-group subject (load-balanced) and on the worker's own subject (direct routing);
   each gets its Context rebuilt (id, payload, deadline, metadata) and is streamed back as
-  frames ``[seq, kind, body]`` (START, DATA, BATCH, END, ERR, HB; see ``_wire``). Outputs
+  frames ``[seq, kind, body]`` (START, DATA, BATCH, END, ERR, HB; see :mod:`.wire`). Outputs
   the engine has ready together share one BATCH message; the worker sends what it holds
-  the moment the engine would wait (see ``_nats_serving``). It sends at most the credit
+  the moment the engine would wait (see :mod:`.serving`). It sends at most the credit
   its client granted (flow control), and a stream it cuts off (a drain that ran out or
   was cut short) ends with an ERR frame, so its client migrates it at once.
 * :class:`RemoteEngine` is the client half, an Engine like any other. Errors raised by the
@@ -42,7 +42,7 @@
   process's own connection is down it judges no peer, streams wait (up to
   ``NatsTimeouts.outage``, never past their deadline), workers hold their frames, and once
   the bus is back each stream resumes where it stopped (frames lost with the connection
-  are sent again); see ``_nats_bus``. :class:`JetStreamUnavailable` says at start that
+  are sent again); see :mod:`.bus`. :class:`JetStreamUnavailable` says at start that
   discovery's bucket cannot be used.
 
 Cancellation travels both ways. The client's stop and kill are control messages to the
@@ -71,40 +71,48 @@ nc=nc, model="smollm2", worker_id=ID).run)`` before it registers, and the fronte
 ``KvRouter(index, ...)`` policy of its Router.
 
 ``RemoteEngine(nc, model="smollm2")`` skips discovery: NATS load-balances over the queue
-group. The codec must carry the payload types (:class:`~.codec.DataclassCodec`). The
-Context's state store does not travel: operators that keep state (the Backend) run on the
-frontend, in front of the remote engine.
+group. The codec must carry the payload types
+(:class:`~pipeline.transports.codec.DataclassCodec`). The Context's state store does not
+travel: operators that keep state (the Backend) run on the frontend, in front of the
+remote engine.
 
 nats-py is asyncio-only; these modules are the one place that knows. Their callbacks only
 hand messages to a stream's buffer or start tasks in the worker's task group, and the
 client's idle timer is one event-loop timer per engine (not a task or a cancel scope per
 stream), so nothing outlives its owner and nothing is held across a ``yield``. Needs
 nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.
+
+This module is the package's public face; its modules are internal, one part each:
+:mod:`.wire` (subjects, frames, error bodies, timeouts), :mod:`.connection` and
+:mod:`.bus` (the connection, and what a process knows of it), :mod:`.client` and
+:mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving` and :mod:`.outbox` (the
+worker half), :mod:`.registration`, :mod:`.bucket` (opening and following the discovery
+bucket), :mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
 """
 
 from __future__ import annotations
 
-from ._nats_client import RemoteEngine as RemoteEngine
-from ._nats_client import RemoteEngineStatistics as RemoteEngineStatistics
-from ._nats_discovery import NatsDiscovery as NatsDiscovery
-from ._nats_kv import KvReporter as KvReporter
-from ._nats_kv import NatsKvEvents as NatsKvEvents
-from ._nats_kv import NatsKvEventsStatistics as NatsKvEventsStatistics
-from ._nats_kv import NatsKvPublisher as NatsKvPublisher
-from ._nats_kv import NatsKvPublisherStatistics as NatsKvPublisherStatistics
-from ._nats_kv import kv_subject as kv_subject
-from ._nats_models import NatsModels as NatsModels
-from ._nats_worker import NatsWorker as NatsWorker
-from ._nats_worker import NatsWorkerStatistics as NatsWorkerStatistics
-from ._nats_worker import serve as serve
-from ._wire import CONNECT_TIMEOUT as CONNECT_TIMEOUT
-from ._wire import DEFAULT_BUCKET as DEFAULT_BUCKET
-from ._wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
-from ._wire import DEFAULT_WINDOW as DEFAULT_WINDOW
-from ._wire import ROLES as ROLES
-from ._wire import JetStreamUnavailable as JetStreamUnavailable
-from ._wire import NatsTimeouts as NatsTimeouts
-from ._wire import connect as connect
+from .bucket import DEFAULT_BUCKET as DEFAULT_BUCKET
+from .bucket import JetStreamUnavailable as JetStreamUnavailable
+from .client import RemoteEngine as RemoteEngine
+from .client import RemoteEngineStatistics as RemoteEngineStatistics
+from .connection import CONNECT_TIMEOUT as CONNECT_TIMEOUT
+from .connection import connect as connect
+from .discovery import NatsDiscovery as NatsDiscovery
+from .kv import KvReporter as KvReporter
+from .kv import NatsKvEvents as NatsKvEvents
+from .kv import NatsKvEventsStatistics as NatsKvEventsStatistics
+from .kv import NatsKvPublisher as NatsKvPublisher
+from .kv import NatsKvPublisherStatistics as NatsKvPublisherStatistics
+from .kv import kv_subject as kv_subject
+from .models import NatsModels as NatsModels
+from .wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
+from .wire import DEFAULT_WINDOW as DEFAULT_WINDOW
+from .wire import ROLES as ROLES
+from .wire import NatsTimeouts as NatsTimeouts
+from .worker import NatsWorker as NatsWorker
+from .worker import NatsWorkerStatistics as NatsWorkerStatistics
+from .worker import serve as serve
 
 __all__ = (
     "CONNECT_TIMEOUT",

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-from pipeline.transports._nats_bus import Bus
+from pipeline.transports.nats.bus import Bus
 
 
 class Connection:

@@ -1,7 +1,7 @@
 """KV events over NATS: :class:`NatsKvPublisher` (worker) and :class:`NatsKvEvents` (frontend).
 
 A KV router needs to know which prompt blocks each worker caches; the workers know, in
-another process. Subjects (``ns`` the namespace, ``model`` escaped as in ``_wire``)::
+another process. Subjects (``ns`` the namespace, ``model`` escaped as in :mod:`.wire`)::
 
     {ns}.kv.{model}.{worker_id}             events: {"worker", "events": [event dict, ...]}
     {ns}.kv.{model}.{worker_id}.snapshot    request/reply: the worker's KvSnapshot dict
@@ -33,8 +33,9 @@ from anyio.abc import TaskStatus
 
 from pipeline.kv_events import KvEvent, KvEventSink, KvSnapshot, event_from_dict
 
-from . import _wire
-from ._wire import DEFAULT_NAMESPACE, control_codec, quietly, settle
+from . import wire
+from .connection import quietly, settle
+from .wire import DEFAULT_NAMESPACE, control_codec
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -68,8 +69,8 @@ _SNAPSHOT_ATTEMPTS: Final = 8
 
 def kv_subject(model: str, worker_id: str = "*", namespace: str = DEFAULT_NAMESPACE) -> str:
     """The subject ``worker_id`` publishes ``model``'s KV events on (``*``: every worker's)."""
-    _wire.Subjects(namespace)  # checks the namespace
-    return f"{namespace}.kv.{_wire.escape_token(model)}.{worker_id}"
+    wire.Subjects(namespace)  # checks the namespace
+    return f"{namespace}.kv.{wire.escape_token(model)}.{worker_id}"
 
 
 class KvReporter(Protocol):
@@ -112,7 +113,7 @@ class NatsKvPublisher:
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         self.engine = engine
-        self.worker_id = _wire.check_token("worker_id", worker_id)
+        self.worker_id = wire.check_token("worker_id", worker_id)
         #: where the events go
         self.subject = kv_subject(model, self.worker_id, namespace)
         #: where frontends ask for a snapshot

@@ -1,6 +1,6 @@
 """The client's side of one in-flight request: its inbox buffer and its idle bookkeeping.
 
-Apart from :class:`~._nats_client.RemoteEngine` because it is the per-message hot path
+Apart from :class:`~.client.RemoteEngine` because it is the per-message hot path
 (a deque and a bare future, no anyio primitive per message) and the only code that runs in
 nats-py's callback task; the engine only creates, ticks and reads these.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, final
 
 from nats.aio.msg import Msg
 
-from . import _wire
+from . import wire
 
 if TYPE_CHECKING:
     from pipeline.context import Context
@@ -75,7 +75,7 @@ class ClientStream:
         """
         self.frames += 1
         headers = msg.headers
-        if headers is not None and _wire.HEARTBEAT in headers:
+        if headers is not None and wire.HEARTBEAT in headers:
             return
         self.signal(msg)
 

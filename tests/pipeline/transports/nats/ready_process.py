@@ -18,7 +18,7 @@ from anyio.abc import Process
 __all__ = ("ready_process",)
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[3]
 
 
 @asynccontextmanager

@@ -40,7 +40,6 @@ from pipeline import (
 )
 from pipeline.kv_events import KvEvent, KvRemoved, KvSnapshot, KvStored
 from pipeline.testing import collect, make_context
-from pipeline.transports._wire import DEFAULT_BUCKET, open_bucket
 from pipeline.transports.nats import (
     NatsDiscovery,
     NatsKvEvents,
@@ -50,11 +49,12 @@ from pipeline.transports.nats import (
     kv_subject,
     serve,
 )
+from pipeline.transports.nats.bucket import DEFAULT_BUCKET, open_bucket
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[2]
+ROOT = HERE.parents[3]
 MODEL = "m"
 #: a registration that outlives every test: only eviction can take a dead worker out
 LONG = NatsTimeouts(ttl=30)
@@ -267,7 +267,7 @@ async def test_a_departed_workers_blocks_leave_the_index_and_its_late_events_are
         await wait_until(lambda: "w1" not in workers)
         assert feed.index.blocks("w1") == 0
         # An event from a worker that is no member (gone, or not discovered yet).
-        from pipeline.transports._wire import control_codec
+        from pipeline.transports.nats.wire import control_codec
 
         stray = {"worker": "w1", "events": [KvStored((9,), 3).to_dict()]}
         await worker_nc.publish(kv_subject(MODEL, "w1"), control_codec.encode(stray))

@@ -1,4 +1,9 @@
-"""Discovery over NATS JetStream KV: :class:`NatsDiscovery` (see :mod:`.nats`)."""
+"""Discovery over NATS JetStream KV: :class:`NatsDiscovery`.
+
+A follower of the discovery bucket (:func:`~.bucket.watch_bucket`): each registration
+under ``<model>.<role>.*`` becomes a :class:`~.client.RemoteEngine` in a WorkerSet. The
+transport as a whole is described in :mod:`pipeline.transports.nats`.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +13,23 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Generic, Literal, TypeVar, final
 
 import anyio
 from anyio.abc import TaskStatus
 
-from . import _wire
-from ._nats_bus import bus_of
-from ._nats_client import RemoteEngine
-from ._wire import DEFAULT_BUCKET, DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts, open_bucket
+from . import wire
+from .bucket import DEFAULT_BUCKET, JetStreamUnavailable, watch_bucket
+from .bus import bus_of
+from .client import RemoteEngine
+from .wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.js.kv import KeyValue
 
     from pipeline.routers import WorkerSet
-
-    from .codec import Codec
+    from pipeline.transports.codec import Codec
 
 __all__ = ("NatsDiscovery",)
 
@@ -33,15 +38,12 @@ logger = logging.getLogger(__name__)
 In = TypeVar("In")
 Out = TypeVar("Out")
 
-#: how often discovery looks for a reconnection (after which its KV watch must be renewed)
-_RECONNECT_POLL = 0.25
-
 
 @final
 class _Registry(Generic[In, Out]):
     """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""
 
-    __slots__ = ("evicted", "known", "unconfirmed", "workers")
+    __slots__ = ("evicted", "known", "present", "unconfirmed", "workers")
 
     def __init__(self, workers: WorkerSet[In, Out]) -> None:
         self.workers = workers
@@ -55,6 +57,13 @@ class _Registry(Generic[In, Out]):
         #: missing or expired around a NATS outage, when a live worker could not refresh
         #: it either; registering again before then confirms it
         self.unconfirmed: dict[str, float] = {}
+        #: the ids the current watch's replay has shown registered so far; None once the
+        #: replay is complete
+        self.present: set[str] | None = None
+
+    def watching(self) -> None:
+        """A watch begins: its replay is the bucket as it stands."""
+        self.present = set()
 
 
 @final
@@ -93,13 +102,13 @@ class NatsDiscovery(Generic[In, Out]):
     ) -> None:
         self._nc = nc
         self.model = model
-        self.role = _wire.check_role(role)
+        self.role = wire.check_role(role)
         self._bucket = bucket
         self._codec = codec
         self._namespace = namespace
         self._timeouts = timeouts
         self._window = window
-        self._filter = f"{_wire.escape_token(model)}.{role}.*"
+        self._filter = f"{wire.escape_token(model)}.{role}.*"
         timing = timeouts if timeouts is not None else NatsTimeouts()
         #: how long after a reconnection a missing registration is given to come back
         self._grace = timing.ttl + timing.settle
@@ -119,7 +128,7 @@ class NatsDiscovery(Generic[In, Out]):
                     yield worker_set
                 finally:
                     tg.cancel_scope.cancel()
-        except* _wire.JetStreamUnavailable as group:
+        except* JetStreamUnavailable as group:
             # It failed before it started: the one error, not a group of one.
             raise group.exceptions[0] from None
 
@@ -138,66 +147,31 @@ class NatsDiscovery(Generic[In, Out]):
                 failures, like a server restart, are retried).
         """
         registry: _Registry[In, Out] = _Registry(worker_set)
-        started = False
-        while True:
-            reconnects = self._nc.stats["reconnects"]
-            try:
-                kv = await open_bucket(self._nc.jetstream(), self._bucket, nc=self._nc)
-                watcher = await kv.watch(self._filter)
-            except Exception as exc:  # nats and JetStream API errors
-                if not started:
-                    raise _wire.jetstream_unavailable("watch", self._bucket, exc, self._nc) from exc
-                if self._bus.connected:
-                    logger.warning(
-                        "discovery of %s: cannot watch the bucket yet: %r", self.model, exc
-                    )
-                await anyio.sleep(_RECONNECT_POLL)
-                continue
-            try:
-                await self._follow(watcher, registry, reconnects, None if started else task_status)
-                started = True
-            finally:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
-                    try:
-                        await watcher.stop()  # type: ignore[no-untyped-call]
-                    except Exception as exc:
-                        logger.debug("discovery: stopping a stale watch: %r", exc)
+        await watch_bucket(
+            self._nc,
+            self._bucket,
+            self._filter,
+            functools.partial(self._on_entry, registry),
+            on_watch=registry.watching,
+            on_replayed=functools.partial(self._replayed, registry),
+            on_poll=functools.partial(self._expire_unconfirmed, registry),
+            name=f"discovery of {self.model}",
+            task_status=task_status,
+        )
 
-    async def _follow(
-        self,
-        watcher: KeyValue.KeyWatcher,
-        registry: _Registry[In, Out],
-        reconnects: int,
-        task_status: TaskStatus[None] | None,
-    ) -> None:
-        """Apply the watch's updates until the connection was re-established."""
-        snapshot: set[str] | None = set()  # ids present in the initial replay
-        while True:
-            entry: Any = _NOTHING
-            with anyio.move_on_after(_RECONNECT_POLL):
-                try:
-                    entry = await anext(watcher)
-                except StopAsyncIteration:  # stopped under us: renew it
-                    return
-            if self._nc.stats["reconnects"] != reconnects:
-                # An existing watch does not survive a server restart: renew it.
-                logger.info("discovery of %s: reconnected, renewing the watch", self.model)
-                return
-            self._expire_unconfirmed(registry)
-            if entry is _NOTHING:
-                continue
-            if entry is None:  # the initial replay is complete
-                if snapshot is not None:
-                    for gone in set(registry.known) - snapshot:
-                        self._doubt(registry, gone, lost="its registration is gone")
-                    snapshot = None
-                    if task_status is not None:
-                        task_status.started()
-                        task_status = None
-                continue
-            present = self._apply(registry, entry)
-            if snapshot is not None and present is not None:
-                snapshot.add(present)
+    def _replayed(self, registry: _Registry[In, Out]) -> None:
+        """A watch's replay is complete: a worker it did not replay is gone, or (around an
+        outage) unconfirmed."""
+        if registry.present is None:
+            return
+        for gone in set(registry.known) - registry.present:
+            self._doubt(registry, gone, lost="its registration is gone")
+        registry.present = None
+
+    def _on_entry(self, registry: _Registry[In, Out], entry: KeyValue.Entry) -> None:
+        present = self._apply(registry, entry)
+        if registry.present is not None and present is not None:
+            registry.present.add(present)
 
     def _apply(self, registry: _Registry[In, Out], entry: KeyValue.Entry) -> str | None:
         """Apply one KV entry; the worker id when it is (still) registered."""
@@ -313,6 +287,3 @@ class NatsDiscovery(Generic[In, Out]):
 
     def __repr__(self) -> str:
         return f"NatsDiscovery(model={self.model!r}, role={self.role!r})"
-
-
-_NOTHING = object()
