@@ -145,6 +145,8 @@ class NatsWorker(Generic[In, Out]):
         self._stop_requested = False
         self._deregistered = False
         self._closed_subjects: set[str] = set()
+        #: set when a request arrives (the heartbeat loop waits for one while idle)
+        self._busy: anyio.Event | None = None
         self._cm: AbstractAsyncContextManager[NatsWorker[In, Out]] | None = None
 
     # -- lifecycle
@@ -298,10 +300,16 @@ class NatsWorker(Generic[In, Out]):
 
     async def _heartbeats(self) -> None:
         """Heartbeats for quiet streams; and through a bus outage, park every stream (see
-        :mod:`.outbox`) and cut off those whose clients do not come back for them."""
+        :mod:`.outbox`) and cut off those whose clients do not come back for them.
+
+        Only while there are streams: an idle worker's loop sleeps until a request
+        arrives (a round of an idle worker had nothing to do, 4 times a second)."""
         assert self._nc is not None
         bus = bus_of(self._nc)
         while True:
+            if not self._served:
+                self._busy = anyio.Event()
+                await self._busy.wait()
             await anyio.sleep(self._timeouts.heartbeat)
             down = not bus.connected
             now = time.monotonic()
@@ -343,6 +351,8 @@ class NatsWorker(Generic[In, Out]):
         self._served[served.inbox] = served
         self._by_reply[served.reply] = served
         self._requests += 1
+        if self._busy is not None:
+            self._busy.set()
         tg.start_soon(self._serve_one, served, msg.data)
 
     async def _on_control(self, msg: Msg) -> None:
