@@ -22,7 +22,7 @@ from anyio.abc import TaskStatus
 from . import wire
 from .bucket import DEFAULT_BUCKET, JetStreamUnavailable
 from .bus import bus_of
-from .client import RemoteEngine
+from .client import Coalesce, RemoteEngine
 from .watch import watch_bucket
 from .wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts
 
@@ -84,8 +84,8 @@ class NatsDiscovery(Generic[In, Out]):
     reconnection the watch is renewed and the set re-synchronised; a worker whose key
     expired during the outage (it could not refresh it either) stays, with its streams,
     for ``timeouts.ttl + timeouts.settle`` seconds, and is lost only if it does not
-    register again by then. ``codec``, ``timeouts``
-    and ``window`` are the engines' (see :class:`RemoteEngine`). Use either::
+    register again by then. ``codec``, ``timeouts``, ``window``
+    and ``coalesce`` are the engines' (see :class:`RemoteEngine`). Use either::
 
         async with discovery.watch(worker_set):   # returns once the set is in sync
             ...
@@ -103,6 +103,7 @@ class NatsDiscovery(Generic[In, Out]):
         namespace: str = DEFAULT_NAMESPACE,
         timeouts: NatsTimeouts | None = None,
         window: int = DEFAULT_WINDOW,
+        coalesce: Coalesce | None = None,
     ) -> None:
         self._nc = nc
         self.model = model
@@ -112,6 +113,7 @@ class NatsDiscovery(Generic[In, Out]):
         self._namespace = namespace
         self._timeouts = timeouts
         self._window = window
+        self._coalesce = coalesce
         self._filter = f"{wire.escape_token(model)}.{role}.*"
         timing = timeouts if timeouts is not None else NatsTimeouts()
         #: how long after a reconnection a missing registration is given to come back
@@ -218,6 +220,7 @@ class NatsDiscovery(Generic[In, Out]):
                 namespace=self._namespace,
                 timeouts=self._timeouts,
                 window=self._window,
+                coalesce=self._coalesce,
                 on_no_responders=functools.partial(self._evict, registry, worker_id),
             )
         except (ValueError, KeyError, TypeError) as exc:

@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from pipeline.operator import Engine
     from pipeline.tracing import Tracer
 
+    from .client import Coalesce
+
 __all__ = ("NatsWorker", "NatsWorkerStatistics", "serve")
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,9 @@ class NatsWorker(Generic[In, Out]):
     client, left open) or ``url`` (connected and closed here). ``register=False`` serves
     without discovery (no JetStream needed). ``tracer`` traces every request served
     (:mod:`pipeline.tracing`): a span ``worker`` from its arrival, under the client's span
-    when the request carries a ``traceparent``, and the engine's below it.
+    when the request carries a ``traceparent``, and the engine's below it. ``coalesce``
+    merges the outputs of each batch for clients that read wire version 4 (the LLM layer
+    gives ``operators.contracts.transport.coalesce_outputs``: token outputs into bursts).
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class NatsWorker(Generic[In, Out]):
         timeouts: NatsTimeouts | None = None,
         register: bool = True,
         tracer: Tracer | None = None,
+        coalesce: Coalesce | None = None,
     ) -> None:
         if (nc is None) == (url is None):
             raise ValueError("pass exactly one of nc= (a connected client) or url=")
@@ -116,7 +121,9 @@ class NatsWorker(Generic[In, Out]):
         self.control_subject = subjects.control(self.worker_id)
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
-        self._outbox = Outbox(codec if codec is not None else MsgpackCodec(), self.worker_id)
+        self._outbox = Outbox(
+            codec if codec is not None else MsgpackCodec(), self.worker_id, coalesce
+        )
         self._streams: StreamServer[In, Out] = StreamServer(engine, self._outbox, tracer)
         self._bucket = bucket
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
@@ -435,6 +442,7 @@ def serve(
     timeouts: NatsTimeouts | None = None,
     register: bool = True,
     tracer: Tracer | None = None,
+    coalesce: Coalesce | None = None,
 ) -> NatsWorker[In, Out]:
     """Expose ``engine`` as a NATS worker for ``model`` in ``role``.
 
@@ -454,4 +462,5 @@ def serve(
         timeouts=timeouts,
         register=register,
         tracer=tracer,
+        coalesce=coalesce,
     )

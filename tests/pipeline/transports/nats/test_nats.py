@@ -188,6 +188,12 @@ FRAMES: dict[str, tuple[list[Any], list[str], type[Exception], str]] = {
         "KeyError: 'x'",
     ),
     "a malformed frame": ([[0, 0, "raw"], "not a frame"], [], EngineError, "cannot decode"),
+    "a merged batch without its count": (
+        [[0, 0, "raw"], [1, 5, ["a", "b"], "two"]],
+        [],
+        EngineError,
+        "cannot decode",
+    ),
     "an unknown kind": ([[0, 0, "raw"], [1, 9, None]], [], StreamDisconnected, "unknown frame"),
 }
 
