@@ -85,9 +85,10 @@ nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.
 This module is the package's public face; its modules are internal, one part each:
 :mod:`.wire` (subjects, frames, error bodies, timeouts), :mod:`.connection` and
 :mod:`.bus` (the connection, and what a process knows of it), :mod:`.client` and
-:mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving` and :mod:`.outbox` (the
-worker half), :mod:`.registration`, :mod:`.bucket` (opening and following the discovery
-bucket), :mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
+:mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving`, :mod:`.outbox` and
+:mod:`.keeper` (the worker half), :mod:`.registration`, :mod:`.bucket` (opening the
+discovery bucket), :mod:`.watch` (following it: one watch per connection),
+:mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ get the entries under their own key filter:
   follower, between its ``on_watch`` and ``on_replayed``;
 * a follower that joins a running watch gets the bucket as it stands from what the
   watch holds (every key's last value; a deletion or expiry marker tells a newcomer
-  nothing, so none is replayed to it);
+  nothing, so none is replayed to it); an entry on its way to the watch then comes
+  after ``on_replayed``, as a change;
 * one follower at a time, the *driver*, waits for what calls for a renewal: told of a
   reconnection by the connection's :class:`~.bus.Bus` when :func:`~.connect` made it
   (otherwise it looks every :data:`~.bus.RECONNECT_POLL` seconds), or of a gap by the

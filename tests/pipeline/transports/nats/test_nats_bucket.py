@@ -129,6 +129,7 @@ async def test_followers_on_one_connection_share_one_watch(nc: Client, worker_nc
         # a deleted key's marker tells a newcomer nothing).
         assert second.events == [WATCH, REPLAYED]
         await kv.put("b.1", b"bee")
+        await second.wait_until(lambda: len(second.events) == 3)  # the watch has it
         await tg.start(third.watching(nc))
         assert third.events == [WATCH, put("a.1", "one"), put("b.1", "bee"), REPLAYED]
         assert await consumers(worker_nc) == 1  # one consumer for the three of them
