@@ -70,61 +70,51 @@ class VllmRuntime:
         self._tasks_started = False
         self._zmq_context: Any = None
         try:
-            self._start(model, translator, kv, counts, log_level=log_level, **options)
-        except BaseException:
+            import_vllm(log_level)
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            endpoint = f"ipc://{self._sockets}/kv-events"
+            args = engine_args(
+                model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options
+            )
+            before = descendants()
+            try:
+                # (no local name for it: a frame of this call outlives it, captured by an
+                # import below, and would keep it alive until the interpreter exits)
+                self.llm = AsyncLLM.from_engine_args(
+                    AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(counts)]
+                )
+            except Exception as exc:
+                raise EngineError(f"vLLM could not start: {exc}") from exc
+            finally:  # (also when it failed half-way: what it started must not outlive us)
+                self._reaper = ProcessReaper(descendants() - before)
+            config = self.llm.vllm_config
+            model_config = config.model_config
+            #: what the model can take (vocabulary, context window, logprobs)
+            self.limits = EngineLimits(
+                vocab_size=model_config.get_vocab_size(),
+                max_model_len=model_config.max_model_len,
+                max_logprobs=model_config.max_logprobs,
+            )
+            #: tokens per block in vLLM's own KV cache
+            self.block_size = int(config.cache_config.block_size)
+            self._listener = KvEventListener(endpoint, translator, kv)
+            self._listener.start()
+            try:  # created from a worker thread of an event loop: start vLLM's tasks on it now
+                anyio.from_thread.run_sync(self.start_tasks)
+            except RuntimeError:  # (not in one: the first request starts them)
+                pass
+            logger.info(
+                "vLLM serves %s (max_model_len=%d, block_size=%d)",
+                model,
+                self.limits.max_model_len,
+                self.block_size,
+            )
+        except BaseException:  # what was started must not outlive a failed start
             self.close()
             raise
-
-    def _start(
-        self,
-        model: str | Path,
-        translator: BlockTranslator,
-        kv: KvDelivery,
-        counts: SchedulerCounts,
-        *,
-        log_level: str,
-        **options: Any,
-    ) -> None:
-        import_vllm(log_level)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        endpoint = f"ipc://{self._sockets}/kv-events"
-        args = engine_args(model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options)
-        before = descendants()
-        try:
-            # (no local name for it: a frame of this call outlives it, captured by an
-            # import below, and would keep it alive until the interpreter exits)
-            self.llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(counts)]
-            )
-        except Exception as exc:
-            raise EngineError(f"vLLM could not start: {exc}") from exc
-        finally:  # (also when it failed half-way: what it started must not outlive us)
-            self._reaper = ProcessReaper(descendants() - before)
-        config = self.llm.vllm_config
-        model_config = config.model_config
-        #: what the model can take (vocabulary, context window, logprobs)
-        self.limits = EngineLimits(
-            vocab_size=model_config.get_vocab_size(),
-            max_model_len=model_config.max_model_len,
-            max_logprobs=model_config.max_logprobs,
-        )
-        #: tokens per block in vLLM's own KV cache
-        self.block_size = int(config.cache_config.block_size)
-        self._listener = KvEventListener(endpoint, translator, kv)
-        self._listener.start()
-        try:  # created from a worker thread of an event loop: start vLLM's tasks on it now
-            anyio.from_thread.run_sync(self.start_tasks)
-        except RuntimeError:  # (not in one: the first request starts them)
-            pass
-        logger.info(
-            "vLLM serves %s (max_model_len=%d, block_size=%d)",
-            model,
-            self.limits.max_model_len,
-            self.block_size,
-        )
 
     def start_tasks(self) -> None:
         """Start ``AsyncLLM``'s two tasks on the running event loop (its socket reader and
