@@ -15,14 +15,17 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.http.metrics import BatchingCounts, EngineLoad, KvCounts, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
+from operators.telemetry import engine_metrics
+from operators.telemetry.engine_metrics import BatchingCounts, EngineLoad, KvCounts
 from operators.text.tokenizer import Tokenizer
 from pipeline import WorkerSet
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
     from .config import EngineConfig
 
 __all__ = (
@@ -218,20 +221,20 @@ async def load_engine(
 
 
 def watch_engines(
-    metrics: ServerMetrics, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
+    registry: CollectorRegistry, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
 ) -> None:
-    """Export the statistics of every model engine a server loaded (one per model of
-    ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
+    """Export in ``registry`` the statistics of every model engine a server loaded (one per
+    model of ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
     ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum over the engines of
     their kind."""
     llama = [engine for engine in engines if hasattr(engine, "recent_steps")]
     vllm = [engine for engine in engines if not hasattr(engine, "recent_steps")]
     if llama or prefill:
-        watch_llama(metrics, *llama, prefill=prefill)
+        watch_llama(registry, *llama, prefill=prefill)
     if len(vllm) == 1:
-        watch_vllm(metrics, vllm[0])
+        watch_vllm(registry, vllm[0])
     elif vllm:
-        watch_vllm(metrics, _Summed(vllm))
+        watch_vllm(registry, _Summed(vllm))
 
 
 class _Summed:
@@ -259,16 +262,16 @@ class _Summed:
         return type(first)(**summed)
 
 
-def watch_engine(metrics: ServerMetrics, engine: Any) -> None:
-    """Export a model engine's statistics in ``metrics`` (llama's or vllm's)."""
+def watch_engine(registry: CollectorRegistry, engine: Any) -> None:
+    """Export a model engine's statistics in ``registry`` (llama's or vllm's)."""
     if hasattr(engine, "recent_steps"):
-        watch_llama(metrics, engine)
+        watch_llama(registry, engine)
     else:
-        watch_vllm(metrics, engine)
+        watch_vllm(registry, engine)
 
 
-def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
-    """Export the vLLM engine's scheduler load (as vLLM last reported it) in ``metrics``."""
+def watch_vllm(registry: CollectorRegistry, engine: Any) -> None:
+    """Export the vLLM engine's scheduler load (as vLLM last reported it) in ``registry``."""
 
     def load() -> EngineLoad:
         stats = engine.statistics()
@@ -281,11 +284,11 @@ def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
             preemptions=stats.preemptions,
         )
 
-    metrics.watch_engine("vllm", load)
+    engine_metrics.watch_engine(registry, "vllm", load)
 
 
-def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = ()) -> None:
-    """Export the llama engines' statistics in ``metrics``: batching and speculation of
+def watch_llama(registry: CollectorRegistry, *engines: Any, prefill: Sequence[Any] = ()) -> None:
+    """Export the llama engines' statistics in ``registry``: batching and speculation of
     ``engines`` (the decode or aggregated ones, summed); KV tiers and transfers of all of
     them, ``prefill`` workers included."""
 
@@ -318,9 +321,9 @@ def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = 
             transfer_seconds=sum(s.transfer_seconds for s in stats),
         )
 
-    metrics.watch_speculation(speculation)
-    metrics.watch_batching(batching)
-    metrics.watch_kv(kv)
+    engine_metrics.watch_speculation(registry, speculation)
+    engine_metrics.watch_batching(registry, batching)
+    engine_metrics.watch_kv(registry, kv)
 
 
 def _sum_dicts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:

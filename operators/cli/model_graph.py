@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
+from operators.telemetry.engine_metrics import watch_prefill
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
 
 from .engines import worker_set
@@ -88,7 +89,7 @@ def engine_and_options(
         if kv and prefill is not None:  # prompts are prefilled where their prefix is
             prefill_policy = routing_policy(config, prefill, metrics)
         if metrics is not None and engine_config.engine != "echo":
-            metrics.watch_prefill(_prefill_counts(decode, prefill))
+            watch_prefill(metrics.registry, _prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
         from operators.contracts.transport import RetryElsewhere

@@ -353,7 +353,7 @@ async def _served_models(
         if found is not None:
             groups[name] = found
     if engines:
-        watch_engines(metrics, engines, prefill=prefill_engines)
+        watch_engines(metrics.registry, engines, prefill=prefill_engines)
     return specs, groups, engine_name
 
 

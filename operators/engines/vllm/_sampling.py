@@ -4,7 +4,9 @@ vLLM's ``SamplingParams``.
 Everything a request may ask of vLLM is checked and translated here, in the request's task
 and before vLLM sees it, so that every refusal is an :class:`~pipeline.InvalidRequest`
 naming the field (a 400), never a vLLM exception turned into a 500. The result is the
-keyword arguments of ``SamplingParams`` (plain values: testable without vLLM).
+keyword arguments of ``SamplingParams`` (plain values: testable without vLLM);
+:func:`sampling_params` makes vLLM's object of them, adding the grammar of a constrained
+request.
 
 What is decided here, and why:
 
@@ -31,9 +33,17 @@ from dataclasses import dataclass
 from typing import Any, Final, final
 
 from operators.contracts.llm import PreprocessedRequest
+from operators.engines._grammar import lark_grammar
 from pipeline import InvalidRequest
 
-__all__ = ("EXTRA_ARG", "EngineLimits", "SamplingPlan", "plan_sampling", "replay_args")
+__all__ = (
+    "EXTRA_ARG",
+    "EngineLimits",
+    "SamplingPlan",
+    "plan_sampling",
+    "replay_args",
+    "sampling_params",
+)
 
 #: the ``SamplingParams.extra_args`` key carrying a replayed constraint (``_replay``)
 EXTRA_ARG: Final = "llm_pipeline_replayed_constraint"
@@ -64,7 +74,7 @@ class SamplingPlan:
     #: tokens each choice may generate (0: the request ends at once with "length")
     budget: int
     #: ``SamplingParams(**params)``, except ``output_kind`` and ``structured_outputs``
-    #: (vLLM objects, added by the engine)
+    #: (vLLM objects, added by :func:`sampling_params`)
     params: dict[str, Any]
 
 
@@ -190,3 +200,25 @@ def replay_args(grammar: str, replayed: Sequence[int]) -> dict[str, Any]:
     ``grammar`` and already begins with ``replayed`` (a migrated constrained request: vLLM's
     own structured outputs would start the grammar afresh; ``_replay`` continues it)."""
     return {EXTRA_ARG: {"grammar": grammar, "replayed": list(replayed)}}
+
+
+def sampling_params(request: PreprocessedRequest, plan: SamplingPlan) -> Any:
+    """vLLM's ``SamplingParams`` of ``plan`` (outputs as deltas), with ``request``'s
+    constraint as vLLM's structured outputs, or, for a migrated constrained request, as the
+    replay processor's arguments (see ``_replay``). Imports vLLM."""
+    from vllm.sampling_params import (
+        RequestOutputKind,
+        SamplingParams,
+        StructuredOutputsParams,
+    )
+
+    params = dict(plan.params)
+    constraint = request.constraint
+    if constraint is not None:
+        grammar = lark_grammar(constraint)
+        replayed = request.replayed_tokens
+        if replayed:  # continue the grammar past the replayed output (see _replay)
+            params["extra_args"] = replay_args(grammar, request.token_ids[-replayed:])
+        else:
+            params["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+    return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
