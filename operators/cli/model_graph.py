@@ -91,7 +91,7 @@ def engine_and_options(
             metrics.watch_prefill(_prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
-        from operators.contracts.transport import RetryElsewhere
+        from operators.contracts.retry_elsewhere import RetryElsewhere
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":

@@ -66,7 +66,7 @@ def remote_kv_policy(
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
     workers' KV events over NATS) among the workers a request has not tried yet."""
-    from operators.contracts.transport import RetryElsewhere  # (needs nats-py, as --nats does)
+    from operators.contracts.retry_elsewhere import RetryElsewhere
 
     return RetryElsewhere(_kv_router(config, index, metrics, approximate=False))
 

@@ -31,10 +31,10 @@ from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, Pr
 from operators.engines._grammar import lark_grammar
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
+from operators.engines._vllm_kv_events import BlockTranslator, KvEventListener
 from pipeline import EngineError, InvalidRequest, StreamDisconnected
 
 from ._args import engine_args, import_vllm
-from ._kv_events import BlockTranslator, KvEventListener
 from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
 from ._reaper import ProcessReaper, descendants
