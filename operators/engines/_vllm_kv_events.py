@@ -79,24 +79,34 @@ def event_batch_type() -> Any:
         return _BATCH_TYPE
     import msgspec
 
-    class BlockStored(msgspec.Struct, tag=True, gc=False):
-        block_hashes: list[bytes | int] = []
-        parent_block_hash: bytes | int | None = None
-        token_ids: list[int] = []
-        block_size: int = 0
-        medium: str | None = None
-
-    class BlockRemoved(msgspec.Struct, tag=True, gc=False):
-        block_hashes: list[bytes | int] = []
-        medium: str | None = None
-
-    class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
-        pass
-
-    class EventBatch(msgspec.Struct, array_like=True, gc=False):
-        ts: float
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
+    # (built with defstruct: class bodies here would leave their annotations as strings,
+    # which msgspec resolves in this module's globals, where these names are not)
+    hashes = list[bytes | int]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", hashes, msgspec.field(default_factory=list)),
+            ("parent_block_hash", bytes | int | None, None),
+            ("token_ids", list[int], msgspec.field(default_factory=list)),
+            ("block_size", int, 0),
+            ("medium", str | None, None),
+        ],
+        tag=True,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [
+            ("block_hashes", hashes, msgspec.field(default_factory=list)),
+            ("medium", str | None, None),
+        ],
+        tag=True,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], tag=True)
+    EventBatch = msgspec.defstruct(
+        "EventBatch",
+        [("ts", float), ("events", list[stored | removed | cleared])],  # type: ignore[valid-type]
+        array_like=True,
+    )
     _BATCH_TYPE = EventBatch
     return EventBatch
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Final
 
 import anyio
@@ -45,7 +45,7 @@ _PARAMS: Final = {"grammar": "response_format", "json_schema": "response_format"
                   "structured_outputs": "response_format", "top_logprobs": "logprobs"}  # fmt: skip
 
 
-async def events(response: httpx.Response, request_id: str) -> AsyncIterator[dict[str, Any]]:
+async def events(response: httpx.Response, request_id: str) -> AsyncGenerator[dict[str, Any], None]:
     """The JSON objects of ``response``'s ``data:`` lines (:data:`DONE` for ``[DONE]``).
 
     Closed before the end (a stop, a kill, an error), it closes the response, whose

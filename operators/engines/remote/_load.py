@@ -41,7 +41,7 @@ class UpstreamLoad(NamedTuple):
     kv_cache_usage: float | None
     #: when it was read (``anyio.current_time()``)
     at: float
-    #: requests this engine sent it since (filled in by :meth:`RemoteEngine.load`)
+    #: requests this engine sent it since (filled in by :meth:`RemoteEngine.load_report`)
     sent_since: int = 0
 
 
@@ -93,7 +93,7 @@ def reported_load(worker: Worker[Any, Any]) -> float:
     """A worker's load in requests, for a router: its server's report plus what was sent
     it since, or the requests this router has in flight there when the engine reports
     nothing (or reports less than that: the report is older than those requests)."""
-    load = getattr(worker.engine, "load", None)
+    load = getattr(worker.engine, "load_report", None)
     report: UpstreamLoad | None = load() if callable(load) else None
     if report is None:
         return worker.in_flight

@@ -16,7 +16,7 @@ streamed response. What this module adds is the contract's edges:
   prompt + output so far. ``on_lost`` is told at once (the fleet takes the server out of
   its worker set until it answers again).
 - **What it says of itself.** :meth:`poll` reads the server's load (:mod:`._load`),
-  :meth:`load` is the last report, for the routers; with ``kv_events`` (vLLM's ZMQ
+  :meth:`load_report` is the last report, for the routers; with ``kv_events`` (vLLM's ZMQ
   endpoint, :class:`~operators.engines._vllm_kv_events.KvEventListener`) it reports its
   prefix cache as our block ids, like the in-process engines, for ``--router kv``.
 """
@@ -191,7 +191,7 @@ class RemoteEngine:
         """Tokens per block in the KV events."""
         return self._translator.block_size
 
-    def load(self) -> UpstreamLoad | None:
+    def load_report(self) -> UpstreamLoad | None:
         """The server's last load report (None: none yet), with the requests sent it since:
         what a router weighs (:func:`~._load.reported_load`)."""
         report = self._load
@@ -207,7 +207,7 @@ class RemoteEngine:
             generated_tokens=self._generated,
             cached_prompt_tokens=self._cached,
             up=self._up,
-            load=self.load(),
+            load=self.load_report(),
         )
 
     # --------------------------------------------------------------------------- KV events
