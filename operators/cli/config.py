@@ -29,6 +29,7 @@ from .defaults import (
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
     EngineName,
     Role,
@@ -125,6 +126,8 @@ class EngineConfig:
     #: what the upstreams are (None: each is asked)
     upstream_kind: Literal["vllm", "llama-server"] | None = None
     upstream_poll_ms: float = DEFAULT_UPSTREAM_POLL_MS
+    #: the longest silence of an upstream's stream before it counts as lost
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
 
     @property
     def served_name(self) -> str:

@@ -19,6 +19,7 @@ __all__ = (
     "DEFAULT_RESPONSES_STORE_MB",
     "DEFAULT_RESPONSES_STORE_TTL",
     "DEFAULT_UPSTREAM_POLL_MS",
+    "DEFAULT_UPSTREAM_TIMEOUT",
     "ENGINES",
     "MODEL_ENGINES",
     "NATS_CONNECT_TIMEOUT",
@@ -55,6 +56,8 @@ DEFAULT_RESPONSES_STORE_MB: Final = 256
 DEFAULT_RESPONSES_STORE_TTL: Final = 24 * 3600.0
 #: ``--upstream-poll-ms``: how often an upstream's load is read (and its health checked)
 DEFAULT_UPSTREAM_POLL_MS: Final = 500.0
+#: ``--upstream-timeout``: the longest silence of an upstream's stream (as the remote engine's)
+DEFAULT_UPSTREAM_TIMEOUT: Final = 300.0
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
 

@@ -243,6 +243,7 @@ async def open_remote(
         tokenizer=tokenizer,
         block_size=config.kv_block_size,
         poll_interval=config.upstream_poll_ms / 1000,
+        stall_timeout=config.upstream_timeout,
         role=role,
     ) as fleet:
         yield fleet

@@ -21,6 +21,7 @@ from .defaults import (
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
 )
 
@@ -483,6 +484,16 @@ def _add_remote_options(parser: argparse.ArgumentParser) -> None:
         help=(
             "how often each upstream's load is read (vLLM's /metrics, llama-server's /slots) "
             "and its health checked: one that does not answer is routed around until it does"
+        ),
+    )
+    remote.add_argument(
+        "--upstream-timeout",
+        type=positive_float,
+        default=DEFAULT_UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "the longest an upstream may stay silent in a stream (a long prompt's prefill "
+            "included) before it counts as lost and the request continues on another"
         ),
     )
 

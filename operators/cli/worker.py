@@ -53,6 +53,7 @@ async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> A
             parse_upstream(upstream, config.engine.upstream_kind),
             tokenizer=tokenizer,
             block_size=config.engine.kv_block_size,
+            stall_timeout=config.engine.upstream_timeout,
         )
     assert tokenizer is not None
     return make_engine(config.engine, tokenizer, config.role, config.id)

@@ -105,7 +105,7 @@ class FakeUpstream:
                 log_level="critical",
                 interface="asgi3",
                 lifespan="off",
-            )  # fmt: skip
+            )
         )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()

@@ -151,7 +151,8 @@ async def test_a_stream_broken_mid_way_is_a_lost_worker_after_what_it_sent(
                 async for output in stream:
                     outputs.append(output)
         assert tokens(outputs) == continuation(PROMPT, 3)
-        assert lost == [engine] and not engine.up
+        assert lost == [engine]
+        assert not engine.up
         assert engine.statistics().lost == 1
 
 
@@ -229,7 +230,8 @@ async def test_the_fleet_follows_its_servers_health(vllm: FakeUpstream) -> None:
             assert [w.id for w in fleet.workers.members] == names
             await eventually(lambda: all(e.load_report() for e in fleet.engines), "a report")
             report = fleet.engines[0].load_report()
-            assert report is not None and report.kv_cache_usage == 0.25
+            assert report is not None
+            assert report.kv_cache_usage == 0.25
             port = other.port
             other.stop()
             await eventually(lambda: len(fleet.workers) == 1, "the stopped one out")
@@ -250,7 +252,8 @@ async def test_a_server_down_at_start_joins_when_it_answers(vllm: FakeUpstream) 
     late.stop()
     upstreams = [parse_upstream(vllm.url), parse_upstream(f"http://127.0.0.1:{port}")]
     async with open_upstreams(upstreams, poll_interval=0.02, connect_timeout=1) as fleet:
-        assert len(fleet.workers) == 1 and fleet.model == "fake-model"
+        assert len(fleet.workers) == 1
+        assert fleet.model == "fake-model"
         late = FakeUpstream("vllm", port=port)
         try:
             await eventually(lambda: len(fleet.workers) == 2, "the late one in")

@@ -84,7 +84,7 @@ def test_an_upstream_is_a_root_url_with_an_optional_kv_endpoint() -> None:
      "http://h:1,kv=tcp://*:5557", "http://h:1,kv=tcp://h"],
 )  # fmt: skip
 def test_a_wrong_upstream_is_refused_with_what_is_expected(text: str) -> None:
-    with pytest.raises(ValueError, match="expected|takes|connects|root"):
+    with pytest.raises(ValueError, match=r"expected|takes|connects|root"):
         parse_upstream(text)
 
 
@@ -96,8 +96,10 @@ def test_the_generate_route_gets_vllms_own_sampling_params() -> None:
     assert call.path == "/inference/v1/generate"
     assert call.body["token_ids"] == [5, 6, 7]
     params = call.body["sampling_params"]
-    assert params["max_tokens"] == 8 and params["temperature"] == 0.0
-    assert params["stop_token_ids"] == [2] and params["detokenize"] is False
+    assert params["max_tokens"] == 8
+    assert params["temperature"] == 0.0
+    assert params["stop_token_ids"] == [2]
+    assert params["detokenize"] is False
     assert params["logprobs"] == 4  # one more: the sampled token may crowd out the 3rd best
     assert call.body["priority"] == 2
     assert call.body["stream_options"] == {"include_usage": True}
@@ -107,9 +109,13 @@ def test_the_completions_route_gets_a_token_prompt_and_ids_back() -> None:
     call = vllm_call(request(logprobs=2), "r", VLLM, LIMITS, generate=False)
     body = call.body
     assert call.path == "/v1/completions"
-    assert body["model"] == "smol" and body["prompt"] == [5, 6, 7]
-    assert body["return_token_ids"] is True and body["return_tokens_as_token_ids"] is True
-    assert body["logprobs"] == 2 and "detokenize" not in body and "priority" not in body
+    assert body["model"] == "smol"
+    assert body["prompt"] == [5, 6, 7]
+    assert body["return_token_ids"] is True
+    assert body["return_tokens_as_token_ids"] is True
+    assert body["logprobs"] == 2
+    assert "detokenize" not in body
+    assert "priority" not in body
 
 
 def test_greedy_n_above_one_is_top_k_one_as_vllm_takes_it() -> None:
@@ -155,21 +161,24 @@ def test_the_last_finish_waits_for_the_usage_and_carries_the_cached_tokens() -> 
     reader = VllmReader(2, None, "r")
     assert [o.token_ids for o in reader.feed(chunk(0, [7]))] == [[7]]
     [first_done] = reader.feed(chunk(0, [8], "stop"))
-    assert first_done.finish_reason == "stop" and first_done.cached_tokens is None
+    assert first_done.finish_reason == "stop"
+    assert first_done.cached_tokens is None
     assert reader.feed(chunk(1, [9], "length")) == []  # the last one: held
     usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 32}}}
     [last] = reader.feed(usage)
     assert (last.index, last.token_ids, last.finish_reason, last.cached_tokens) == (
         1, [9], "length", 32
     )  # fmt: skip
-    assert reader.done and reader.generated == 3
+    assert reader.done
+    assert reader.generated == 3
 
 
 def test_without_usage_the_held_finish_comes_at_done_without_cached_tokens() -> None:
     reader = VllmReader(1, None, "r")
     assert reader.feed(chunk(0, [7], "stop")) == []
     [last] = reader.feed(DONE)
-    assert last.finish_reason == "stop" and last.cached_tokens is None
+    assert last.finish_reason == "stop"
+    assert last.cached_tokens is None
 
 
 def test_a_stream_that_ends_before_every_choice_finished_is_a_lost_worker() -> None:
@@ -252,17 +261,23 @@ def test_a_mid_stream_error_without_a_code_is_a_lost_server() -> None:
 
 def test_llama_server_gets_every_sampler_it_would_otherwise_default() -> None:
     body = llama_call(request(logprobs=0, n=2, sampling={"seed": 7}), "r", LLAMA, LIMITS).body
-    assert body["prompt"] == [5, 6, 7] and body["n_predict"] == 8 and body["n_cmpl"] == 2
+    assert body["prompt"] == [5, 6, 7]
+    assert body["n_predict"] == 8
+    assert body["n_cmpl"] == 2
     assert (body["top_k"], body["top_p"], body["min_p"], body["repeat_penalty"]) == (
         1,
         1.0,
         0.0,
         1.0,
     )
-    assert body["return_tokens"] is True and body["stream"] is True
-    assert body["n_probs"] == 1 and body["seed"] == 7
+    assert body["return_tokens"] is True
+    assert body["stream"] is True
+    assert body["n_probs"] == 1
+    assert body["seed"] == 7
     plain = llama_call(request(), "r", LLAMA, LIMITS).body
-    assert plain["top_k"] == 0 and "n_cmpl" not in plain and "n_probs" not in plain
+    assert plain["top_k"] == 0
+    assert "n_cmpl" not in plain
+    assert "n_probs" not in plain
 
 
 @pytest.mark.parametrize(
@@ -302,7 +317,8 @@ def test_llama_server_chunks_report_cached_tokens_first_and_the_stop_type_last()
     [second] = reader.feed(llama_chunk([2], 2, timings={"cache_n": 15}))
     assert second.cached_tokens is None
     [end] = reader.feed({"index": 0, "stop": True, "stop_type": "eos", "tokens": []})
-    assert (end.token_ids, end.finish_reason) == ([], "stop") and reader.done
+    assert (end.token_ids, end.finish_reason) == ([], "stop")
+    assert reader.done
     with pytest.raises(EngineError, match="stop_type"):
         LlamaReader(1, None, "r", None).feed({"index": 0, "stop": True, "stop_type": "none"})
 
@@ -324,7 +340,8 @@ def test_the_gap_filler_gives_ids_of_exactly_that_text_and_count(text: str) -> N
     ids = TOKENIZER.encode(text, parse_special=False)
     assume(TOKENIZER.decode(ids) == text)  # (a few characters are not in its vocabulary)
     filled = GapFiller(TOKENIZER).fill(text, ids[-1], len(ids) - 1)
-    assert filled is not None and len(filled) == len(ids) - 1
+    assert filled is not None
+    assert len(filled) == len(ids) - 1
     assert TOKENIZER.decode([*filled, ids[-1]]) == text
 
 
@@ -332,7 +349,8 @@ def test_the_gap_filler_splits_bytes_when_the_encoding_does_not_fit() -> None:
     last = TOKENIZER.encode("🥳", parse_special=False)[-1]
     # three left out, where the tokenizer spells the rest in two: a byte-level split
     filled = GapFiller(TOKENIZER).fill("🥳", last, 3)
-    assert filled is not None and len(filled) == 3
+    assert filled is not None
+    assert len(filled) == 3
     assert TOKENIZER.decode([*filled, last]) == "🥳"
     assert GapFiller(TOKENIZER).fill("🥳", last, 9) is None
 

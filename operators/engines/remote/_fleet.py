@@ -32,7 +32,7 @@ from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from pipeline import WorkerSet
 
 from ._spec import Upstream
-from .engine import RemoteEngine
+from .engine import STALL_TIMEOUT, RemoteEngine
 
 if TYPE_CHECKING:
     from operators.contracts.llm import EngineOutput, PreprocessedRequest
@@ -109,13 +109,15 @@ async def open_upstreams(
     tokenizer: Tokenizer | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     poll_interval: float = DEFAULT_POLL_INTERVAL,
+    stall_timeout: float = STALL_TIMEOUT,
     role: str = "aggregated",
     connect_timeout: float = 10.0,
 ) -> AsyncIterator[UpstreamFleet]:
     """Connect to ``upstreams`` and watch them while the context is open.
 
     Those that answer within ``connect_timeout`` seconds are members at once; the others
-    join when they answer. Names (``host:port``) must differ.
+    join when they answer. Names (``host:port``) must differ. ``stall_timeout``: the longest
+    silence of a stream before its server counts as lost (:class:`RemoteEngine`).
 
     Raises:
         ConnectionError: none answered.
@@ -128,7 +130,11 @@ async def open_upstreams(
     if not upstreams:
         raise ValueError("no upstream to serve")
     fleet = UpstreamFleet(WorkerSet(role))
-    options: dict[str, Any] = {"tokenizer": tokenizer, "block_size": block_size}
+    options: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "block_size": block_size,
+        "stall_timeout": stall_timeout,
+    }
     found: list[RemoteEngine | None] = [None] * len(upstreams)
     failures: list[str] = []
     wrong: list[Exception] = []  # not a server that is down: a configuration to fix

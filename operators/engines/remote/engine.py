@@ -23,6 +23,7 @@ streamed response. What this module adds is the contract's edges:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from contextlib import aclosing
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
     from operators.text.tokenizer import Tokenizer
     from pipeline import Context, KvEventSink, KvSnapshot, Stream
 
-__all__ = ("RemoteEngine", "RemoteStatistics")
+__all__ = ("CONNECT_TIMEOUT", "STALL_TIMEOUT", "RemoteEngine", "RemoteStatistics")
 
 logger = logging.getLogger("operators.engines.remote")
 
@@ -125,9 +126,8 @@ class RemoteEngine:
         self._translator = BlockTranslator(block_size)  # validates block_size
         self._kv = KvDelivery()
         self._listener: KvEventListener | None = None
-        if upstream.kv_events is not None:
+        if upstream.kv_events is not None:  # (started by connect(), or follow_kv_events())
             self._listener = KvEventListener(upstream.kv_events, self._translator, self._kv)
-            self._listener.start(timeout=1.0, required=False)
         self._load: UpstreamLoad | None = None
         self._sent_at_report = 0
         self._up = True
@@ -162,6 +162,7 @@ class RemoteEngine:
                 client=client,
                 on_lost=on_lost,
             )
+            await engine.follow_kv_events()
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await client.aclose()
@@ -221,6 +222,20 @@ class RemoteEngine:
     @kv_events.setter
     def kv_events(self, sink: KvEventSink | None) -> None:
         self._kv.set_sink(sink if self._listener is not None else None)
+
+    async def follow_kv_events(self, wait: float = 1.0) -> None:
+        """Subscribe to the server's KV events (``kv=``; nothing without): waits up to
+        ``wait`` seconds for its publisher (in a thread), then goes on without it (ZMQ
+        connects whenever it comes up). :meth:`connect` calls it.
+
+        Raises:
+            ImportError: pyzmq or msgspec is missing (the ``[remote]`` extra).
+        """
+        listener = self._listener
+        if listener is not None:
+            await anyio.to_thread.run_sync(
+                functools.partial(listener.start, timeout=wait, required=False)
+            )
 
     def kv_snapshot(self) -> KvSnapshot:
         """Every block held as of the last KV event delivered, with that event's ``seq``."""
@@ -294,8 +309,9 @@ class RemoteEngine:
                         if output.cached_tokens:
                             self._cached += output.cached_tokens
                         yield output
-                    if reader.done or ctx.is_stopped:
-                        return
+                    if ctx.is_stopped and not reader.done:
+                        return  # (the connection closes: the server aborts the request)
+                # (done, the rest is read to its end: the connection goes back to the pool)
             for output in reader.end():
                 yield output
         except httpx.HTTPError as exc:
