@@ -5,6 +5,7 @@ and every usage error."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.time_limit(30)]
 
 TOKENIZER = Tokenizer.default()
 PROMPT = "Once upon a time"
+#: the NATS tests' helpers (nats_server)
+TRANSPORTS = str(Path(__file__).resolve().parent.parent / "pipeline" / "transports")
 
 
 @pytest.fixture
@@ -149,3 +152,33 @@ def test_no_upstream_answering_is_exit_code_1() -> None:
     result = run_cli(["serve", "--engine", "remote", "--upstream", "http://127.0.0.1:9"])
     assert result.returncode == 1
     assert "no upstream answered" in result.stderr
+
+
+async def test_a_worker_fronts_one_upstream_over_nats(
+    pair: tuple[FakeUpstream, FakeUpstream], tmp_path: Path
+) -> None:
+    pytest.importorskip("nats", reason="the NATS tests need the nats extra")
+    if TRANSPORTS not in sys.path:
+        sys.path.insert(0, TRANSPORTS)
+    from nats_server import NatsServer
+    from test_cli_nats import WorkerProcess
+
+    first, _ = pair
+    nats = NatsServer(tmp_path)
+    nats.start()
+    worker = WorkerProcess(nats.url, "fronting", "--engine", "remote", "--upstream", first.url)
+    server: ServerProcess | None = None
+    try:
+        worker.wait_ready()
+        assert "serving model 'fake-model'" in worker.ready_line  # the upstream's name
+        server = ServerProcess("--nats", nats.url, "--model-name", "fake-model")
+        api = openai.AsyncOpenAI(base_url=server.base_url, api_key="x", max_retries=0)
+        async with api:
+            answer = await api.completions.create(model="fake-model", prompt=PROMPT, max_tokens=6)
+        assert answer.choices[0].text == expected(6)
+        assert first.counts.requests == 1
+    finally:
+        if server is not None:
+            server.stop()
+        worker.stop()
+        nats.stop()

@@ -262,7 +262,7 @@ def test_a_mid_stream_error_without_a_code_is_a_lost_server() -> None:
 def test_llama_server_gets_every_sampler_it_would_otherwise_default() -> None:
     body = llama_call(request(logprobs=0, n=2, sampling={"seed": 7}), "r", LLAMA, LIMITS).body
     assert body["prompt"] == [5, 6, 7]
-    assert body["n_predict"] == 8
+    assert body["n_predict"] == 8 + 3  # (cut at 8 by the reader: see the next test)
     assert body["n_cmpl"] == 2
     assert (body["top_k"], body["top_p"], body["min_p"], body["repeat_penalty"]) == (
         1,
@@ -333,6 +333,19 @@ def test_tokens_llama_server_leaves_out_are_recovered_from_the_text() -> None:
         LlamaReader(1, 1, "r", GapFiller(TOKENIZER)).feed(
             llama_chunk([ids[-1]], len(ids), content="🥳", completion_probabilities=[])
         )
+
+
+def test_the_budget_is_cut_by_the_reader_whole_characters_included() -> None:
+    text, emoji = TOKENIZER.encode("Hi", parse_special=False), TOKENIZER.encode("🥳")
+    whole = len(text) + len(emoji)
+    reader = LlamaReader(1, None, "r", GapFiller(TOKENIZER), budget=len(text) + 1)
+    outputs = [*reader.feed(llama_chunk(text, len(text)))]
+    # the budget ends inside the emoji: llama-server sends it whole, past the budget
+    outputs += reader.feed(llama_chunk([emoji[-1]], whole, content="🥳"))
+    assert [t for o in outputs for t in o.token_ids] == [*text, emoji[0]]
+    assert outputs[-1].finish_reason == "length"
+    assert reader.done
+    assert reader.feed({"index": 0, "stop": True, "stop_type": "limit"}) == []
 
 
 @given(st.text(min_size=1, max_size=6))

@@ -11,6 +11,11 @@ defaults, not the request's). What llama-server cannot honour is refused by name
 other than one JSON value (``json_schema``: a required tool call's prefix and suffix would
 need a grammar around the schema).
 
+``max_tokens``: llama-server streams a token only once its character is whole, so a budget
+that ends inside a character would lose that character's first tokens: it is asked for up
+to :data:`OVERSHOOT` more, and the reader cuts the output at the budget itself (closing the
+stream then aborts what llama-server would still generate).
+
 Stop token ids are not sent (it takes none): llama-server stops at its model's end of
 generation, and the Backend stops reading at the user's ids, which closes the stream.
 
@@ -43,6 +48,9 @@ _FINISH: Final[dict[str, FinishReason]] = {"eos": "stop", "word": "stop", "limit
 _FINAL_FIELDS: Final = ("index", "stop", "stop_type", "tokens", "tokens_predicted")
 #: llama.cpp's seeds are 32-bit, and 0xFFFFFFFF means "random"
 _SEEDS: Final = 2**32 - 1
+#: tokens asked beyond the budget: a character's last token may come up to 3 after the
+#: budget's (4 UTF-8 bytes), and llama-server never streams the others without it
+OVERSHOOT: Final = 3
 
 
 @final
@@ -82,7 +90,7 @@ def llama_call(
         raise refuse(f"takes a seed from 0 to {_SEEDS - 1}, not {seed}", "seed")
     body: dict[str, Any] = {
         "prompt": list(request.token_ids),
-        "n_predict": params["max_tokens"],
+        "n_predict": min(plan.budget + OVERSHOOT, limits.max_model_len - len(request.token_ids)),
         "temperature": params["temperature"],
         "top_k": params.get("top_k", 0),
         "top_p": params.get("top_p", 1.0),
@@ -130,12 +138,20 @@ def llama_call(
 class LlamaReader:
     """llama-server's chunks as EngineOutputs, one per token per choice."""
 
-    __slots__ = ("_cached", "_gaps", "_k", "_open", "_request_id", "_seen", "done", "generated")
+    __slots__ = (
+        "_budget", "_cached", "_gaps", "_k", "_open", "_request_id", "_seen", "done", "generated"
+    )  # fmt: skip
 
     def __init__(
-        self, n: int, logprobs: int | None, request_id: str, gaps: GapFiller | None
+        self,
+        n: int,
+        logprobs: int | None,
+        request_id: str,
+        gaps: GapFiller | None,
+        budget: int | None = None,
     ) -> None:
         self._open = set(range(n))
+        self._budget = budget  # tokens per choice; None: llama-server's own limit
         self._seen = [0] * n  # ids received per choice (left-out ones included, once filled)
         self._k = logprobs
         self._request_id = request_id
@@ -166,6 +182,8 @@ class LlamaReader:
             raise StreamDisconnected(
                 f"llama-server sent a chunk for choice {index!r}", request_id=self._request_id
             )
+        if index not in self._open:
+            return []  # (cut at its budget already: what llama-server sends after is ignored)
         if event.get("stop") is True:
             return [self._finish(index, event.get("stop_type"))]
         ids = event.get("tokens") or []
@@ -175,11 +193,19 @@ class LlamaReader:
         missing = predicted - self._seen[index] - len(ids) if isinstance(predicted, int) else 0
         if missing > 0:
             ids = [*self._fill(event, ids, missing), *ids]
+        finish: FinishReason | None = None
+        budget = self._budget
+        if budget is not None and self._seen[index] + len(ids) >= budget:
+            ids = ids[: budget - self._seen[index]]
+            finish = "length"
+            self._open.discard(index)
+            self.done = not self._open
         self._seen[index] += len(ids)
         self.generated += len(ids)
-        output = EngineOutput(list(ids), None, None, None, index)
+        output = EngineOutput(list(ids), None, None, finish, index)
         if self._k is not None:
-            output.logprobs, output.top_logprobs = self._logprobs(event, len(ids))
+            values, tops = self._logprobs(event, len(event.get("tokens") or ()))
+            output.logprobs, output.top_logprobs = values[: len(ids)], tops[: len(ids)]
         if index == 0 and self._cached is None:
             timings = event.get("timings")
             cached = timings.get("cache_n") if isinstance(timings, dict) else None

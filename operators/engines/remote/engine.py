@@ -293,7 +293,7 @@ class RemoteEngine:
         else:
             call = llama_call(request, ctx.id, self.info, self._limits)
             k = call.plan.params.get("logprobs")
-            reader = LlamaReader(call.plan.n, k, ctx.id, self._gaps)
+            reader = LlamaReader(call.plan.n, k, ctx.id, self._gaps, call.plan.budget)
         if call.plan.budget == 0:
             for index in range(call.plan.n):
                 yield EngineOutput([], None, None, "length", index)
