@@ -18,6 +18,7 @@ from operators.contracts.llm import (
     StopConditions,
 )
 from operators.engines.remote import RemoteEngine, open_upstreams, parse_upstream
+from operators.routing.kv_blocks import block_hashes
 from operators.testing import check_engine
 from operators.text.tokenizer import Tokenizer
 from pipeline import (
@@ -25,6 +26,8 @@ from pipeline import (
     Context,
     EngineError,
     InvalidRequest,
+    KvCleared,
+    KvEvent,
     StreamDisconnected,
     open_stream,
 )
@@ -265,3 +268,42 @@ async def test_no_server_answering_is_a_connection_error() -> None:
     with pytest.raises(ConnectionError, match="no upstream answered"):
         async with open_upstreams([parse_upstream("http://127.0.0.1:9")], connect_timeout=1):
             pass
+
+
+async def test_a_vllm_servers_kv_events_arrive_as_our_block_ids(vllm: FakeUpstream) -> None:
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    context = zmq.Context()
+    publisher = context.socket(zmq.PUB)
+    port = publisher.bind_to_random_port("tcp://127.0.0.1")
+    tokens = list(range(1000, 1064))
+
+    def publish(seq: int, *events: dict[str, Any]) -> None:
+        payload = msgspec.msgpack.encode([1.0, list(events), 0])
+        publisher.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def stored(block: int, parent: int | None, ids: list[int]) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [block], "parent_block_hash": parent,
+                "token_ids": ids, "block_size": 32, "medium": "GPU", "lora_id": None}  # fmt: skip
+
+    received: list[KvEvent] = []
+    upstream = parse_upstream(f"{vllm.url},kv=tcp://127.0.0.1:{port}")
+    try:
+        async with await RemoteEngine.connect(upstream) as engine:
+            engine.kv_events = received.append
+            publish(0, stored(1, None, tokens[:32]), stored(2, 1, tokens[32:]))
+            await eventually(lambda: len(received) == 2, "the stored blocks")
+            assert engine.kv_snapshot().block_ids == tuple(block_hashes(tokens, 16))
+            publish(0, stored(7, None, tokens[:32]))  # numbered from 0 again: a new server
+            await eventually(lambda: len(received) == 4, "a clear, then its block")
+            assert isinstance(received[2], KvCleared)
+            assert engine.kv_snapshot().block_ids == tuple(block_hashes(tokens[:32], 16))
+    finally:
+        publisher.close(linger=0)
+        context.term()
+
+
+async def test_an_upstream_without_kv_events_takes_no_sink(vllm: FakeUpstream) -> None:
+    async with await connect(vllm) as engine:
+        engine.kv_events = print
+        assert engine.kv_events is None  # (so the KV router approximates)

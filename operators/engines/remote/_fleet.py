@@ -29,6 +29,7 @@ import anyio
 import httpx
 
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
+from operators.engines._vllm_kv_events import import_zmq
 from pipeline import WorkerSet
 
 from ._spec import Upstream
@@ -129,6 +130,8 @@ async def open_upstreams(
         raise ValueError(f"an upstream is given twice: {', '.join(names)}")
     if not upstreams:
         raise ValueError("no upstream to serve")
+    if any(upstream.kv_events is not None for upstream in upstreams):
+        import_zmq()  # now, not when a server down at start comes up
     fleet = UpstreamFleet(WorkerSet(role))
     options: dict[str, Any] = {
         "tokenizer": tokenizer,
