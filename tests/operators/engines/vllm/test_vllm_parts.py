@@ -31,9 +31,9 @@ from operators.contracts.llm import (
     StopConditions,
 )
 from operators.engines._kv_delivery import KvDelivery
+from operators.engines._vllm_kv_events import BlockTranslator
 from operators.engines.llama._validation import token_budget
 from operators.engines.vllm import VllmEngine
-from operators.engines.vllm._kv_events import BlockTranslator
 from operators.engines.vllm._outputs import engine_outputs, logprobs_of
 from operators.engines.vllm._reaper import descendants, start_time
 from operators.engines.vllm._sampling import (
