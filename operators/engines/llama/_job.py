@@ -28,18 +28,18 @@ if TYPE_CHECKING:
     from ._constraint import Matcher
     from ._kv_handle import Handle
     from ._lora import Adapter
-    from ._sequence import Sequence
 
 __all__ = ("Job",)
 
 
 @final
 class Job:
-    """One request on its way through the scheduler: its choices, outbox and doorbell.
+    """One request on its way through the scheduler: what runs, its outbox and doorbell.
 
     ``width`` is how many slots the request holds (its choices run side by side, at most
     that many at a time). Outputs carry their choice in ``index``; ``None`` in the outbox
-    ends the stream, an exception fails it.
+    ends the stream, an exception fails it. The scheduler's own bookkeeping of the job's
+    choices is not here (``_sequence.Choices``): a job knows nothing of sequences.
     """
 
     __slots__ = (
@@ -52,16 +52,13 @@ class Job:
         "consumed",
         "ctx",
         "ended",
-        "finished",
         "matchers",
         "n",
         "pull_from",
-        "queued",
         "release_transfer",
         "request",
         "resumed",
         "rng_state",
-        "running",
         "timeline",
         "transfer",
         "width",
@@ -105,11 +102,6 @@ class Job:
         self.cancelled = False
         self.consumed = [0] * self.n
         self.ended = False
-        # the scheduler thread's bookkeeping: choices not yet in a slot, choices in one,
-        # and how many are done
-        self.queued: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.finished = 0
         #: a traced request's step timing, appended by the scheduler thread: (event name,
         #: time.time_ns(), attributes); None when the request is not traced
         self.timeline: list[tuple[str, int, dict[str, int]]] | None = (
