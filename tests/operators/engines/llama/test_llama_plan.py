@@ -3,7 +3,7 @@ over plain data. Properties over any slot table (hypothesis), then the policy's 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hypothesis import given
@@ -249,8 +249,8 @@ def prompt(length: int, cached: int = 0, group: str | None = None) -> Occupant[s
 
 
 def plan(
-    slots: list[Occupant[str | None] | None],
-    prefilling: list[int],
+    slots: Sequence[Occupant[str | None] | None],
+    prefilling: Sequence[int],
     *,
     step_tokens: int = 32,
     budget: Callable[[int, int], int] = lambda decoding, most: most,
@@ -317,7 +317,8 @@ def test_adapters_take_turns_and_a_step_runs_one() -> None:
 
 
 def test_a_continuations_last_prompt_token_is_counted_as_decoded() -> None:
-    resumed = Occupant(None, None, 0, 8, list(range(10)), 9)  # cells pulled up to 8
+    # a continuation: its prompt ends a token early, its cells were pulled up to 8
+    resumed: Occupant[str | None] = Occupant(None, None, 0, 8, list(range(10)), 9)
     step = plan([resumed], [0])
     assert step is not None
     assert (step.record.prefill_tokens, step.record.decode_tokens) == (1, 1)
