@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, final
 
@@ -24,6 +25,7 @@ from operators.contracts.llm import EngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
     from pipeline import Context
+    from pipeline.tracing import Span
 
     from ._constraint import Matcher
     from ._kv_handle import Handle
@@ -143,6 +145,27 @@ class Job:
         if not self.ended:
             self.cancelled = True
         self._reader.close()
+
+    def trace(self, span: Span) -> None:
+        """A traced request's step timing, recorded by the scheduler thread, as ``span``'s
+        events: each prefill chunk, the end of prefill (per choice), and one ``decode``
+        summary."""
+        if self.timeline is None:
+            return
+        prefilled = 0
+        for name, time_ns, attributes in list(self.timeline):
+            span.add_event(name, attributes, time_ns=time_ns)
+            if name == "prefilled" and not prefilled:
+                prefilled = time_ns
+        if prefilled:
+            seconds = (time.time_ns() - prefilled) / 1e9
+            span.add_event(
+                "decode",
+                {
+                    "llm_pipeline.outputs": sum(self.consumed),
+                    "llm_pipeline.decode_ms": round(seconds * 1e3, 3),
+                },
+            )
 
     # ------------------------------------------------------------ the scheduler's side
 

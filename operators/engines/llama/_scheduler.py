@@ -51,6 +51,7 @@ from pipeline import EngineError, InvalidRequest
 
 from ._job import Job
 from ._kv_events import KvReporter
+from ._probes import batch_invariant, kv_layout
 from ._runtime import Aborted, LlamaFailure, Runtime
 from ._sequence import Choices, Sequence
 from ._slot_table import SlotTable
@@ -58,7 +59,7 @@ from ._stepper import Stepper
 from ._steps import Counters, LlamaStep
 
 if TYPE_CHECKING:
-    from ._kv_cells import KvCells
+    from ._kv_cells import KvCells, KvLayout
     from ._kv_moves import KvMover
     from ._lora import Adapter
 
@@ -118,8 +119,9 @@ class Scheduler:
         self._probe: bool | Exception = False
         self._calls: deque[tuple[Callable[[], object], Future[object]]] = deque()
         self._retiring: list[Adapter] = []  # unloaded; freed once no job runs with them
-        #: whether KV cells survive an export and a load (checked when asked at start)
-        self.kv_portable = False
+        #: the layout of the model's KV cells if they survive an export and a load
+        #: (probed at start when asked; None: they cannot move)
+        self.kv_layout: KvLayout | None = None
         self._thread = threading.Thread(target=self._run, name="llama-scheduler", daemon=True)
         self._thread.start()
 
@@ -134,8 +136,8 @@ class Scheduler:
         self._table.mover = mover
 
     def batch_invariant(self) -> bool:
-        """The result of :meth:`Runtime.batch_invariant`, run in the scheduler's thread
-        before its first step (blocks until then).
+        """The result of :func:`~._probes.batch_invariant`, run in the scheduler's thread
+        before its first step (blocks until then; :attr:`kv_layout` is known then too).
 
         Why there: ggml's CPU backend keeps a team of OpenMP threads per calling thread, and
         a team left behind by another thread made every later decode ~60 % slower.
@@ -220,9 +222,9 @@ class Scheduler:
     def _run(self) -> None:
         message = "the llama engine is closed"
         try:
-            self._probe = self._runtime.batch_invariant()
+            self._probe = batch_invariant(self._runtime)
             if self._check_kv:
-                self.kv_portable = self._runtime.kv_portable()
+                self.kv_layout = kv_layout(self._runtime)
         except LlamaFailure as exc:
             self._probe = exc
             self._stopping = True
