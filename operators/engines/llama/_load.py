@@ -140,12 +140,14 @@ def load(
             options.block_size,
         )
         kv.tiers = TierLedger(tiers)
-        scheduler.mover = KvMover(
-            runtime,
-            tiers,
-            block_size=options.block_size,
-            layout=layout,
-            counters=scheduler.counters,
+        scheduler.move_kv(
+            KvMover(
+                runtime,
+                tiers,
+                block_size=options.block_size,
+                layout=layout,
+                counters=scheduler.counters,
+            )
         )
     disagg = Disaggregation(
         options.role,

@@ -125,14 +125,9 @@ class Scheduler:
         self._thread = threading.Thread(target=self._run, name="llama-scheduler", daemon=True)
         self._thread.start()
 
-    @property
-    def mover(self) -> KvMover | None:
-        """What moves KV between slots, tiers and workers (None, the default: it never
-        moves); set once, before the first request."""
-        return self._table.mover
-
-    @mover.setter
-    def mover(self, mover: KvMover | None) -> None:
+    def move_kv(self, mover: KvMover) -> None:
+        """Move KV between slots, tiers and workers with ``mover`` (by default it never
+        moves); called once, before the first request."""
         self._table.mover = mover
 
     def batch_invariant(self) -> bool:
