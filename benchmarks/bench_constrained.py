@@ -42,7 +42,7 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.engines.llama._constraint import Matcher, lark_grammar
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
@@ -375,7 +375,7 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     tokenizer = Tokenizer.default()
-    engine = LlamaEngine(n_threads=args.threads)
+    engine = LlamaEngine(options=LlamaOptions(n_threads=args.threads))
     print(f"lark grammar of the tool calls:\n{lark_grammar(CONSTRAINTS['tool calls'])}")
     print(f"1. end to end (threads={args.threads}, greedy, decode tokens/s):")
     outputs = await end_to_end(engine, tokenizer, args.repeats, args.max_tokens)

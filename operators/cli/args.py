@@ -9,6 +9,9 @@ import importlib
 import sys
 from pathlib import Path
 
+from operators.engines.llama import LlamaOptionError
+
+from .config import llama_options
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
@@ -23,6 +26,7 @@ from .defaults import (
 from .insertions import insertion
 from .observability import add_observability_options, check_otel
 from .options import (
+    LLAMA_FLAGS,
     add_engine_options,
     add_log_level,
     api_key,
@@ -478,11 +482,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         ):
             engines = "mocker" if args.role == "encode" else "mocker or llama"
             parser.error(f"--role {args.role} needs --engine {engines}")
-    if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
-        parser.error(
-            f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "
-            "every step carries a token of each running sequence"
-        )
+    if args.command in ("serve", "worker"):
+        try:
+            llama_options(args)
+        except LlamaOptionError as exc:
+            parser.error(f"argument {LLAMA_FLAGS[exc.option]}: {exc.problem}")
 
 
 def _check_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

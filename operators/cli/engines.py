@@ -9,6 +9,7 @@ metrics. The remote engine connects to its upstream servers (:func:`open_remote`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -29,11 +30,13 @@ from pipeline import WorkerSet
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from operators.engines.llama import LlamaOptions
     from operators.engines.remote import UpstreamFleet
 
     from .config import EngineConfig
 
 __all__ = (
+    "llama_engine_options",
     "load_engine",
     "load_llama",
     "load_llama_workers",
@@ -114,6 +117,29 @@ def worker_set(
     )
 
 
+def llama_engine_options(
+    config: EngineConfig,
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+    *,
+    disk_cache: Path | None = None,
+) -> LlamaOptions:
+    """The options of the llama engine ``config`` describes, in ``role`` as ``worker_id``:
+    ``config.llama`` (the llama flags') with the options other engines share (block size,
+    transfer secret, adapters); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``).
+    """
+    secret = config.transfer_secret
+    return dataclasses.replace(
+        config.llama,
+        block_size=config.kv_block_size,
+        role=role,
+        worker_id=worker_id,
+        transfer_secret=None if secret is None else secret.encode(),
+        kv_disk_cache=config.llama.kv_disk_cache if disk_cache is None else disk_cache,
+        loras={name: str(path) for name, path in config.lora},
+    )
+
+
 async def load_llama(
     config: EngineConfig,
     role: Any = "aggregated",
@@ -121,37 +147,13 @@ async def load_llama(
     *,
     disk_cache: Path | None = None,
 ) -> Any:
-    """The llama.cpp engine ``config`` describes, in ``role``, loaded in a thread (loading
-    blocks); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``)."""
-    from operators.engines.llama import LlamaEngine, NgramSpeculation
+    """The llama.cpp engine ``config`` describes (:func:`llama_engine_options`), loaded in
+    a thread (loading blocks)."""
+    from operators.engines.llama import LlamaEngine
 
-    speculative = (
-        NgramSpeculation(ngram_size=config.ngram_size, num_draft_tokens=config.draft_tokens)
-        if config.speculative == "ngram"
-        else None
-    )
-    secret = config.transfer_secret
+    options = llama_engine_options(config, role, worker_id, disk_cache=disk_cache)
     return await anyio.to_thread.run_sync(
-        functools.partial(
-            LlamaEngine,
-            config.model,
-            n_ctx=config.n_ctx,
-            n_threads=config.threads,
-            parallel=config.parallel,
-            step_tokens=config.step_tokens,
-            step_ms=config.step_ms,
-            speculative=speculative,
-            block_size=config.kv_block_size,
-            role=role,
-            worker_id=worker_id,
-            transfer_secret=None if secret is None else secret.encode(),
-            transfer_host=config.kv_transfer_host,
-            transfer_timeout=config.kv_transfer_timeout,
-            kv_host_cache_mb=config.kv_host_cache_mb,
-            kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
-            kv_disk_cache_mb=config.kv_disk_cache_mb,
-            loras={name: str(path) for name, path in config.lora},
-        )
+        functools.partial(LlamaEngine, config.model, options=options)
     )
 
 
@@ -168,10 +170,9 @@ async def load_llama_workers(
     try:
         for i in range(count):
             name = f"{role}-{i}"
-            disk = config.kv_disk_cache
-            if disk is not None and (shared or count > 1):
-                disk = disk / name
-            engines[name] = await load_llama(config, role, name, disk_cache=disk)
+            disk = config.llama.kv_disk_cache
+            folder = None if disk is None or not (shared or count > 1) else Path(disk) / name
+            engines[name] = await load_llama(config, role, name, disk_cache=folder)
     except BaseException:
         for engine in engines.values():
             engine.close()

@@ -1,24 +1,26 @@
 """Argument types and the option groups ``serve`` and ``worker`` share (the engine's).
 
 The value checks live in argparse types so that a bad value is a usage error (exit code 2)
-naming the option, before anything is loaded.
+naming the option, before anything is loaded. The llama engine's flags are the exception:
+their defaults and checks are :class:`~operators.engines.llama.LlamaOptions`' own (the
+command line builds one from them, and ``check_args`` turns its error into a usage error
+naming the flag: :data:`LLAMA_FLAGS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 from operators.engines import DEFAULT_CYCLE_TOKENS
+from operators.engines.llama import LlamaOptions, NgramSpeculation
 from operators.engines.remote import KINDS, parse_upstream
 
 from .defaults import (
     DEFAULT_LLAMA_MODEL_NAME,
-    DEFAULT_LLAMA_PARALLEL,
-    DEFAULT_LLAMA_STEP_MS,
-    DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     DEFAULT_UPSTREAM_POLL_MS,
     DEFAULT_UPSTREAM_TIMEOUT,
@@ -26,6 +28,7 @@ from .defaults import (
 )
 
 __all__ = (
+    "LLAMA_FLAGS",
     "add_engine_options",
     "api_key",
     "lora_adapter",
@@ -41,6 +44,26 @@ __all__ = (
 )
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+#: the llama engine's options the llama flags set (``LlamaOptions`` field -> flag); the
+#: speculation is --speculative's (with --ngram-size and --draft-tokens), and the block
+#: size, adapters, transfer secret, role and id come from options other engines share
+#: (``operators.cli.engines.load_llama``)
+LLAMA_FLAGS: Final[Mapping[str, str]] = {
+    "n_ctx": "--n-ctx",
+    "n_threads": "--threads",
+    "parallel": "--parallel",
+    "step_tokens": "--step-tokens",
+    "step_ms": "--step-ms",
+    "kv_host_cache_mb": "--kv-host-cache-mb",
+    "kv_disk_cache": "--kv-disk-cache",
+    "kv_disk_cache_mb": "--kv-disk-cache-mb",
+    "transfer_host": "--kv-transfer-host",
+    "transfer_timeout": "--kv-transfer-timeout",
+}
+#: the llama flags' defaults
+_LLAMA: Final = LlamaOptions()
+_NGRAM: Final = NgramSpeculation()
 
 
 def non_negative_int(text: str) -> int:
@@ -209,22 +232,22 @@ def add_engine_options(
     )
     llama.add_argument(
         "--n-ctx",
-        type=positive_int,
-        default=2048,
+        type=int,
+        default=_LLAMA.n_ctx,
         metavar="N",
         help="context length of each sequence (the KV cache holds --parallel times as much)",
     )
     llama.add_argument(
         "--parallel",
-        type=positive_int,
-        default=DEFAULT_LLAMA_PARALLEL,
+        type=int,
+        default=_LLAMA.parallel,
         metavar="N",
         help="sequences decoded together; more requests wait for a slot",
     )
     llama.add_argument(
         "--step-tokens",
-        type=positive_int,
-        default=DEFAULT_LLAMA_STEP_TOKENS,
+        type=int,
+        default=_LLAMA.step_tokens,
         metavar="N",
         help=(
             "most tokens one engine step evaluates while sequences decode (a token of every "
@@ -234,8 +257,8 @@ def add_engine_options(
     )
     llama.add_argument(
         "--step-ms",
-        type=non_negative_float,
-        default=DEFAULT_LLAMA_STEP_MS,
+        type=float,
+        default=_LLAMA.step_ms,
         metavar="MS",
         help=(
             "while sequences decode, cut prompts into chunks that keep a step near MS "
@@ -245,10 +268,10 @@ def add_engine_options(
     )
     llama.add_argument(
         "--threads",
-        type=positive_int,
-        default=None,
+        type=int,
+        default=_LLAMA.n_threads,
         metavar="N",
-        help="CPU threads for llama.cpp (None: the machine's cores, at most 8)",
+        help="CPU threads for llama.cpp (None: every CPU this process may use)",
     )
     llama.add_argument(
         "--speculative",
@@ -262,14 +285,14 @@ def add_engine_options(
     llama.add_argument(
         "--ngram-size",
         type=positive_int,
-        default=3,
+        default=_NGRAM.ngram_size,
         metavar="N",
         help="--speculative ngram: the n-gram matched against the request's history",
     )
     llama.add_argument(
         "--draft-tokens",
         type=positive_int,
-        default=8,
+        default=_NGRAM.num_draft_tokens,
         metavar="K",
         help="--speculative ngram: most tokens drafted per step",
     )
@@ -287,8 +310,8 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-host-cache-mb",
-        type=non_negative_int,
-        default=0,
+        type=int,
+        default=_LLAMA.kv_host_cache_mb,
         metavar="N",
         help=(
             "keep the KV blocks of a slot about to be overwritten in N MiB of host memory "
@@ -299,7 +322,7 @@ def add_engine_options(
     llama.add_argument(
         "--kv-disk-cache",
         type=Path,
-        default=None,
+        default=_LLAMA.kv_disk_cache,
         metavar="DIR",
         help=(
             "a disk tier below the host one: blocks it evicts are written to DIR (one "
@@ -308,14 +331,14 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-disk-cache-mb",
-        type=non_negative_int,
-        default=1024,
+        type=int,
+        default=_LLAMA.kv_disk_cache_mb,
         metavar="N",
         help="--kv-disk-cache: most MiB of blocks on disk (LRU)",
     )
     llama.add_argument(
         "--kv-transfer-host",
-        default="127.0.0.1",
+        default=_LLAMA.transfer_host,
         metavar="HOST",
         help=(
             "a prefill worker serves its prompts' KV to decode workers on HOST (any free "
@@ -324,8 +347,8 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-transfer-timeout",
-        type=positive_float,
-        default=10.0,
+        type=float,
+        default=_LLAMA.transfer_timeout,
         metavar="SECONDS",
         help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )

@@ -22,7 +22,7 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.routing.kv_blocks import block_hashes
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import KvEvent, PrefixIndex
@@ -57,7 +57,7 @@ def engines() -> Iterator[list[LlamaEngine]]:
 
 async def load(opened: list[LlamaEngine], **options: Any) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, "parallel": 1, "block_size": BS, **options}
-    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))
+    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(options=LlamaOptions(**settings)))
     opened.append(engine)
     return engine
 

@@ -21,7 +21,13 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
+from operators.engines.llama import (
+    LlamaEngine,
+    LlamaOptions,
+    LlamaStep,
+    NgramProposer,
+    NgramSpeculation,
+)
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, InvalidRequest, open_stream
 from pipeline.testing import collect, make_context
@@ -53,7 +59,7 @@ def engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=1024, n_threads=1)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1))
     yield engine
     engine.close()
 
@@ -63,9 +69,8 @@ def speculative_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(
-        n_ctx=1024, n_threads=1, speculative=NgramSpeculation(ngram_size=3, num_draft_tokens=8)
-    )
+    speculative = NgramSpeculation(ngram_size=3, num_draft_tokens=8)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1, speculative=speculative))
     yield engine
     engine.close()
 
@@ -76,7 +81,7 @@ def wide_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=256, n_threads=1, parallel=8)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=1, parallel=8))
     yield engine
     engine.close()
 
@@ -87,7 +92,7 @@ def chunked_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=1024, n_threads=1, parallel=3, step_tokens=32)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1, parallel=3, step_tokens=32))
     yield engine
     engine.close()
 
@@ -503,7 +508,7 @@ def fresh_engine() -> LlamaEngine:
     """An engine of its own, loaded outside the test's time limit (a load is seconds)."""
     if (reason := _skip_reason()) is not None:
         pytest.skip(reason)
-    return LlamaEngine(n_ctx=256)
+    return LlamaEngine(options=LlamaOptions(n_ctx=256))
 
 
 @pytest.mark.llama
@@ -740,11 +745,11 @@ async def test_a_long_prompt_does_not_stall_running_sequences(
         lengths.append(len(ids(outputs)))
         prefill = [step for step in steps_since(engine, steps_before) if step.prefill_tokens]
     assert lengths == [1]
-    assert len(long.token_ids) > 8 * engine.step_tokens  # the prompt took many steps...
+    assert len(long.token_ids) > 8 * engine.options.step_tokens  # the prompt took many steps...
     assert len(prefill) >= 8
     for step in prefill:  # ...and every one of them carried a token of both running ones
         assert len(step.decoded) == 2
-        assert step.decode_tokens + step.prefill_tokens <= engine.step_tokens
+        assert step.decode_tokens + step.prefill_tokens <= engine.options.step_tokens
 
 
 @pytest.mark.llama

@@ -18,7 +18,7 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine, LlamaStep, _scheduler
+from operators.engines.llama import LlamaEngine, LlamaOptions, LlamaStep, _scheduler
 from operators.engines.llama._pacing import MIN_CHUNK, Pacer
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import open_stream
@@ -69,7 +69,9 @@ def engines() -> Iterator[list[LlamaEngine]]:
 
 async def load(opened: list[LlamaEngine], **options: object) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, **options}
-    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))  # type: ignore[arg-type]
+    engine = await anyio.to_thread.run_sync(
+        lambda: LlamaEngine(options=LlamaOptions(**settings))  # type: ignore[arg-type]
+    )
     opened.append(engine)
     return engine
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.llama, pytest.mark.time_limit(120)]
 pytest.importorskip("llama_cpp", reason="needs the [llama] extra (make installs it)")
 pytest.importorskip("gguf", reason="needs the [gguf] extra (make installs it)")
 
-from operators.engines.llama import LlamaEngine  # noqa: E402
+from operators.engines.llama import LlamaEngine, LlamaOptions  # noqa: E402
 from operators.engines.llama.lora_file import write_lora_adapter  # noqa: E402
 
 BS = 8
@@ -49,8 +49,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(adapters: dict[str, Path]) -> Iterator[LlamaEngine]:
+    loras = {"tiny": adapters["tiny"]}
     engine = LlamaEngine(
-        n_ctx=512, n_threads=2, parallel=4, block_size=BS, loras={"tiny": adapters["tiny"]}
+        options=LlamaOptions(n_ctx=512, n_threads=2, parallel=4, block_size=BS, loras=loras)
     )
     yield engine
     engine.close()
@@ -202,7 +203,7 @@ async def test_a_load_that_cannot_be_honoured_names_the_field(
 async def test_waiting_requests_are_admitted_by_priority_then_arrival(
     tokenizer: Tokenizer,
 ) -> None:
-    engine = LlamaEngine(n_ctx=256, n_threads=2, parallel=1)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=2, parallel=1))
     try:
         order: list[str] = []
 

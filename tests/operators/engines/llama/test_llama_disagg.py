@@ -23,7 +23,7 @@ from operators.contracts.llm import (
     SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.routing.prefill_router import PrefillRouter
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import EngineError, WorkerSet, link
@@ -51,7 +51,7 @@ class Engines:
 
 async def load(**options: Any) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, "parallel": 2, **options}
-    return await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))
+    return await anyio.to_thread.run_sync(lambda: LlamaEngine(options=LlamaOptions(**settings)))
 
 
 @pytest.fixture

