@@ -169,6 +169,11 @@ class EdgeApp:
         return "" if default is None else default.name
 
     @property
+    def errors(self) -> ErrorStyle:
+        """How the app itself says what went wrong (unknown paths, a 431)."""
+        return self._errors
+
+    @property
     def generations(self) -> Generations:
         """The generation requests in flight and the rules they run under."""
         return self._generations
