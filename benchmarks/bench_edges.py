@@ -35,9 +35,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 import loadgen
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 BANNER = re.compile(rb"on (http://\S+)")
