@@ -631,20 +631,6 @@ def test_the_project_imports_only_modules_and_names_that_exist(path: Path) -> No
 
 # -- 5. no import circles ----------------------------------------------------------------------
 
-#: circles known today, each removed by the work named beside it (and then from this list)
-KNOWN_CIRCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        # removed by issue 34's edge contract
-        frozenset(
-            {
-                "operators.edges.http.generation",
-                "operators.edges.http.routes",
-                "operators.edges.http.sse_writer",
-            }
-        ),
-    }
-)
-
 
 def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
     """module -> {module it imports: line} among ``sources`` (module -> (source, is a
@@ -779,7 +765,5 @@ def test_no_import_circles() -> None:
     }
     graph = import_graph(sources)
     found = set(import_circles(sources))
-    new = sorted(found - KNOWN_CIRCLES, key=sorted)
-    assert not new, "import circles:\n" + "\n\n".join(_circle_text(c, graph) for c in new)
-    gone = KNOWN_CIRCLES - found
-    assert not gone, f"gone, drop them from KNOWN_CIRCLES: {sorted(map(sorted, gone))}"
+    circles = sorted(found, key=sorted)
+    assert not circles, "import circles:\n" + "\n\n".join(_circle_text(c, graph) for c in circles)

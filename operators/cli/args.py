@@ -15,6 +15,7 @@ from .config import llama_options
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
@@ -288,6 +289,35 @@ def build_parser() -> argparse.ArgumentParser:
             "is not); ':PRIORITY' gives the key's requests a default priority (an integer; "
             "lower runs earlier; a request's own 'priority' wins)"
         ),
+    )
+    guard.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=(
+            "an API key that may also see every key's requests in the status view "
+            "(GET /status; other keys see their own only); an API key too (repeatable)"
+        ),
+    )
+    guard.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help=(
+            "a web origin (https://app.example) whose pages may call the server from a "
+            "browser: CORS, preflights included, is off without one ('*': any origin; "
+            "repeatable). JSON endpoints refuse bodies that are not application/json (415) "
+            "either way"
+        ),
+    )
+    guard.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        metavar="N",
+        help="most bytes of a request's line and headers; more get 431 and the connection closes",
     )
     guard.add_argument(
         "--max-inflight",

@@ -25,6 +25,7 @@ from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
+    DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
@@ -221,6 +222,11 @@ class ServeConfig:
     #: as given: ``KEY``, or ``KEY:PRIORITY`` for the key's default priority
     #: (:func:`key_priorities`)
     api_keys: tuple[str, ...] = ()
+    #: keys that may also see every key's requests in the status view (API keys too)
+    admin_api_key: tuple[str, ...] = ()
+    #: web origins whose pages may call the server from a browser (CORS; ``*``: any)
+    allowed_origins: tuple[str, ...] = ()
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_inflight: int | None = None
     request_timeout: float | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
@@ -276,6 +282,8 @@ class ServeConfig:
                 engine=EngineConfig.from_args(args),
                 allowed_image_hosts=hosts,
                 api_keys=tuple(keys),
+                admin_api_key=tuple(getattr(args, "admin_api_key", None) or ()),
+                allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
                 insert_before=tuple(getattr(args, "insert_before", None) or ()),
                 tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                 models=tuple(cls.from_args(model) for model in models),

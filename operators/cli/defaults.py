@@ -12,6 +12,7 @@ from pipeline.transports.roles import ROLES, Role
 __all__ = (
     "API_KEY_ENV",
     "DEFAULT_DRAIN_TIMEOUT",
+    "DEFAULT_MAX_HEADER_BYTES",
     "DEFAULT_LLAMA_MODEL_NAME",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
@@ -42,6 +43,8 @@ TRANSFER_SECRET_ENV: Final = "LLM_PIPELINE_TRANSFER_SECRET"
 #: cut at the drain timeout still needs its error event written and the process to exit;
 #: 5 s is that margin (set ``--drain-timeout`` to the grace period minus 5)
 DEFAULT_DRAIN_TIMEOUT: Final = 25.0
+#: the most bytes a request's line and headers may take (``--max-header-bytes``)
+DEFAULT_MAX_HEADER_BYTES: Final = 64 * 1024
 #: the Responses API's store: megabytes kept (in memory, or in the NATS bucket) ...
 DEFAULT_RESPONSES_STORE_MB: Final = 256
 #: ... and seconds a stored response is kept

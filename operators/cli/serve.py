@@ -98,6 +98,8 @@ def guard(config: ServeConfig) -> Guard:
         api_keys=key_priorities(config.api_keys),
         max_inflight=config.max_inflight,
         request_timeout=config.request_timeout,
+        admin_keys=config.admin_api_key,
+        allowed_origins=config.allowed_origins,
     )
 
 
@@ -258,6 +260,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             on_ready=announce,
             log_level=config.log_level,
             drain_timeout=config.drain_timeout,
+            max_header_bytes=config.max_header_bytes,
         )
     return 0
 

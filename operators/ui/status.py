@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, final
 
+from operators.edges.http.request_span import REQUEST_OWNER
 from pipeline import WorkerSet
 
 if TYPE_CHECKING:
@@ -94,8 +95,8 @@ class StatusReport:
         self._exporting = exporting
         self._started = time.monotonic()
 
-    def __call__(self) -> dict[str, Any]:
-        """The status document, now."""
+    def __call__(self, owner: str | None = None) -> dict[str, Any]:
+        """The status document, now; its recent requests only ``owner``'s (None: all)."""
         app = self._app
         totals, requests = _totals(app)
         sample = totals.get
@@ -123,8 +124,17 @@ class StatusReport:
             "kv": _kv(sample),
             "workers": rows,
             "tracing": {"recording": buffer is not None, "exporting": self._exporting},
-            "recent": [] if buffer is None else [r.as_dict() for r in buffer.recent()],
+            "recent": [] if buffer is None else _recent(buffer, owner),
         }
+
+
+def _recent(buffer: SpanBuffer, owner: str | None) -> list[dict[str, Any]]:
+    """The last requests (all, or those ``owner`` made: a key sees only its own)."""
+    return [
+        request.as_dict()
+        for request in buffer.recent()
+        if owner is None or request.root.attributes.get(REQUEST_OWNER) == owner
+    ]
 
 
 def _totals(app: OpenAIApp) -> tuple[dict[str, float], float]:

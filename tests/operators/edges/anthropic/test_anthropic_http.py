@@ -17,6 +17,8 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+JSON = {"content-type": "application/json"}
+
 pytestmark = pytest.mark.slow
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -210,7 +212,7 @@ async def test_no_max_tokens_bad_json_an_unknown_model_a_bad_version_are_refused
             "type": "invalid_request_error",
             "message": "Missing required parameter: 'max_tokens'",
         }
-        bad = await http.post("/v1/messages", content=b"{nope")
+        bad = await http.post("/v1/messages", content=b"{nope", headers=JSON)
         assert bad.status_code == 400
         assert bad.json()["error"]["type"] == "invalid_request_error"
         unknown = await http.post(
