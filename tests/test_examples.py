@@ -35,7 +35,7 @@ RUNS: dict[str, Run] = {
     "custom_operator.py": Run(expect=("Upper passes check_operator",)),
     "custom_engine.py": Run(
         expect=(
-            "CannedEngine passes check_engine\n",
+            "canned_engine passes check_engine\n",
             "['Hello from my own engine', 'Hello from my own engine']\n",
         )
     ),
