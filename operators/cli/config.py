@@ -25,7 +25,6 @@ from .defaults import (
     DEFAULT_LLAMA_PARALLEL,
     DEFAULT_LLAMA_STEP_MS,
     DEFAULT_LLAMA_STEP_TOKENS,
-    DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     TRANSFER_SECRET_ENV,
@@ -79,7 +78,8 @@ class EngineConfig:
     """The engine options ``serve`` and ``worker`` share (``--engine`` and its groups)."""
 
     engine: EngineName = "echo"
-    #: the served name; None: 'echo', or for llama the default model's or --model's name
+    #: the served name; None: the engine's name for echo and mocker, or for llama and vllm
+    #: the default model's or --model's name
     model_name: str | None = None
     tokenizer: Path | None = None
     fail_after_tokens: int | None = None
@@ -127,9 +127,9 @@ class EngineConfig:
             return self.model_name
         if self.engine == "vllm":
             return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
-        if self.engine != "llama":
-            return DEFAULT_MODEL_NAME
-        return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        if self.engine == "llama":
+            return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        return self.engine  # echo and mocker have no model: they are served as themselves
 
     @property
     def tokenizer_path(self) -> Path | None:

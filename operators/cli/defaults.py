@@ -29,7 +29,8 @@ __all__ = (
     "RouterName",
 )
 
-#: what the echo engine is served as unless ``--model-name`` says otherwise
+#: what the default engine (echo) is served as unless ``--model-name`` says otherwise (the
+#: echo and mocker engines are served under their engine's name)
 DEFAULT_MODEL_NAME: Final = "echo"
 #: the environment variable holding an API key for ``serve`` (besides --api-key)
 API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"

@@ -135,8 +135,9 @@ def add_engine_options(
         "--model-name",
         default=None,
         help=(
-            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama or vllm, "
-            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's or folder's name)"
+            f"{model_help} (None: the engine's name, {DEFAULT_MODEL_NAME!r} or 'mocker'; "
+            f"with --engine llama or vllm, {DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's "
+            "or folder's name)"
         ),
     )
     parser.add_argument(

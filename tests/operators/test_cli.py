@@ -95,6 +95,8 @@ def test_from_args_converts_and_reads_the_environment(monkeypatch: pytest.Monkey
     ("argv", "name"),
     [
         (("serve",), cli.DEFAULT_MODEL_NAME),
+        (("serve", "--engine", "echo"), "echo"),
+        (("serve", "--engine", "mocker"), "mocker"),
         (("serve", "--engine", "mocker", "--model-name", "m"), "m"),
         (("serve", "--engine", "llama"), cli.DEFAULT_LLAMA_MODEL_NAME),
         (("serve", "--engine", "llama", "--model", "/models/tiny-q4.gguf"), "tiny-q4"),
