@@ -28,6 +28,7 @@ from .defaults import (
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     TRANSFER_SECRET_ENV,
+    EchoMode,
     EngineName,
     Role,
     RouterName,
@@ -187,6 +188,8 @@ class ServeConfig:
     insert_before: tuple[tuple[Point, str], ...] = ()
     #: a Jinja chat template file replacing the model's
     chat_template: Path | None = None
+    #: the echo engine's answer: the rendered prompt, or the last message's text alone
+    echo: EchoMode = "prompt"
     #: the tool-call format: a registered name or ``MODULE:NAME`` (None: no tool calls)
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)

