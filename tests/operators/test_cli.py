@@ -186,6 +186,16 @@ async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
     assert message in capsys.readouterr().err
 
 
+async def test_a_misplaced_operator_stops_serve_with_code_2_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = cli.ServeConfig(insert_before=(("engine", "shout:Shout"),))  # a text operator
+    assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    error = capsys.readouterr().err
+    assert "shout:Shout: Shout cannot go before 'engine'" in error
+    assert "yields BackendOutput, not EngineOutput" in error
+
+
 # -- KV that moves (issue 26) -------------------------------------------------------------------
 
 
