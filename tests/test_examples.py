@@ -40,6 +40,9 @@ RUNS: dict[str, Run] = {
         )
     ),
     "serve_from_python.py": Run(expect=(": 'Hello!'\n", "stopped\n")),
+    "rewrite_request.py": Run(
+        expect=("'system\\nBe brief.\\n' length\n", "lost workers: ['retried']\n")
+    ),
     "test_with_pytest.py": Run(expect=("3 passed",)),
     "disaggregated.py": Run(
         expect=(
