@@ -190,16 +190,19 @@ async def test_an_inserted_operator_sees_what_its_point_carries_and_survives_a_m
         assert second.token_ids[: len(first.token_ids)] == first.token_ids
 
 
-async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> None:
-    class Shout:
-        async def generate(
-            self,
-            ctx: Context[PreprocessedRequest],
-            downstream: Engine[PreprocessedRequest, BackendOutput],
-        ) -> Stream[BackendOutput]:
-            async for output in downstream.generate(ctx):
-                yield rewritten(output, output.text.upper())
+class Shout:
+    """A text operator: before the Backend it fits, before the engine it does not."""
 
+    async def generate(
+        self,
+        ctx: Context[PreprocessedRequest],
+        downstream: Engine[PreprocessedRequest, BackendOutput],
+    ) -> Stream[BackendOutput]:
+        async for output in downstream.generate(ctx):
+            yield rewritten(output, output.text.upper())
+
+
+async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> None:
     engine = EchoEngine.from_tokenizer(TOKENIZER, fail_after_tokens=1)
     app = build_app(engine, TOKENIZER, model_name="echo", before={"backend": [Shout()]})
     async with openai_client(app) as client:
@@ -210,18 +213,6 @@ async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> 
     assert reply.choices[0].text == PROMPT.upper()
     assert chat.choices[0].message.content is not None
     assert "HI THERE" in chat.choices[0].message.content
-
-
-class TextShout:
-    """A text operator: before the Backend it fits, before the engine it does not."""
-
-    async def generate(
-        self,
-        ctx: Context[PreprocessedRequest],
-        downstream: Engine[PreprocessedRequest, BackendOutput],
-    ) -> Stream[BackendOutput]:
-        async for output in downstream.generate(ctx):
-            yield rewritten(output, output.text.upper())
 
 
 class Unannotated:
@@ -245,15 +236,15 @@ class OnlyForMypy:
 def test_an_operator_that_does_not_fit_its_point_is_refused_naming_both(point: Any) -> None:
     stages = default_stages(TOKENIZER, model_name="m")
     with pytest.raises(LinkError) as refused:
-        stages.insert_before(point, TextShout())
+        stages.insert_before(point, Shout())
     message = str(refused.value)
-    assert message.startswith(f"TextShout cannot go before {point!r}: its generate")
+    assert message.startswith(f"Shout cannot go before {point!r}: its generate")
     assert "yields BackendOutput, not " in message
     assert message.endswith("(it fits before 'parser', 'migration', 'backend')")
-    with pytest.raises(LinkError, match="TextShout cannot go before 'engine'"):
-        default_graph(EchoEngine(), TOKENIZER, model_name="m", before={"engine": [TextShout()]})
-    with pytest.raises(LinkError, match="TextShout cannot go before 'encoder_router'"):
-        stages.insert_after("backend", TextShout())
+    with pytest.raises(LinkError, match="Shout cannot go before 'engine'"):
+        default_graph(EchoEngine(), TOKENIZER, model_name="m", before={"engine": [Shout()]})
+    with pytest.raises(LinkError, match="Shout cannot go before 'encoder_router'"):
+        stages.insert_after("backend", Shout())
 
 
 def test_a_stage_replaced_by_one_that_does_not_fit_is_refused() -> None:
