@@ -7,7 +7,7 @@ The framework's test helpers have two homes, as the code has two layers:
 :func:`~pipeline.testing.worker_set`, :func:`~pipeline.testing.collect`), and this module
 what needs the LLM layer's types or its HTTP app. They cannot share a module: ``pipeline``
 never imports ``operators`` (``tests/test_layering.py``), so a helper that builds a
-:class:`~operators.contracts.llm.PreprocessedRequest` lives here, beside the edge it tests.
+:class:`~operators.contracts.llm.PreprocessedRequest` lives here, in the layer that defines it.
 
 - :func:`check_engine` is to engines what :func:`pipeline.testing.check_operator` is to
   operators: a conformance suite (docs/engines.md has the contract it checks).
