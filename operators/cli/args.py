@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve_parser,
         ENGINES,
         model_help="the model name clients must ask for (others get 404) and responses report",
+        renders=True,
     )
     serve_parser.add_argument(
         "--models",
@@ -484,6 +485,14 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 parser.error("--models serves models of its own: drop --nats (or --models)")
             if args.model_name is not None:
                 parser.error("--models names each model in the file: drop --model-name")
+        if args.echo != "prompt":
+            if args.engine != "echo" or args.nats is not None:
+                parser.error(f"--echo {args.echo} needs --engine echo in process (not --nats)")
+            if args.chat_template is not None:
+                parser.error(
+                    f"--echo {args.echo} renders chats with a template of its own: drop "
+                    "--chat-template"
+                )
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
         if args.nats is None and args.router != "round-robin" and args.engine == "vllm":

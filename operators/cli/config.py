@@ -26,12 +26,12 @@ from .defaults import (
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MODEL_NAME,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     DEFAULT_UPSTREAM_POLL_MS,
     DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
+    EchoMode,
     EngineName,
     Role,
     RouterName,
@@ -116,7 +116,8 @@ class EngineConfig:
     """The engine options ``serve`` and ``worker`` share (``--engine`` and its groups)."""
 
     engine: EngineName = "echo"
-    #: the served name; None: 'echo', or for llama the default model's or --model's name
+    #: the served name; None: the engine's name for echo and mocker, or for llama and vllm
+    #: the default model's or --model's name
     model_name: str | None = None
     tokenizer: Path | None = None
     fail_after_tokens: int | None = None
@@ -164,9 +165,9 @@ class EngineConfig:
             return ""  # the upstream's: known once connected (``serve`` and ``worker`` ask it)
         if self.engine == "vllm":
             return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
-        if self.engine != "llama":
-            return DEFAULT_MODEL_NAME
-        return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        if self.engine == "llama":
+            return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        return self.engine  # echo and mocker have no model: they are served as themselves
 
     @property
     def tokenizer_path(self) -> Path | None:
@@ -235,6 +236,8 @@ class ServeConfig:
     insert_before: tuple[tuple[Point, str], ...] = ()
     #: a Jinja chat template file replacing the model's
     chat_template: Path | None = None
+    #: the echo engine's answer: the rendered prompt, or the last message's text alone
+    echo: EchoMode = "prompt"
     #: the tool-call format: a registered name or ``MODULE:NAME`` (None: no tool calls)
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)

@@ -19,6 +19,7 @@ __all__ = (
     "DEFAULT_RESPONSES_STORE_TTL",
     "DEFAULT_UPSTREAM_POLL_MS",
     "DEFAULT_UPSTREAM_TIMEOUT",
+    "ECHO_MODES",
     "ENGINES",
     "MODEL_ENGINES",
     "NATS_CONNECT_TIMEOUT",
@@ -27,10 +28,12 @@ __all__ = (
     "ROUTERS",
     "EngineName",
     "Role",
+    "EchoMode",
     "RouterName",
 )
 
-#: what the echo engine is served as unless ``--model-name`` says otherwise
+#: what the default engine (echo) is served as unless ``--model-name`` says otherwise (the
+#: echo and mocker engines are served under their engine's name)
 DEFAULT_MODEL_NAME: Final = "echo"
 #: the environment variable holding an API key for ``serve`` (besides --api-key)
 API_KEY_ENV: Final = "LLM_PIPELINE_API_KEY"
@@ -64,5 +67,9 @@ EngineName = Literal["echo", "mocker", "llama", "vllm", "remote"]
 #: the engines ``serve`` and ``worker`` offer ('llama' needs the [llama] extra, 'vllm' the
 #: [vllm] or [vllm-cpu] one; 'remote' fronts vLLM or llama-server processes of their own)
 ENGINES: Final[tuple[EngineName, ...]] = ("echo", "mocker", "llama", "vllm", "remote")
+EchoMode = Literal["prompt", "last-message"]
+#: what ``serve --engine echo`` answers: the prompt as the chat template renders it (the
+#: whole conversation), or the last message's text alone (``--echo``)
+ECHO_MODES: Final[tuple[EchoMode, ...]] = ("prompt", "last-message")
 #: engines that load one model per process (no in-process worker sets)
 MODEL_ENGINES: Final[tuple[EngineName, ...]] = ("llama", "vllm")

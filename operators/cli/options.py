@@ -24,6 +24,7 @@ from .defaults import (
     DEFAULT_MODEL_NAME,
     DEFAULT_UPSTREAM_POLL_MS,
     DEFAULT_UPSTREAM_TIMEOUT,
+    ECHO_MODES,
     TRANSFER_SECRET_ENV,
 )
 
@@ -148,15 +149,22 @@ def add_engine_options(
     *,
     model_help: str,
     max_model_len: bool = False,
+    renders: bool = False,
 ) -> None:
     """The engine options ``serve`` and ``worker`` share; ``max_model_len``: add
-    ``--max-model-len`` to the vllm group (``serve`` has its own, which vllm also takes)."""
+    ``--max-model-len`` to the vllm group (``serve`` has its own, which vllm also takes);
+    ``renders``: the command renders chat templates (``serve``, not ``worker``), so it
+    takes ``--echo``."""
     parser.add_argument(
         "--engine",
         choices=engines,
         default="echo",
         help=(
-            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
+            "the engine: 'echo' streams each prompt's tokens back (no model needed; a chat's "
+            "prompt as its chat template renders it: system prompt, role names and the tools "
+            "preamble included"
+            + ("; --echo last-message: its last message's text only" if renders else "")
+            + "); "
             "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
             + (
                 "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
@@ -172,8 +180,9 @@ def add_engine_options(
         "--model-name",
         default=None,
         help=(
-            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama or vllm, "
-            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's or folder's name)"
+            f"{model_help} (None: the engine's name, {DEFAULT_MODEL_NAME!r} or 'mocker'; "
+            f"with --engine llama or vllm, {DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's "
+            "or folder's name)"
         ),
     )
     parser.add_argument(
@@ -213,6 +222,19 @@ def add_engine_options(
             f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
         ),
     )
+    if renders:
+        echo.add_argument(
+            "--echo",
+            choices=ECHO_MODES,
+            default="prompt",
+            help=(
+                "echo engine: what a chat is answered with: 'prompt', the whole conversation "
+                "as the chat template renders it (system prompt, role names, the tools "
+                "preamble: an agent loop fed it back never ends); 'last-message', the last "
+                "message's text alone (what an application's tests want). The frontend "
+                "renders the conversation as that text, so not with --chat-template or --nats"
+            ),
+        )
     llama = parser.add_argument_group(
         "llama engine",
         "A real model through llama-cpp-python (the [llama] extra). Up to --parallel "

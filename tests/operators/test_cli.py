@@ -129,6 +129,8 @@ def test_from_args_converts_and_reads_the_environment(monkeypatch: pytest.Monkey
     ("argv", "name"),
     [
         (("serve",), cli.DEFAULT_MODEL_NAME),
+        (("serve", "--engine", "echo"), "echo"),
+        (("serve", "--engine", "mocker"), "mocker"),
         (("serve", "--engine", "mocker", "--model-name", "m"), "m"),
         (("serve", "--engine", "llama"), cli.DEFAULT_LLAMA_MODEL_NAME),
         (("serve", "--engine", "llama", "--model", "/models/tiny-q4.gguf"), "tiny-q4"),
@@ -218,6 +220,16 @@ async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
     assert message in capsys.readouterr().err
 
 
+async def test_a_misplaced_operator_stops_serve_with_code_2_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = cli.ServeConfig(insert_before=(("engine", "shout:Shout"),))  # a text operator
+    assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    error = capsys.readouterr().err
+    assert "shout:Shout: Shout cannot go before 'engine'" in error
+    assert "yields BackendOutput, not EngineOutput" in error
+
+
 # -- KV that moves (issue 26) -------------------------------------------------------------------
 
 
@@ -252,9 +264,13 @@ def test_llama_workers_take_the_disaggregation_roles_and_kv_options() -> None:
         (("serve", "--engine", "llama", "--encode-workers", "1"), "--engine mocker"),
         (("serve", "--router", "kv", "--kv-restore-cost", "1.5"), "between 0 and 1"),
         (("serve", "--engine", "llama", "--kv-host-cache-mb", "-1"), "must be >= 0"),
+        (("serve", "--engine", "mocker", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--nats", "nats://h:4222", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--echo", "last-message", "--chat-template", "t.jinja"), "--chat-template"),
+        (("worker", "--nats", "n", "--echo", "last-message"), "--echo"),  # (serve's alone)
     ],
 )
-def test_kv_options_out_of_place_are_usage_errors(
+def test_options_out_of_place_are_usage_errors(
     argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:

@@ -296,9 +296,9 @@ async def test_cached_prompt_tokens_are_cache_read_input_tokens() -> None:
     try:
         async with client(server) as api:
             long = [{"role": "user", "content": " ".join(["word"] * 200)}]
-            first = await api.messages.create(model="echo", max_tokens=2, messages=long)
-            second = await api.messages.create(model="echo", max_tokens=2, messages=long)
-            count = await api.messages.count_tokens(model="echo", messages=long)
+            first = await api.messages.create(model="mocker", max_tokens=2, messages=long)
+            second = await api.messages.create(model="mocker", max_tokens=2, messages=long)
+            count = await api.messages.count_tokens(model="mocker", messages=long)
     finally:
         server.stop()
     assert first.usage.cache_read_input_tokens == 0
