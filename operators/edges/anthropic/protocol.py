@@ -44,6 +44,7 @@ from operators.edges.http.schema import (
     refused,
     unique_names,
 )
+from operators.edges.openai.unsupported import ALLOWED_CALLERS, DEFER_LOADING
 
 __all__ = (
     "Base64Source",
@@ -203,12 +204,23 @@ class MessageParam(Model):
 
 
 class Tool(Model):
-    """A client tool: its name, description and the JSON schema of its input."""
+    """A client tool: its name, description and the JSON schema of its input
+    (``cache_control``, ``strict`` and ``eager_input_streaming`` accepted: the server caches
+    prefixes by itself; a call's input is checked as on every edge, and streamed once whole)."""
 
     type: Literal["custom"] | None = None
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
     input_schema: JsonObject
+    cache_control: JsonObject | None = None
+    strict: Bool | None = None
+    eager_input_streaming: Bool | None = None
+    defer_loading: Annotated[Bool | None, refused(DEFER_LOADING)] = None
+    allowed_callers: Annotated[list[str] | None, refused(ALLOWED_CALLERS)] = None
+    input_examples: Annotated[
+        list[JsonObject] | None,
+        refused(Unsupported("the model is not shown a tool's 'input_examples'", NOTHING)),
+    ] = None
 
     @model_validator(mode="before")
     @classmethod

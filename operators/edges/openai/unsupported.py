@@ -25,7 +25,14 @@ from typing import Final
 
 from operators.edges.http.schema import NOTHING, Unsupported
 
-__all__ = ("CHAT_UNSUPPORTED", "COMPLETIONS_UNSUPPORTED", "SERVICE_TIER", "VERBOSITY")
+__all__ = (
+    "ALLOWED_CALLERS",
+    "CHAT_UNSUPPORTED",
+    "COMPLETIONS_UNSUPPORTED",
+    "DEFER_LOADING",
+    "SERVICE_TIER",
+    "VERBOSITY",
+)
 
 _CHOICE: Final = (None, "none", "auto")
 
@@ -38,6 +45,16 @@ VERBOSITY: Final = Unsupported(
 SERVICE_TIER: Final = Unsupported(
     "only service_tier 'auto' is supported (every request is served alike)",
     (None, "auto", "default"),
+)
+
+#: a tool's ``defer_loading`` (Responses, Messages): tools are always shown to the model
+DEFER_LOADING: Final = Unsupported(
+    "tool search ('defer_loading') is not supported: every tool is shown to the model", NOTHING
+)
+#: a tool's ``allowed_callers`` (Responses, Messages): the model calls tools directly only
+ALLOWED_CALLERS: Final = Unsupported(
+    "only direct tool calls are supported ('allowed_callers': ['direct'])",
+    (None, [], ["direct"]),
 )
 
 #: the fields neither endpoint honours (field -> the rule)

@@ -55,7 +55,12 @@ from operators.edges.http.schema import (
     unique_names,
 )
 from operators.edges.openai.protocol.requests import MAX_LOGPROBS, ReasoningEffort
-from operators.edges.openai.unsupported import SERVICE_TIER, VERBOSITY
+from operators.edges.openai.unsupported import (
+    ALLOWED_CALLERS,
+    DEFER_LOADING,
+    SERVICE_TIER,
+    VERBOSITY,
+)
 
 __all__ = (
     "LOGPROBS_INCLUDE",
@@ -209,6 +214,16 @@ class FunctionTool(Model):
     description: str | None = None
     parameters: JsonObject | None = None
     strict: Bool | None = None
+    defer_loading: Annotated[Bool | None, refused(DEFER_LOADING)] = None
+    allowed_callers: Annotated[list[str] | None, refused(ALLOWED_CALLERS)] = None
+    async_: Annotated[
+        Bool | None,
+        refused(Unsupported("asynchronous function calls are not supported", NOTHING)),
+    ] = Field(default=None, alias="async")
+    output_schema: Annotated[
+        JsonObject | None,
+        refused(Unsupported("the model is not shown a tool's 'output_schema'", NOTHING)),
+    ] = None
 
     @model_validator(mode="before")
     @classmethod

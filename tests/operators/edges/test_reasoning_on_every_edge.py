@@ -25,6 +25,8 @@ from operators.text.tokenizer import Tokenizer
 
 TOKENIZER = Tokenizer.default()
 SAID = "<think>It is Paris.</think>The capital is Paris."
+#: a template that renders the last message only
+PLAIN = "{{ messages[-1]['content'] }}"
 #: a template that shows what it was given: the effort, and whether thinking is on
 TELLING = (
     "{{ messages[-1]['content'] }}"
@@ -33,7 +35,7 @@ TELLING = (
 )
 
 
-def app(reasoning: str | None = "think", template: str = "{{ messages[-1]['content'] }}") -> Any:
+def app(reasoning: str | None = "think", template: str = PLAIN) -> Any:
     return build_app(
         EchoEngine.from_tokenizer(TOKENIZER),
         TOKENIZER,
@@ -102,9 +104,7 @@ async def test_chat_and_responses_give_the_template_the_same_effort() -> None:
 async def test_thinking_disabled_reaches_the_template_and_counts_the_same() -> None:
     async with anthropic_client(app(template=TELLING)) as api:
         request: Any = {"model": "echo", "messages": [{"role": "user", "content": "Hi."}]}
-        message = await api.messages.create(
-            **request, max_tokens=50, thinking={"type": "disabled"}
-        )
+        message = await api.messages.create(**request, max_tokens=50, thinking={"type": "disabled"})
         counted = await api.messages.count_tokens(**request, thinking={"type": "disabled"})
     text = message.content[0].text  # type: ignore[union-attr]
     assert text == "Hi. effort=none thinking=False"
@@ -151,13 +151,18 @@ async def test_thinking_budgets_on_the_echo_engine_are_refused_by_name() -> None
         # no parser, a template that ignores the effort: nothing could honour it
         (None, "{{ messages[-1]['content'] }}", {"reasoning_effort": "high"}, "reasoning_effort"),
         # a parser, and a template that cannot turn reasoning off
-        ("think", "{{ messages[-1]['content'] }}", {"reasoning_effort": "none"}, "reasoning_effort"),
+        (
+            "think",
+            PLAIN,
+            {"reasoning_effort": "none"},
+            "reasoning_effort",
+        ),
         # no parser: nothing tells reasoning from the answer, no budget can be kept
         (None, TELLING, {"extra_body": {"thinking_token_budget": 5}}, "thinking_token_budget"),
         # the budget covers the reasoning, a constraint the whole output
         (
             "think",
-            "{{ messages[-1]['content'] }}",
+            PLAIN,
             {
                 "extra_body": {"thinking_token_budget": 5},
                 "response_format": {"type": "json_object"},
