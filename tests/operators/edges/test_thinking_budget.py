@@ -156,7 +156,8 @@ async def test_the_budget_bounds_the_reasoning_tokens(opened: ServerProcess) -> 
     assert details.reasoning_tokens is not None
     assert BUDGET <= details.reasoning_tokens <= BUDGET + END_MARKER
     message: Any = chat.choices[0].message
-    assert message.reasoning_content and message.content
+    assert message.reasoning_content
+    assert message.content
     assert response.usage is not None
     reasoned = response.usage.output_tokens_details.reasoning_tokens
     assert BUDGET <= reasoned <= BUDGET + END_MARKER
