@@ -76,6 +76,7 @@ __all__ = (
     "ReasoningItem",
     "RefusalPart",
     "ResponsesRequest",
+    "ResponsesStreamOptions",
     "TextConfig",
     "TextFormatSpec",
     "TextPart",
