@@ -127,15 +127,20 @@ class ErrorStyle(Protocol):
 class Rewording:
     """An error message with chat's field names said as another API says them.
 
-    ``fields``: chat's name -> the API's, replaced where a message quotes it
-    (``'response_format'`` -> ``'text.format'``); ``phrases``: other words, replaced where
-    they stand whole (``the messages`` -> ``the input``). One pass of one expression.
+    ``fields``: chat's name -> the API's, replaced wherever a message names it: a name
+    with an underscore (``max_tokens``, ``response_format``) wherever it stands as a word,
+    quoted or not; a plain word (``messages``, ``stop``) only where it is quoted, since it
+    is also English. ``phrases``: other words, replaced where they stand whole (``the
+    messages`` -> ``the input``). One pass of one expression.
     """
 
     __slots__ = ("_pattern", "_words")
 
     def __init__(self, fields: Mapping[str, str], phrases: Mapping[str, str] | None = None):
-        words = {f"'{name}'": f"'{named}'" for name, named in fields.items()}
+        words = {
+            (name if "_" in name else f"'{name}'"): (named if "_" in name else f"'{named}'")
+            for name, named in fields.items()
+        }
         words.update(phrases or {})
         self._words = words
         alternatives = "|".join(re.escape(word) for word in sorted(words, key=len, reverse=True))
