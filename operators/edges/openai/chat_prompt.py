@@ -127,15 +127,18 @@ class ChatPrompts:
         add_generation_prompt: bool = True,
         messages: Sequence[ChatMessage] | None = None,
         plan: ReasoningPlan | None = None,
+        template: ChatTemplate | None = None,
     ) -> str:
-        """The prompt text of ``request`` (or of ``messages`` in its place); image parts
-        are appended to ``images`` instead of the text.
+        """The prompt text of ``request`` (or of ``messages`` in its place) through
+        ``template`` (None: :meth:`template_for`); image parts are appended to ``images``
+        instead of the text.
 
         Raises:
             InvalidRequest: no chat template, a reasoning setting it cannot honour, or the
                 template rejected the conversation.
         """
-        template = self.template_for(request)
+        if template is None:
+            template = self.template_for(request)
         if plan is None:
             plan = self.plan(request, template)
         tools = None
@@ -168,11 +171,18 @@ class ChatPrompts:
         Raises:
             InvalidRequest: as :meth:`render`.
         """
-        plan = self.plan(request, self.template_for(request))
+        template = self.template_for(request)
+        plan = self.plan(request, template)
         keep = request.truncation_keep
         messages: Sequence[ChatMessage] = request.messages
         images: list[ImageRef] = []
-        text = self.render(request, images, add_generation_prompt=add_generation_prompt, plan=plan)
+        text = self.render(
+            request,
+            images,
+            add_generation_prompt=add_generation_prompt,
+            plan=plan,
+            template=template,
+        )
         ids = self._encode(text)
         if keep is None or max_model_len is None or _fits(request, len(ids), max_model_len):
             return ChatPrompt(ids, len(text), images, plan)
@@ -186,6 +196,7 @@ class ChatPrompts:
                 add_generation_prompt=add_generation_prompt,
                 messages=kept,
                 plan=plan,
+                template=template,
             )
             return self._encode(rendered), rendered, found
 
