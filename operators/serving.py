@@ -235,7 +235,6 @@ def build_app(
     graph_options.setdefault("on_migration", metrics.count_migration)
     served = []
     groups: dict[str, WorkerSet[Any, Any] | None] = {}
-    reasoning = False
     for name, spec in specs.items():
         options: GraphOptions = {**graph_options, **spec.options}
         merged = {**(before or {}), **(spec.before or {})}
@@ -251,7 +250,6 @@ def build_app(
                 **options,
             )
         )
-        reasoning = reasoning or options.get("reasoning_parser") is not None
         found = _worker_groups(spec.engine, options)
         if found is not None:
             prefix = "" if len(specs) == 1 else f"{name} "
@@ -270,7 +268,7 @@ def build_app(
         models=served,
         metrics=metrics,
         guard=guard,
-        edges=[ResponsesEdge(responses_store, reasoning=reasoning), anthropic, *edges],
+        edges=[ResponsesEdge(responses_store), anthropic, *edges],
         openai_routes=routes,
         tracer=tracer,
     )

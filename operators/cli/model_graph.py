@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from operators.contracts.constraint_guard import GUARDED
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
@@ -111,9 +112,10 @@ def engine_and_options(
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
-        # Remote workers check constraints themselves: the llama engine honours them, the
-        # echo and mocker engines refuse them with a 400 that travels back by name.
-        features = frozenset({CONSTRAINED_DECODING})
+        # Remote workers check constraints and reasoning budgets themselves (each behind
+        # its own guard): the llama engine honours them, the echo and mocker engines refuse
+        # them with a 400 that travels back by name.
+        features = GUARDED
     options: GraphOptions = {
         **output_options(config),
         "max_model_len": config.max_model_len,

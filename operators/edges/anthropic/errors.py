@@ -17,9 +17,11 @@ Anthropic's (its SDK maps each to its error class: ``BadRequestError``,
     timeout              504 timeout_error
     internal             500 api_error
 
-The graph speaks chat's field names; :func:`translate` gives this API's (``stop`` is
-``stop_sequences``, a prompt too long is ``messages``). A stream that fails after it
-started ends with ``event: error`` carrying the same object.
+The graph speaks chat's field names; :func:`translate` gives this API's, in the field
+blamed and in the message (``stop`` is ``stop_sequences``, a prompt too long is
+``messages``, a reasoning budget ``thinking.budget_tokens``, reasoning turned off
+``thinking.type``). A stream that fails after it started ends with ``event: error``
+carrying the same object.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Final, final
 
 import orjson
 
-from operators.edges.http.failures import ApiError, ErrorKind, Rendered, error_headers
+from operators.edges.http.failures import ApiError, ErrorKind, Rendered, Rewording, error_headers
 
 __all__ = ("ANTHROPIC_ERRORS", "AnthropicErrors", "error_event", "translate")
 
@@ -51,22 +53,30 @@ _PARAMS: Final[Mapping[str, str]] = {
     "stop": "stop_sequences",
     "prompt": "messages",
     "max_completion_tokens": "max_tokens",
+    "reasoning_effort": "thinking.type",  # (only thinking: disabled sets an effort: none)
+    "thinking_token_budget": "thinking.budget_tokens",
 }
+#: ... and in messages
+_REWORD: Final = Rewording(
+    _PARAMS, {"the prompt": "the messages", "tool_choice 'required'": "tool_choice 'any'"}
+)
 
 
 def translate(error: ApiError) -> ApiError:
-    """``error`` with the field it blames named as this API names it."""
+    """``error`` with the field it blames named as this API names it, in ``param`` and in
+    its message."""
     param = error.param
-    if param is None:
+    named = param
+    if param is not None:
+        head = param.partition(".")[0]
+        if head == "messages":  # the chat messages' numbering is not the turns' (system, tools)
+            named = "messages"
+        elif head in _PARAMS:
+            named = _PARAMS[head]
+    message = _REWORD(error.message)
+    if named == param and message == error.message:
         return error
-    head = param.partition(".")[0]
-    if head == "messages":  # the chat messages' numbering is not the turns' (system, tools)
-        named = "messages"
-    elif head in _PARAMS:
-        named = _PARAMS[head]
-    else:
-        return error
-    return ApiError(error.kind, error.message, named, error.code, error.retry_after, error.allow)
+    return ApiError(error.kind, message, named, error.code, error.retry_after, error.allow)
 
 
 def _object(error: ApiError, request_id: str | None) -> dict[str, object]:

@@ -17,12 +17,15 @@ from the same ``ApiError("overloaded", ...)``.
     anything else                     internal, a generic message (logged with its traceback)
 
 A handler refuses a request by raising :class:`Refusal` (an ``ApiError`` as an exception).
+The graph blames chat's field names; an edge of another API says them its own way, in the
+``param`` and in the message (:class:`Rewording`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, final
 
@@ -36,6 +39,7 @@ __all__ = (
     "ErrorStyle",
     "Refusal",
     "Rendered",
+    "Rewording",
     "at_capacity",
     "body_too_large",
     "describe_failure",
@@ -117,6 +121,34 @@ class ErrorStyle(Protocol):
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
         """``error`` as a whole response; ``request_id`` for a body that names it."""
         ...
+
+
+@final
+class Rewording:
+    """An error message with chat's field names said as another API says them.
+
+    ``fields``: chat's name -> the API's, replaced wherever a message names it: a name
+    with an underscore (``max_tokens``, ``response_format``) wherever it stands as a word,
+    quoted or not; a plain word (``messages``, ``stop``) only where it is quoted, since it
+    is also English. ``phrases``: other words, replaced where they stand whole (``the
+    messages`` -> ``the input``). One pass of one expression.
+    """
+
+    __slots__ = ("_pattern", "_words")
+
+    def __init__(self, fields: Mapping[str, str], phrases: Mapping[str, str] | None = None):
+        words = {
+            (name if "_" in name else f"'{name}'"): (named if "_" in name else f"'{named}'")
+            for name, named in fields.items()
+        }
+        words.update(phrases or {})
+        self._words = words
+        alternatives = "|".join(re.escape(word) for word in sorted(words, key=len, reverse=True))
+        self._pattern = re.compile(rf"(?<![\w.])(?:{alternatives})(?![\w])")
+
+    def __call__(self, message: str) -> str:
+        """``message`` in the API's words."""
+        return self._pattern.sub(lambda found: self._words[found.group()], message)
 
 
 def error_headers(error: ApiError) -> tuple[tuple[bytes, bytes], ...]:

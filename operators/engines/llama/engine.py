@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, ClassVar, Final, final
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import (
+    CONSTRAINED_DECODING,
+    LORA,
+    REASONING_BUDGET,
+    EngineOutput,
+    PreprocessedRequest,
+)
 from pipeline import EngineError
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
@@ -83,7 +89,7 @@ class LlamaEngine:
 
     #: what this engine honours beyond the base contract
     #: (:func:`operators.contracts.llm.engine_features`)
-    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING, LORA})
+    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING, LORA, REASONING_BUDGET})
 
     def __init__(
         self,

@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
-from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import (
+    CONSTRAINED_DECODING,
+    LORA,
+    REASONING_BUDGET,
+    EngineOutput,
+    PreprocessedRequest,
+)
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines._vllm_kv_events import BlockTranslator
@@ -130,9 +136,8 @@ class VllmEngine:
             except InvalidRequest as exc:
                 raise ValueError(f"cannot serve the adapters: {exc.message}") from exc
         #: what this engine honours beyond the base contract (``engine_features``)
-        self.features = frozenset(
-            {CONSTRAINED_DECODING} if self._adapters is None else {CONSTRAINED_DECODING, LORA}
-        )
+        features = {CONSTRAINED_DECODING, REASONING_BUDGET}
+        self.features = frozenset(features if self._adapters is None else {*features, LORA})
         if model is None:
             from .model_dir import default_model_dir
 
