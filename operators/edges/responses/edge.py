@@ -43,6 +43,7 @@ from .store import MemoryResponseStore, ResponseStore, StoredResponse
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from operators.edges.http.limits import Rates
     from operators.edges.http.models import ServedModel
 
 __all__ = ("RESPONSES", "ResponsesEdge", "ResponsesErrors", "response_shell", "translate")
@@ -73,7 +74,9 @@ def translate(error: ApiError) -> ApiError:
         named = _PARAMS[head]
     else:
         return error
-    return ApiError(error.kind, error.message, named, error.code, error.retry_after, error.allow)
+    return ApiError(
+        error.kind, error.message, named, error.code, error.retry_after, error.allow, error.rates
+    )
 
 
 @final
@@ -85,6 +88,10 @@ class ResponsesErrors:
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
         """See :meth:`operators.edges.openai.errors.OpenAIErrors.render`."""
         return OPENAI_ERRORS.render(translate(error), request_id)
+
+    def rate_headers(self, rates: Rates) -> tuple[tuple[bytes, bytes], ...]:
+        """OpenAI's (:meth:`operators.edges.openai.errors.OpenAIErrors.rate_headers`)."""
+        return OPENAI_ERRORS.rate_headers(rates)
 
 
 _ERRORS: Final = ResponsesErrors()
