@@ -10,8 +10,9 @@ before any work, the same way for every API edge: :class:`Admission`.
                  fair queue (:mod:`.fair_queue`) while fewer than max_queued wait,
                  ending at the request's deadline               -> 503 / 529, 504, 499
     reserve()    the prompt's tokens are known (the graph's first event, before the engine
-                 has done anything): the prompt and what it may generate (its output
-                 limit, or the context's room)                  -> 429
+                 has done anything): the estimate held since its arrival (its body's
+                 bytes for its prompt) becomes the prompt and what it may generate (its
+                 output limit, or the context's room)           -> 429
     settle()     it ended: its tokens as its usage says them; a reservation's unused
                  part goes back (no usage: the reservation stays spent), the slots are
                  freed, and its key's usage counted (:mod:`.usage`, the metrics)
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from .tenants import Tenant
     from .usage import UsageLedger
 
-__all__ = ("Admission", "Ticket", "estimate", "output_limit")
+__all__ = ("Admission", "Ticket", "estimate", "needed", "output_limit")
 
 #: what a request that tells nothing of its size is taken to cost in the fair queue
 _DEFAULT_COST: Final = 256
@@ -138,9 +139,8 @@ class Ticket:
 
     async def reserve(self, prompt: int, request: Any, context: int | None) -> None:
         """The prompt is known (``prompt`` tokens, of the graph ``request``, on a model of
-        ``context`` tokens): hold the prompt and what the request may generate, its output
-        limit or else the context's room (at most what the key's minute holds: a request
-        that asked for no limit is not refused for that, and settles what it used).
+        ``context`` tokens): hold exactly the prompt and what the request may generate
+        (:func:`needed`) instead of the estimate held since its arrival.
 
         Raises:
             Refusal: 429, the key's tokens per minute do not hold that now (or ever).
@@ -149,18 +149,13 @@ class Ticket:
         tpm = self.tenant.limits.tokens_per_minute
         if tpm is None:
             return
-        asked = output_limit(request)
-        if asked is not None:
-            total = prompt + asked
-        elif context is not None:
-            n = getattr(request, "n", 1)
-            n = n if isinstance(n, int) and n > 0 else 1
-            legs = _choices(request) // n
-            room = max(0, context * legs - prompt) * n
-            total = min(prompt + room, max(prompt, tpm))
-        else:
-            total = prompt
-        await self._take(total - self.reserved, total)
+        total = needed(request, prompt, context, tpm)
+        if total >= self.reserved:
+            await self._take(total - self.reserved, total)
+            return
+        back = self.reserved - total  # (the estimate was more than it needs)
+        self.reserved = total
+        await self._admission.guard.budgets.give(self.tenant, Ask(tokens=back))
 
     async def charge(self, tokens: int) -> None:
         """Count ``tokens`` of input (an embedding's, once encoded), holding them of the
@@ -178,8 +173,11 @@ class Ticket:
         if tokens <= 0 or self.tenant.limits.tokens_per_minute is None:
             return
         admission = self._admission
+        tpm = self.tenant.limits.tokens_per_minute
         verdict = await admission.guard.budgets.take(self.tenant, Ask(tokens=tokens))
-        rates = Rates(verdict.requests, verdict.tokens, verdict.retry_after, verdict.refused_by)
+        # (what it holds already counts too: a whole ask over the minute never fits)
+        wait = None if asked > tpm else verdict.retry_after
+        rates = Rates(verdict.requests, verdict.tokens, wait, verdict.refused_by)
         if not verdict.admitted:
             admission.metrics.rejected.labels("rate_limited").inc()
             raise Refusal(rate_limited(self.tenant.name, "tokens", asked, rates))
@@ -395,10 +393,37 @@ class Admission:
         self.metrics.count_key(key, model, status, prompt, cached, output)
 
 
-def estimate(request: Any, body_bytes: int, context: int | None) -> tuple[int, int]:
-    """(the output tokens a generation request is known to ask for at arrival, what the
-    fair queue weighs it at: that, or the context, plus its body's bytes as tokens)."""
+def needed(request: Any, prompt: int, context: int | None, tpm: int | None) -> int:
+    """The tokens a generation request of ``prompt`` tokens may use on a model of
+    ``context`` tokens: its prompt and its output limit (every choice's, every prompt's), or
+    without one the context's room, though no more than a minute of ``tpm`` holds (a
+    request is not refused for asking no limit; it settles what it used)."""
     asked = output_limit(request)
-    known = 0 if asked is None else asked
-    output = known if asked is not None else (context or _DEFAULT_COST)
-    return known, output + math.ceil(body_bytes / _BYTES_PER_TOKEN)
+    if asked is not None:
+        return prompt + asked
+    if context is None:
+        return prompt
+    n = getattr(request, "n", 1)
+    n = n if isinstance(n, int) and n > 0 else 1
+    room = max(0, context * (_choices(request) // n) - prompt) * n
+    return prompt + room if tpm is None else min(prompt + room, max(prompt, tpm))
+
+
+def estimate(
+    request: Any, body_bytes: int, context: int | None, tpm: int | None
+) -> tuple[int, int]:
+    """(the tokens to hold of a key's ``tpm`` when a generation request arrives, what the
+    fair queue weighs it at), before its prompt is tokenized: its body's bytes stand for
+    its prompt (about 4 a token, as OpenAI estimates; the prompt's tokens replace them
+    before the engine runs), so that a refusal's wait covers the whole request. Never more
+    than the minute holds, unless its own output limit alone is more (a 429 that no wait
+    will lift)."""
+    prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
+    whole = needed(request, prompt, context, tpm)
+    cost = (
+        whole if output_limit(request) is not None or context is not None else whole + _DEFAULT_COST
+    )
+    if tpm is None:
+        return 0, cost
+    asked = output_limit(request)
+    return (whole if asked is not None and asked > tpm else min(whole, tpm)), cost

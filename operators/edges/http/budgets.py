@@ -32,11 +32,6 @@ class Budgets(Protocol):
         """Give ``back`` (a refund, or a settlement: negative tokens charge more)."""
         ...
 
-    def standing(self, tenant: Tenant, /) -> tuple[Standing | None, Standing | None]:
-        """The key's (requests, tokens) limits as a client is told them, as this process
-        last knew them."""
-        ...
-
 
 @final
 class LocalBudgets:
@@ -73,7 +68,7 @@ class LocalBudgets:
             self._budgets[tenant.name] = release(budget, tenant.limits, back, self._clock())
 
     def standing(self, tenant: Tenant, /) -> tuple[Standing | None, Standing | None]:
-        """See :meth:`Budgets.standing`."""
+        """The key's (requests, tokens) limits as a client is told them now."""
         return standing(self._budgets.get(tenant.name, _EMPTY), tenant.limits, self._clock())
 
     def __repr__(self) -> str:

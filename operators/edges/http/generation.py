@@ -235,7 +235,7 @@ class Generations:
         if getattr(request, "priority", 0) is None:  # the API key's default, else 0
             request.priority = tenant.priority
         context = self._context_of(model_name)
-        known, cost = estimate(request, len(body), context)
+        known, cost = estimate(request, len(body), context, tenant.limits.tokens_per_minute)
         time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
         arrived = anyio.current_time()
         try:

@@ -131,13 +131,15 @@ class Models:
 
         Raises:
             Refusal: ``not_found`` naming ``model`` (code ``model_not_found``) for a name
-                not served; ``unavailable`` when the request names none and no model is
-                served now.
+                not served (or none, when ``allowed`` allows no model served); ``unavailable``
+                when the request names none and no model is served now.
         """
         if name is None:
             model = self.default
             if model is not None and allowed is not None and not allowed(model.name):
                 model = next((m for m in self._models.values() if allowed(m.name)), None)
+                if model is None:
+                    raise Refusal(unknown_model("(none named)", ()))
             if model is None:
                 raise Refusal(ApiError("unavailable", "No model is served now; retry later."))
             return model
