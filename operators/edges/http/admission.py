@@ -226,7 +226,7 @@ class Admission:
     server's ``max_inflight`` and ``max_queued``); counts each key's use in ``metrics``
     and ``ledger``."""
 
-    __slots__ = ("_events", "_queue", "_running", "guard", "ledger", "metrics")
+    __slots__ = ("_changed", "_events", "_queue", "_running", "guard", "ledger", "metrics")
 
     def __init__(self, guard: Guard, metrics: ServerMetrics, ledger: UsageLedger) -> None:
         self.guard = guard
@@ -237,6 +237,19 @@ class Admission:
         self._running = 0
         #: admission events (arrivals and admissions), numbered in order
         self._events = itertools.count(1)
+        self._changed: anyio.Event | None = None
+
+    def changed(self) -> anyio.Event:
+        """An event set at the queue's next change (a request queued, or one leaving it):
+        what a status view or a test waits on instead of polling :attr:`waiting`."""
+        if self._changed is None:
+            self._changed = anyio.Event()
+        return self._changed
+
+    def _tell(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
 
     @property
     def waiting(self) -> int:
@@ -339,6 +352,7 @@ class Admission:
         entry = queue.push(turn, priority=priority, start=start, arrival=anyio.current_time())
         gone = False
         self.metrics.waiting.inc()
+        self._tell()
         try:
             async with anyio.create_task_group() as tg:
 
@@ -362,6 +376,7 @@ class Admission:
             raise
         finally:
             self.metrics.waiting.dec()
+            self._tell()
         if turn.granted:
             return turn.admitted
         queue.remove(entry)

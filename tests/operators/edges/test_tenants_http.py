@@ -120,7 +120,8 @@ async def test_tokens_per_minute_run_out_with_anthropics_429_and_headers() -> No
     error = refused.value
     assert error.status_code == 429
     body: Any = error.body
-    assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "rate_limit_error"
     said = re.fullmatch(
         r"Rate limit reached for key 'b' on tokens per min \(TPM\): Limit 600, Used (\d+), "
         r"Requested (\d+)\. Please try again in ([\d.]+)s\.",
@@ -129,7 +130,8 @@ async def test_tokens_per_minute_run_out_with_anthropics_429_and_headers() -> No
     assert said is not None, body
     # held at arrival: max_tokens and the body's bytes standing for its prompt
     asked = int(said[2])
-    assert int(said[1]) == used and 560 < asked < 600
+    assert int(said[1]) == used
+    assert 560 < asked < 600
     headers = error.response.headers
     wait = (used + asked - 600) / 10  # tokens over the limit, at 10 a second
     assert float(said[3]) == pytest.approx(wait, rel=1e-2)
@@ -155,7 +157,8 @@ async def test_unused_reserved_tokens_go_back_to_the_next_request() -> None:
             model="echo", messages=HI, max_tokens=900
         )
     usage = first.parse().usage
-    assert usage is not None and usage.completion_tokens < 900
+    assert usage is not None
+    assert usage.completion_tokens < 900
     used = usage.total_tokens
     held = usage.prompt_tokens + 900
     assert first.headers["x-ratelimit-remaining-tokens"] == str(1000 - held)
@@ -243,7 +246,9 @@ async def test_usage_is_counted_per_key_and_model_as_the_responses_said() -> Non
     async with anthropic_client(app, api_key="sk-b") as claude:
         message = await claude.messages.create(model="echo", max_tokens=50, messages=HI)
     last = chunks[-1].usage
-    assert chat.usage is not None and last is not None and response.usage is not None
+    assert chat.usage is not None
+    assert last is not None
+    assert response.usage is not None
     prompt_a = (
         chat.usage.prompt_tokens
         + response.usage.input_tokens
@@ -319,7 +324,8 @@ async def test_usage_since_counts_from_then_and_says_so() -> None:
     auth = {"authorization": "Bearer sk-a"}
     future = (await http.get("/v1/usage?since=4102444800", headers=auth)).json()
     ancient = (await http.get("/v1/usage?since=1970-01-01T00:00:00Z", headers=auth)).json()
-    assert future["since"] == "2100-01-01T00:00:00Z" and future["data"] == []
+    assert future["since"] == "2100-01-01T00:00:00Z"
+    assert future["data"] == []
     assert ancient["data"][0]["requests"] == 1
     assert ancient["since"] > "1970"  # clamped to what is kept (a day)
     missing = await http.get("/v1/usage")
@@ -348,9 +354,11 @@ class Gate:
             yield output
 
 
-async def _until(condition: Any) -> None:
-    while not condition():
-        await anyio.sleep(0.001)
+async def waiting(app: Any, count: int) -> None:
+    """Until ``count`` requests wait for a slot."""
+    admission = app.generations.admission
+    while admission.waiting != count:
+        await admission.changed().wait()
 
 
 async def test_a_key_at_its_max_inflight_is_refused_until_one_ends() -> None:
@@ -362,7 +370,6 @@ async def test_a_key_at_its_max_inflight_is_refused_until_one_ends() -> None:
         with pytest.raises(openai.RateLimitError) as refused:
             await api.completions.create(model="echo", prompt="second", max_tokens=2)
         gate.release()
-        await _until(lambda: app.generations.admission.running == 0 or not app.inflight)
     assert refused.value.body["message"].startswith("Too many requests in flight")  # type: ignore[index]
     assert refused.value.response.headers["retry-after"] == "1"
     async with openai_client(app, api_key="sk-a") as api:
@@ -383,7 +390,6 @@ async def test_a_flooding_key_does_not_starve_another_of_the_same_priority() -> 
         max_inflight=8,
         max_queued=64,
     )
-    admission = app.generations.admission
     async with (
         openai_client(app, api_key="sk-a") as flood,
         openai_client(app, api_key="sk-b") as other,
@@ -391,13 +397,11 @@ async def test_a_flooding_key_does_not_starve_another_of_the_same_priority() -> 
     ):
         for _ in range(64):
             tg.start_soon(lambda: flood.completions.create(model="echo", prompt="a", max_tokens=1))
-        await _until(lambda: admission.waiting == 56)
+        await waiting(app, 56)
         for _ in range(4):
             tg.start_soon(lambda: other.completions.create(model="echo", prompt="b", max_tokens=1))
-        await _until(lambda: admission.waiting == 60)
-        for _ in range(68):
-            gate.release()
-            await anyio.sleep(0)
+        await waiting(app, 60)
+        gate.release(68)
     after = gate.started[8:]  # what started once B's requests were waiting
     assert gate.started[:8] == ["a"] * 8
     assert [i for i, key in enumerate(after) if key == "b"] == [0, 2, 4, 6]

@@ -94,9 +94,11 @@ def test_removed_requests_leave_no_trace() -> None:
     assert not queue.remove(entries[0])
     assert len(queue) == 2
     last = queue.last()
-    assert last is not None and last.item == "z"
+    assert last is not None
+    assert last.item == "z"
     assert drain(queue) == ["y", "z"]
-    assert queue.peek() is None and queue.last() is None
+    assert queue.peek() is None
+    assert queue.last() is None
     with pytest.raises(IndexError):
         queue.pop()
 
@@ -106,7 +108,8 @@ def test_the_last_request_is_of_the_worst_priority() -> None:
     queue.push("urgent", priority=-1, start=queue.tag(-1, "a", 1, 99), arrival=0.0)
     queue.push("batch", priority=5, start=queue.tag(5, "b", 1, 1), arrival=0.0)
     last = queue.last()
-    assert last is not None and last.item == "batch"
+    assert last is not None
+    assert last.item == "batch"
 
 
 def test_aging_must_be_positive() -> None:

@@ -82,7 +82,8 @@ def test_a_refusals_wait_is_exact(limit: int, used: float, asked: int) -> None:
         assert not admit(budget, limits, Ask(tokens=asked), 1e9)[1].admitted
         return
     wait = verdict.retry_after
-    assert wait is not None and wait > 0
+    assert wait is not None
+    assert wait > 0
     assert admit(budget, limits, Ask(tokens=asked), now + wait + 1e-9)[1].admitted
     if wait > 1e-3:
         assert not admit(budget, limits, Ask(tokens=asked), now + wait - 1e-3)[1].admitted
@@ -135,7 +136,8 @@ def test_every_limit_is_checked_and_the_longest_wait_told() -> None:
     assert not verdict.admitted
     assert verdict.refused_by == "tokens"
     assert verdict.retry_after == pytest.approx(10.0)
-    assert verdict.requests is not None and verdict.requests.remaining == 0
+    assert verdict.requests is not None
+    assert verdict.requests.remaining == 0
     # a key at its max_inflight is refused whatever its minute holds
     _, busy = admit(Budget(inflight=2), limits, Ask(1, 1, 1), 0.0)
     assert (busy.admitted, busy.refused_by) == (False, "inflight")

@@ -58,10 +58,14 @@ def test_a_full_file_is_read_with_every_field() -> None:
     assert team is not None
     assert (team.name, team.priority, team.share, team.admin) == ("team-a", -2, 2.5, False)
     assert team.limits == Limits(60, 1000, 4)
-    assert team.may_use("llama-3b") and team.may_use("smollm2")
-    assert not team.may_use("smollm2-instruct") and not team.may_use("other")
+    assert team.may_use("llama-3b")
+    assert team.may_use("smollm2")
+    assert not team.may_use("smollm2-instruct")
+    assert not team.may_use("other")
     boss = tenants.find(b"sk-boss")
-    assert boss is not None and boss.admin and boss.may_use("anything")
+    assert boss is not None
+    assert boss.admin
+    assert boss.may_use("anything")
     assert boss.limits == Limits()
     assert tenants.find(b"sk-c") is None
     assert tenants.named("boss") is boss
@@ -124,7 +128,8 @@ def test_every_mistake_is_an_error_naming_the_file_and_line(
     message = str(refused.value)
     assert message.startswith(f"keys.toml line {line}") or f"line {line}" in message
     assert words in message
-    assert '"k"' not in message and "'k'" not in message.replace("key 'a'", "")
+    assert '"k"' not in message
+    assert "'k'" not in message.replace("key 'a'", "")
 
 
 def test_a_file_without_keys_is_refused() -> None:
@@ -157,21 +162,28 @@ def test_huge_numbers_and_many_keys_are_read_in_bounds(tmp_path: Path) -> None:
     tenants = load_tenants(path)
     assert len(tenants) == 300
     found = tenants.find(b"sk-299")
-    assert found is not None and found.limits.tokens_per_minute == MAX_LIMIT
+    assert found is not None
+    assert found.limits.tokens_per_minute == MAX_LIMIT
 
 
 def test_the_guard_finds_each_request_its_tenant() -> None:
     guard = Guard(tenants=keys(FULL), api_keys={"plain": 3}, admin_keys=["root"])
     team, presented = guard.identify(scope("sk-a"))
-    assert team is not None and team.name == "team-a" and presented
+    assert team is not None
+    assert team.name == "team-a"
+    assert presented
     assert guard.identify(scope("sk-a", "x-api-key"))[0] is team  # Anthropic's header
     assert guard.identify(scope("wrong")) == (None, True)
     assert guard.identify(scope(None)) == (None, False)
     plain = guard.identify(scope("plain"))[0]
-    assert plain is not None and plain.priority == 3 and plain.name.startswith("key-")
+    assert plain is not None
+    assert plain.priority == 3
+    assert plain.name.startswith("key-")
     assert "plain" not in plain.name
-    assert guard.is_admin(scope("root")) and guard.is_admin(scope("sk-boss"))
-    assert not guard.is_admin(scope("sk-a")) and not guard.is_admin(scope("plain"))
+    assert guard.is_admin(scope("root"))
+    assert guard.is_admin(scope("sk-boss"))
+    assert not guard.is_admin(scope("sk-a"))
+    assert not guard.is_admin(scope("plain"))
     assert guard.priority_for(scope("sk-a")) == -2
     # without keys every request is the one anonymous client
     assert Guard().identify(scope(None)) == (ANONYMOUS, False)
