@@ -163,10 +163,10 @@ async def test_a_flooding_key_does_not_starve_another(
     other = openai.AsyncOpenAI(base_url=server.base_url, api_key="sk-b", max_retries=0)
     async with flood, other, anyio.create_task_group() as tg:
         for _ in range(64):
-            tg.start_soon(lambda: flood.completions.create(model="echo", prompt="a", max_tokens=100))
+            tg.start_soon(lambda: flood.completions.create(model="echo", prompt="a", max_tokens=60))
         await wait_until(lambda: metric(server, "llm_pipeline_waiting_requests") >= 50, 20)
         for _ in range(4):
-            tg.start_soon(lambda: other.completions.create(model="echo", prompt="b", max_tokens=100))
+            tg.start_soon(lambda: other.completions.create(model="echo", prompt="b", max_tokens=60))
     await wait_until(lambda: len(request_lines(server)) == 68, 10)
     lines = request_lines(server)
     assert {line["status"] for line in lines} == {200}

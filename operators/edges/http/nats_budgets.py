@@ -24,8 +24,8 @@ heartbeat, every :data:`HEARTBEAT` seconds; one not heard for three is gone). Wh
 bucket cannot be reached (the connection down, an operation timing out), a frontend
 falls back to :class:`~.budgets.LocalBudgets` with its share of every limit (the limit
 over the frontends it last saw), and says so once in its log; it says so again when the
-bucket is back. The bucket is in memory on the NATS server: a restart of it forgets who
-used what, so every key starts the minute full.
+bucket is back. The bucket is on the NATS server's disk, as the Responses store's: a
+restart of it keeps who used what.
 
 Needs the ``nats`` extra; loaded only by ``serve --nats``.
 """
@@ -123,7 +123,7 @@ class NatsBudgets:
     async def open(
         cls, nc: Client, *, bucket: str = DEFAULT_BUCKET, frontend: str | None = None
     ) -> NatsBudgets:
-        """The budgets in ``bucket`` (created in memory when missing).
+        """The budgets in ``bucket`` (created when missing).
 
         Raises:
             nats.errors.Error: JetStream cannot be reached or refuses the bucket.
@@ -133,7 +133,7 @@ class NatsBudgets:
             kv = await js.key_value(bucket)
         except nats.js.errors.BucketNotFoundError:
             config = KeyValueConfig(
-                bucket=bucket, history=1, ttl=_ENTRY_TTL, storage=StorageType.MEMORY
+                bucket=bucket, history=1, ttl=_ENTRY_TTL, storage=StorageType.FILE
             )
             try:
                 kv = await js.create_key_value(config)
