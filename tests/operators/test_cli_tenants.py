@@ -132,9 +132,7 @@ async def test_the_sdks_wait_what_a_429_says_and_then_succeed(
     ) as claude:
         drained = await claude.messages.create(model="echo", max_tokens=5000, messages=HI)
         used = drained.usage.input_tokens + drained.usage.output_tokens
-        again = await claude.messages.create(
-            model="echo", max_tokens=6000 - used + 90, messages=HI
-        )
+        again = await claude.messages.create(model="echo", max_tokens=6000 - used + 90, messages=HI)
     assert again.stop_reason == "max_tokens"
     assert 1 <= anthropic_attempts.check_waits() <= 2
     status = 'llm_pipeline_key_requests_total{{key="{}",model="echo",status="429"}}'
@@ -172,9 +170,7 @@ async def test_a_flooding_key_does_not_starve_another(
     assert {line["status"] for line in lines} == {200}
     b_lines = [line for line in lines if line["key"] == "b"]
     came = min(line["arrival"] for line in b_lines)
-    later = sorted(
-        (line["admission"], line["key"]) for line in lines if line["admission"] > came
-    )
+    later = sorted((line["admission"], line["key"]) for line in lines if line["admission"] > came)
     assert len(later) >= 40  # (B came while most of A's flood still waited)
     assert [key for _, key in later[:8]].count("b") == 4, later[:10]
 
@@ -219,9 +215,11 @@ async def test_usage_per_key_is_what_the_responses_said_cached_tokens_included(
             cached += read
             output += message.usage.output_tokens
     assert cached > 0  # (what this test is about: cached tokens are counted too)
-    usage = httpx.get(
-        f"{server.base_url}/usage?key=a", headers={"authorization": "Bearer sk-ops"}
-    ).json()
+    async with httpx.AsyncClient() as http:
+        answer = await http.get(
+            f"{server.base_url}/usage?key=a", headers={"authorization": "Bearer sk-ops"}
+        )
+    usage = answer.json()
     [row] = usage["data"]
     assert (row["key"], row["requests"], row["statuses"]) == ("a", 6, {"200": 6})
     assert (row["prompt_tokens"], row["cached_tokens"], row["output_tokens"]) == (
@@ -229,10 +227,13 @@ async def test_usage_per_key_is_what_the_responses_said_cached_tokens_included(
         cached,
         output,
     )
-    series = 'llm_pipeline_key_tokens_total{{key="a",kind="{}",model="%s"}}' % model
-    assert metric(server, series.format("prompt")) == prompt
-    assert metric(server, series.format("cached")) == cached
-    assert metric(server, series.format("output")) == output
+
+    def series(kind: str) -> str:
+        return f'llm_pipeline_key_tokens_total{{key="a",kind="{kind}",model="{model}"}}'
+
+    assert metric(server, series("prompt")) == prompt
+    assert metric(server, series("cached")) == cached
+    assert metric(server, series("output")) == output
     await wait_until(lambda: len(request_lines(server)) == 6, 5)
     lines = request_lines(server)
     assert {line["key"] for line in lines} == {"a"}

@@ -35,9 +35,10 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 
+from .budgets import LocalBudgets
 from .failures import ClientGone, Refusal, at_capacity, rate_limited, timed_out
 from .fair_queue import FairQueue
-from .limits import Ask, Rates
+from .limits import Ask, Rates, Verdict
 
 if TYPE_CHECKING:
     from .asgi import Receive
@@ -155,7 +156,7 @@ class Ticket:
             return
         back = self.reserved - total  # (the estimate was more than it needs)
         self.reserved = total
-        await self._admission.guard.budgets.give(self.tenant, Ask(tokens=back))
+        await self._admission.give(self.tenant, Ask(tokens=back))
 
     async def charge(self, tokens: int) -> None:
         """Count ``tokens`` of input (an embedding's, once encoded), holding them of the
@@ -174,7 +175,7 @@ class Ticket:
             return
         admission = self._admission
         tpm = self.tenant.limits.tokens_per_minute
-        verdict = await admission.guard.budgets.take(self.tenant, Ask(tokens=tokens))
+        verdict = await admission.take(self.tenant, Ask(tokens=tokens))
         # (what it holds already counts too: a whole ask over the minute never fits)
         wait = None if asked > tpm else verdict.retry_after
         rates = Rates(verdict.requests, verdict.tokens, wait, verdict.refused_by)
@@ -216,8 +217,7 @@ class Ticket:
             inflight=1 if self.tenant.limits.max_inflight is not None else 0,
         )
         if back.requests or back.tokens or back.inflight:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_SETTLE_TIMEOUT):
-                await admission.guard.budgets.give(self.tenant, back)
+            await admission.give(self.tenant, back)
 
 
 @final
@@ -289,7 +289,7 @@ class Admission:
         rates: Rates | None = None
         ask = Ask(1, tokens, 1 if limits.max_inflight is not None else 0)
         if limits.any:
-            verdict = await self.guard.budgets.take(tenant, ask)
+            verdict = await self.take(tenant, ask)
             rates = Rates(verdict.requests, verdict.tokens, verdict.retry_after, verdict.refused_by)
             if not verdict.admitted:
                 self.metrics.rejected.labels("rate_limited").inc()
@@ -306,8 +306,7 @@ class Admission:
                 if isinstance(exc, Refusal):
                     self.count(tenant.name, model, 504 if exc.error.kind == "timeout" else 503)
                 if limits.any:
-                    with anyio.CancelScope(shield=True), anyio.move_on_after(_SETTLE_TIMEOUT):
-                        await self.guard.budgets.give(tenant, ask)
+                    await self.give(tenant, ask)
                 raise
         return Ticket(
             self,
@@ -387,6 +386,24 @@ class Admission:
             raise ClientGone
         self.metrics.timed_out.inc()
         raise Refusal(timed_out(time_limit or 0.0))
+
+    async def take(self, tenant: Tenant, ask: Ask) -> Verdict:
+        """Take ``ask`` of ``tenant``'s budget (:attr:`Guard.budgets <.guard.Guard.budgets>`;
+        this process's without awaiting)."""
+        budgets = self.guard.budgets
+        if isinstance(budgets, LocalBudgets):
+            return budgets.take_now(tenant, ask)
+        return await budgets.take(tenant, ask)
+
+    async def give(self, tenant: Tenant, back: Ask) -> None:
+        """Give ``back`` to ``tenant``'s budget, whatever cancels the caller (a shared
+        store's round trip shielded, bounded by :data:`_SETTLE_TIMEOUT`)."""
+        budgets = self.guard.budgets
+        if isinstance(budgets, LocalBudgets):
+            budgets.give_now(tenant, back)
+            return
+        with anyio.CancelScope(shield=True), anyio.move_on_after(_SETTLE_TIMEOUT):
+            await budgets.give(tenant, back)
 
     def release(self) -> None:
         """A slot is free: the next waiting request (the fair queue's) takes it."""

@@ -8,9 +8,13 @@ One entry per key (``t.`` and a digest of its name), holding what :mod:`.limits`
 
 An admission reads the entry, applies :func:`~.limits.admit`, and writes it back only if
 nobody wrote it meanwhile (KV ``update`` with the revision read: compare-and-set); a
-conflict rereads and applies again. So a key's limits hold across frontends exactly, as
-if one process kept them, and a frontend restarting loses nothing but its own in-flight
-count (which it rewrites whole on its next write). Why not leases (each frontend holding
+conflict rereads and applies again. A frontend keeps the entry it last wrote and writes
+on top of it without reading (one round trip), until a conflict shows another frontend
+writes the key too: then, for a second, it reads before each write, as the others do, so
+that the last writer has no head start and no frontend's batches starve. So a key's
+limits hold across frontends exactly, as if one process kept them, and a frontend
+restarting loses nothing but its own in-flight count (which it rewrites whole on its next
+write). Why not leases (each frontend holding
 a share of the budget and asking for more): a lease either splits a key's minute into
 slices that idle on one frontend while another refuses, or needs the same round trip to
 rebalance; compare-and-set costs one round trip per operation and is exact.
@@ -35,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -69,7 +74,9 @@ HEARTBEAT: Final = 2.0
 OPERATION_TIMEOUT: Final = 1.0
 #: compare-and-set attempts of one batch before it falls back (a key under a storm of
 #: writes from many frontends)
-_ATTEMPTS: Final = 16
+_ATTEMPTS: Final = 32
+#: seconds a key stays contended after a conflict: its writes read first, as everyone's do
+_CONTENDED: Final = 1.0
 #: how long an entry nobody writes is kept (a key idle that long is full again anyway)
 _ENTRY_TTL: Final = 24 * 3600.0
 _FRONTENDS: Final = "frontends"
@@ -112,6 +119,8 @@ class NatsBudgets:
         self._flushing: set[str] = set()
         #: entry key -> (revision, state) as this frontend last read or wrote it
         self._cache: dict[str, tuple[int, dict[str, Any]]] = {}
+        #: entry key -> until when (monotonic) it is contended
+        self._contended: dict[str, float] = {}
         #: this frontend's requests in flight, by key name
         self._inflight: dict[str, int] = {}
         #: the frontends heard from lately (this one included)
@@ -182,12 +191,19 @@ class NatsBudgets:
         try:
             with anyio.fail_after(OPERATION_TIMEOUT):
                 for _ in range(_ATTEMPTS):
+                    if self._contended.get(key, 0.0) > time.monotonic():
+                        self._cache.pop(key, None)
                     revision, state = await self._read(key)
                     mine, verdicts, state = self._applied(tenant, state, batch)
                     try:
                         revision = await self._write(key, state, revision)
                     except nats.js.errors.KeyWrongLastSequenceError:
-                        self._cache.pop(key, None)  # another frontend wrote: read again
+                        # Another frontend wrote: read again. While a key is contended its
+                        # writers all read first, so the one that wrote last has no head
+                        # start (with its revision cached it would win every race).
+                        self._cache.pop(key, None)
+                        self._contended[key] = time.monotonic() + _CONTENDED
+                        await anyio.sleep(random.uniform(0, 0.001))
                         continue
                     self._cache[key] = (revision, state)
                     break
