@@ -43,9 +43,9 @@ from .limits import Ask, Rates, Verdict
 if TYPE_CHECKING:
     from .asgi import Receive
     from .guard import Guard
+    from .ledger import UsageLedger
     from .metrics import ServerMetrics
     from .tenants import Tenant
-    from .usage import UsageLedger
 
 __all__ = ("Admission", "Ticket", "estimate", "needed", "output_limit")
 

@@ -46,13 +46,14 @@ from .failures import (
 )
 from .generation import Generations
 from .guard import Guard
+from .ledger import UsageLedger
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
 from .routes import Call, Edge, Prepare, Route
 from .schema import OFF_LOOP_BYTES
 from .sse_writer import CLIENT_GONE
 from .tenants import ANONYMOUS, Tenant
-from .usage import UsageLedger, usage_routes
+from .usage import usage_routes
 
 if TYPE_CHECKING:
     from pipeline import Engine

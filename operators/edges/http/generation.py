@@ -65,6 +65,7 @@ from .failures import (
     shut_down,
     timed_out,
 )
+from .ledger import UsageLedger
 from .request_span import (
     finish_request,
     record_admission,
@@ -75,7 +76,6 @@ from .request_span import (
 )
 from .running import Running
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
-from .usage import UsageLedger
 
 if TYPE_CHECKING:
     from pipeline import Engine
