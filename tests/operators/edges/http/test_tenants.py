@@ -203,3 +203,18 @@ def test_a_reload_replaces_the_files_keys_and_keeps_the_flags() -> None:
 def test_a_key_given_as_a_flag_and_in_the_file_is_refused() -> None:
     with pytest.raises(ValueError, match="same key"):
         Guard(tenants=keys(FULL), api_keys=["sk-a"])
+
+
+def test_the_readmes_keys_file_is_one_the_server_takes() -> None:
+    readme = (Path(__file__).resolve().parents[4] / "README.md").read_text()
+    section = readme.split("## Tenants", 1)[1].split("\n## ", 1)[0]
+    sample = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    tenants = parse_tenants(sample, "README.md")
+    assert tenants.names == ("team-a", "ops")
+    team = tenants.find(b"test")  # (the sample's key_sha256 is sha256("test"))
+    assert team is not None
+    assert team.limits == Limits(600, 200000, 16)
+    ops = tenants.named("ops")
+    assert ops is not None
+    assert ops.admin
+    assert ops.priority == -1
