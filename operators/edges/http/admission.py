@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 import anyio
 
 from .budgets import LocalBudgets
-from .failures import ClientGone, Refusal, at_capacity, rate_limited, timed_out
+from .failures import ClientGone, Refusal, at_capacity, rate_limited, shut_down, timed_out
 from .fair_queue import FairQueue
 from .limits import Ask, Rates, Verdict
 
@@ -81,12 +81,13 @@ def _choices(request: Any) -> int:
 class _Turn:
     """A request waiting for a slot."""
 
-    __slots__ = ("admitted", "event", "evicted", "granted")
+    __slots__ = ("admitted", "closed", "event", "evicted", "granted")
 
     def __init__(self) -> None:
         self.event = anyio.Event()
         self.granted = False
         self.evicted = False
+        self.closed = False
         self.admitted = 0
 
 
@@ -379,6 +380,8 @@ class Admission:
         if turn.granted:
             return turn.admitted
         queue.remove(entry)
+        if turn.closed:
+            raise Refusal(shut_down())
         if turn.evicted:
             self.metrics.rejected.labels("max_inflight").inc()
             raise Refusal(at_capacity(limit))
@@ -404,6 +407,14 @@ class Admission:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(_SETTLE_TIMEOUT):
             await budgets.give(tenant, back)
+
+    def close(self) -> None:
+        """Refuse every request waiting for a slot (the server is shutting down: 503)."""
+        queue = self._queue
+        while queue:
+            turn = queue.pop()
+            turn.closed = True
+            turn.event.set()
 
     def release(self) -> None:
         """A slot is free: the next waiting request (the fair queue's) takes it."""

@@ -144,7 +144,9 @@ class Generations:
 
     def abort(self) -> None:
         """End every in-flight generation request now, down to the engine, each with an
-        error (a stream's failure event, or a whole response's error body)."""
+        error (a stream's failure event, or a whole response's error body); the ones
+        waiting for a slot are refused (503)."""
+        self.admission.close()
         for ctx in list(self._contexts):
             self._aborted.add(ctx)
             ctx.kill()

@@ -405,3 +405,23 @@ async def test_a_flooding_key_does_not_starve_another_of_the_same_priority() -> 
     after = gate.started[8:]  # what started once B's requests were waiting
     assert gate.started[:8] == ["a"] * 8
     assert [i for i, key in enumerate(after) if key == "b"] == [0, 2, 4, 6]
+
+
+async def test_the_drains_abort_refuses_the_requests_waiting_for_a_slot() -> None:
+    gate = Gate()
+    app = app_with('[[key]]\nname = "a"\nkey = "sk-a"\n', engine=gate, max_inflight=1, max_queued=4)
+    outcomes: list[Any] = []
+
+    async def ask(api: openai.AsyncOpenAI) -> None:
+        try:
+            outcomes.append(await api.completions.create(model="echo", prompt="x", max_tokens=1))
+        except openai.APIStatusError as error:
+            outcomes.append(error.status_code)
+
+    async with openai_client(app, api_key="sk-a") as api, anyio.create_task_group() as tg:
+        for _ in range(3):
+            tg.start_soon(ask, api)
+        await waiting(app, 2)
+        app.abort()  # (the drain timeout ran out)
+        gate.release(3)
+    assert sorted(o for o in outcomes if isinstance(o, int)) == [503, 503, 503]
