@@ -90,8 +90,15 @@ class _Operation:
     tenant: Tenant
     ask: Ask
     take: bool
-    done: anyio.Event = field(default_factory=anyio.Event)
+    #: set when it is done, or when its turn came to write the next batch
+    turn: anyio.Event = field(default_factory=anyio.Event)
+    done: bool = False
     verdict: Verdict = field(default_factory=lambda: _ADMITTED)
+
+    def finish(self, verdict: Verdict) -> None:
+        self.verdict = verdict
+        self.done = True
+        self.turn.set()
 
 
 @final
@@ -165,22 +172,28 @@ class NatsBudgets:
     # -------------------------------------------------------------------------- batches
 
     async def _submit(self, operation: _Operation) -> None:
-        """Run ``operation`` in its key's next batch: as the batch's writer when no write
-        of the key is in flight, else waiting for the writer. Shielded (a batch is bounded
-        by :data:`OPERATION_TIMEOUT`): an operation a caller gave up on is applied anyway,
+        """Run ``operation`` in its key's next batch. The operations that come while a
+        write of the key is in flight wait; when it lands, the first of them writes them
+        all, as one batch, and hands the next batch to the first that came meanwhile (so
+        no caller writes others' batches for long). Shielded (a batch is bounded by
+        :data:`OPERATION_TIMEOUT`): an operation a caller gave up on is applied anyway,
         and so accounted for."""
         name = operation.tenant.name
         self._pending.setdefault(name, []).append(operation)
         with anyio.CancelScope(shield=True):
             if name in self._flushing:
-                await operation.done.wait()
-                return
+                await operation.turn.wait()  # done, or its turn to write the next batch
+                if operation.done:
+                    return
             self._flushing.add(name)
             try:
-                while self._pending.get(name):
-                    await self._apply(self._pending.pop(name))
+                await self._apply(self._pending.pop(name))
             finally:
-                self._flushing.discard(name)
+                waiting = self._pending.get(name)
+                if waiting:
+                    waiting[0].turn.set()  # the next batch's writer
+                else:
+                    self._flushing.discard(name)
 
     async def _apply(self, batch: list[_Operation]) -> None:
         tenant = batch[-1].tenant  # (the latest terms: a reload may have changed them)
@@ -209,15 +222,14 @@ class NatsBudgets:
                     break
                 else:
                     raise TimeoutError(f"{_ATTEMPTS} writers raced for it")
-        except (TimeoutError, nats.errors.Error, OSError) as exc:
+        except Exception as exc:  # nats-py's errors, a timeout, an entry not of ours
             self._cache.pop(key, None)
             self._fall_back(batch, str(exc) or type(exc).__name__)
             return
         self._recovered()
         self._inflight[tenant.name] = mine
         for operation, verdict in zip(batch, verdicts, strict=True):
-            operation.verdict = verdict
-            operation.done.set()
+            operation.finish(verdict)
 
     def _applied(
         self, tenant: Tenant, state: dict[str, Any], batch: list[_Operation]
@@ -299,13 +311,14 @@ class NatsBudgets:
             share = dataclasses.replace(tenant, limits=tenant.limits.share(parts))
             name = tenant.name
             if operation.take:
-                operation.verdict = self._fallback.take_now(share, operation.ask)
-                if operation.verdict.admitted:
+                verdict = self._fallback.take_now(share, operation.ask)
+                if verdict.admitted:
                     self._inflight[name] = self._inflight.get(name, 0) + operation.ask.inflight
             else:
+                verdict = _ADMITTED
                 self._fallback.give_now(share, operation.ask)
                 self._inflight[name] = max(0, self._inflight.get(name, 0) - operation.ask.inflight)
-            operation.done.set()
+            operation.finish(verdict)
 
     def _recovered(self) -> None:
         if self._degraded:
