@@ -12,6 +12,7 @@ import selectors
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -104,12 +105,14 @@ async def test_two_frontends_admit_together_what_one_key_may(
                 )
                 statuses.append(answer.status_code)
 
+            started = time.monotonic()
             async with anyio.create_task_group() as tg:
                 for number in range(24):  # together, on both frontends
                     tg.start_soon(ask, frontends[number % 2])
-        # a minute's 10, and what refilled while they ran (one every 6 s), ±1 request
+            refilled = (time.monotonic() - started) / 6  # (one a minute's tenth: every 6 s)
+        # a minute's 10, and what refilled while they ran, ±1 request
         assert set(statuses) == {200, 429}
-        assert 10 <= statuses.count(200) <= 11
+        assert 10 <= statuses.count(200) <= 10 + refilled + 1
         assert all("cannot be reached" not in f.stderr() for f in frontends)
     finally:
         for frontend in frontends:
@@ -134,12 +137,14 @@ async def test_the_bucket_is_exact_under_concurrent_frontends(nats_server: NatsS
         async def take(budget: NatsBudgets) -> None:
             verdicts.append(await budget.take(key, Ask(requests=1, tokens=7)))
 
+        started = time.monotonic()
         async with anyio.create_task_group() as tg:
             for number in range(90):
                 tg.start_soon(take, budgets[number % 3])
+        refilled = (time.monotonic() - started) * 40 / 60
         admitted = [v for v in verdicts if v.admitted]
-        # 400 // 7 = 57 by tokens, 40 by requests (+ what refilled in the meantime: < 1)
-        assert len(admitted) == 40
+        # 400 // 7 = 57 by tokens, 40 by requests, and what refilled in the meantime
+        assert 40 <= len(admitted) <= 40 + refilled
         assert all(v.refused_by == "requests" for v in verdicts if not v.admitted)
         # given back on one frontend, taken on another
         for _ in range(5):
