@@ -425,3 +425,19 @@ async def test_the_drains_abort_refuses_the_requests_waiting_for_a_slot() -> Non
         app.abort()  # (the drain timeout ran out)
         gate.release(3)
     assert sorted(o for o in outcomes if isinstance(o, int)) == [503, 503, 503]
+
+
+async def test_without_keys_every_client_is_one_and_reads_its_usage() -> None:
+    app = build_app(EchoThatEmbeds(), TOKENIZER, model_name="echo")
+    async with openai_client(app) as api:
+        chat = await api.chat.completions.create(model="echo", messages=HI)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t")
+    usage = (await http.get("/v1/usage")).json()
+    assert chat.usage is not None
+    assert [(row["key"], row["requests"], row["output_tokens"]) for row in usage["data"]] == [
+        ("", 1, chat.usage.completion_tokens)
+    ]
+    assert (
+        "x-ratelimit-limit-requests"
+        not in (await http.post("/v1/completions", json={"model": "echo", "prompt": "x"})).headers
+    )
