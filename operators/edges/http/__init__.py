@@ -17,6 +17,7 @@
 - :mod:`.admission` — one admission for every edge: a key's limits, a slot of
   ``max_inflight`` or a fair wait for one, tokens reserved and settled; over
   :mod:`.tenants` (the keys and their terms), :mod:`.limits` (the bucket arithmetic),
+  :mod:`.reservation` (the tokens a request may use),
   :mod:`.budgets` / :mod:`.nats_budgets` (where each key's use is kept),
   :mod:`.fair_queue` (who goes first), :mod:`.ledger` and :mod:`.usage` (each key's usage,
   ``GET /v1/usage``).

@@ -29,7 +29,6 @@ the input tokens of embeddings; tokenizing and counting tokens count as requests
 from __future__ import annotations
 
 import itertools
-import math
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -39,6 +38,7 @@ from .budgets import LocalBudgets
 from .failures import ClientGone, Refusal, at_capacity, rate_limited, shut_down, timed_out
 from .fair_queue import FairQueue
 from .limits import Ask, Rates, Verdict
+from .reservation import DEFAULT_COST, needed
 
 if TYPE_CHECKING:
     from .asgi import Receive
@@ -47,34 +47,10 @@ if TYPE_CHECKING:
     from .metrics import ServerMetrics
     from .tenants import Tenant
 
-__all__ = ("Admission", "Ticket", "estimate", "needed", "output_limit")
+__all__ = ("Admission", "Ticket")
 
-#: what a request that tells nothing of its size is taken to cost in the fair queue
-_DEFAULT_COST: Final = 256
-#: bytes of a request's body per prompt token, for the fair queue's estimate (JSON,
-#: English: 4 bytes a token is about right, and only the queue's order depends on it)
-_BYTES_PER_TOKEN: Final = 4
 #: seconds a settlement (a shared store's round trip) may take after the response
 _SETTLE_TIMEOUT: Final = 5.0
-
-
-def output_limit(request: Any) -> int | None:
-    """The output tokens a graph request may generate, in all its choices and prompts, as
-    it asked (None: it set no limit). Read off the request's own fields (``max_tokens``,
-    ``n``, a completions batch's prompts), so that every edge's request is measured alike
-    without the plumbing knowing its type."""
-    asked = getattr(request, "requested_max_tokens", None)
-    limit = asked[0] if isinstance(asked, tuple) else getattr(request, "max_tokens", None)
-    if not isinstance(limit, int):
-        return None
-    return limit * _choices(request)
-
-
-def _choices(request: Any) -> int:
-    n = getattr(request, "n", 1)
-    prompts = getattr(request, "prompts", None)
-    legs = len(prompts) if isinstance(prompts, list) and prompts else 1
-    return (n if isinstance(n, int) and n > 0 else 1) * legs
 
 
 @final
@@ -142,7 +118,7 @@ class Ticket:
     async def reserve(self, prompt: int, request: Any, context: int | None) -> None:
         """The prompt is known (``prompt`` tokens, of the graph ``request``, on a model of
         ``context`` tokens): hold exactly the prompt and what the request may generate
-        (:func:`needed`) instead of the estimate held since its arrival.
+        (:func:`~.reservation.needed`) instead of the estimate held since its arrival.
 
         Raises:
             Refusal: 429, the key's tokens per minute do not hold that now (or ever).
@@ -334,7 +310,7 @@ class Admission:
         assert limit is not None
         queue = self._queue
         start = queue.tag(
-            priority, tenant.name, tenant.share, _DEFAULT_COST if cost is None else cost
+            priority, tenant.name, tenant.share, DEFAULT_COST if cost is None else cost
         )
         if self._running < limit and not queue:
             queue.started(priority, start)
@@ -434,39 +410,3 @@ class Admission:
         """Count one request of ``key`` on ``model`` that ended with ``status``."""
         self.ledger.record(key, model, status=status, prompt=prompt, cached=cached, output=output)
         self.metrics.count_key(key, model, status, prompt, cached, output)
-
-
-def needed(request: Any, prompt: int, context: int | None, tpm: int | None) -> int:
-    """The tokens a generation request of ``prompt`` tokens may use on a model of
-    ``context`` tokens: its prompt and its output limit (every choice's, every prompt's), or
-    without one the context's room, though no more than a minute of ``tpm`` holds (a
-    request is not refused for asking no limit; it settles what it used)."""
-    asked = output_limit(request)
-    if asked is not None:
-        return prompt + asked
-    if context is None:
-        return prompt
-    n = getattr(request, "n", 1)
-    n = n if isinstance(n, int) and n > 0 else 1
-    room = max(0, context * (_choices(request) // n) - prompt) * n
-    return prompt + room if tpm is None else min(prompt + room, max(prompt, tpm))
-
-
-def estimate(
-    request: Any, body_bytes: int, context: int | None, tpm: int | None
-) -> tuple[int, int]:
-    """(the tokens to hold of a key's ``tpm`` when a generation request arrives, what the
-    fair queue weighs it at), before its prompt is tokenized: its body's bytes stand for
-    its prompt (about 4 a token, as OpenAI estimates; the prompt's tokens replace them
-    before the engine runs), so that a refusal's wait covers the whole request. Never more
-    than the minute holds, unless its own output limit alone is more (a 429 that no wait
-    will lift)."""
-    prompt = math.ceil(body_bytes / _BYTES_PER_TOKEN)
-    whole = needed(request, prompt, context, tpm)
-    cost = (
-        whole if output_limit(request) is not None or context is not None else whole + _DEFAULT_COST
-    )
-    if tpm is None:
-        return 0, cost
-    asked = output_limit(request)
-    return (whole if asked is not None and asked > tpm else min(whole, tpm)), cost

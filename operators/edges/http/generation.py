@@ -44,7 +44,7 @@ import anyio
 from pipeline import Context, InvalidRequest, open_stream
 from pipeline.priority import priority_of
 
-from .admission import Admission, estimate
+from .admission import Admission
 from .asgi import (
     BodyTooLarge,
     id_header,
@@ -74,6 +74,7 @@ from .request_span import (
     record_usage,
     start_request,
 )
+from .reservation import estimate
 from .running import Running
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 

@@ -202,3 +202,50 @@ def test_a_duration_is_never_shorter_than_the_wait(seconds: float) -> None:
     total += float(rest[:-2]) / 1000 if rest.endswith("ms") else float(rest[:-1])
     assert total >= seconds - 1e-9
     assert total <= seconds + 1e-3 + 1e-9
+
+
+class _Request:
+    """A graph request as the reservation reads it (chat: no prompts; completions: some)."""
+
+    def __init__(self, max_tokens: int | None, n: int, prompts: int) -> None:
+        self.requested_max_tokens = (max_tokens, "max_tokens")
+        self.n = n
+        self.prompts = ["p"] * prompts if prompts else None
+
+
+@given(
+    max_tokens=st.none() | st.integers(1, 5000),
+    n=st.integers(1, 4),
+    prompts=st.integers(0, 3),
+    prompt=st.integers(1, 4000),
+    context=st.none() | st.integers(4001, 9000),
+    tpm=st.none() | LIMITS,
+    body=st.integers(0, 40_000),
+)
+def test_a_reservation_covers_the_prompt_and_never_refuses_what_no_limit_asked(
+    max_tokens: int | None,
+    n: int,
+    prompts: int,
+    prompt: int,
+    context: int | None,
+    tpm: int | None,
+    body: int,
+) -> None:
+    from operators.edges.http.reservation import estimate, needed
+
+    request = _Request(max_tokens, n, prompts)
+    choices = n * max(prompts, 1)
+    whole = needed(request, prompt, context, tpm)
+    assert whole >= prompt
+    if max_tokens is not None:
+        assert whole == prompt + max_tokens * choices
+    elif context is not None and tpm is not None:
+        assert whole <= max(prompt, tpm)  # no limit asked: at most what the minute holds
+    held, cost = estimate(request, body, context, tpm)
+    assert cost >= held >= 0
+    if tpm is None:
+        assert held == 0
+    elif max_tokens is None or max_tokens * choices <= tpm:
+        assert held <= tpm  # an estimate never makes a request "too large"
+    else:
+        assert held > tpm  # its own output limit alone is: a 429 no wait lifts
