@@ -279,7 +279,8 @@ class Workload:
     host: str
     port: int
     path: str
-    payload: bytes
+    #: one request per API key (workers take turns: worker i sends payloads[i % n])
+    payloads: tuple[bytes, ...]
     markers: tuple[bytes, bytes]
     reuse: bool
     api: Api
@@ -322,12 +323,16 @@ def build_workload(args: argparse.Namespace) -> Workload:
     body = request_body(args.api, args.model, prompt, args.max_tokens, args.store)
     data = json.dumps(body).encode()
     connection = b"keep-alive" if args.reuse_connections else b"close"
-    payload = (
-        b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-        b"Accept: text/event-stream\r\nConnection: %s\r\nContent-Length: %d\r\n\r\n"
-        % (path.encode(), host.encode(), port, connection, len(data))
-    ) + data
-    return Workload(host, port, path, payload, markers, args.reuse_connections, api)
+    payloads = []
+    for key in args.api_key or [None]:
+        auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
+        payloads.append(
+            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\n%sConnection: %s\r\nContent-Length: %d\r\n\r\n"
+            % (path.encode(), host.encode(), port, auth, connection, len(data))
+            + data
+        )
+    return Workload(host, port, path, tuple(payloads), markers, args.reuse_connections, api)
 
 
 def build_prompt(tokens: int) -> str:
@@ -346,8 +351,9 @@ def build_prompt(tokens: int) -> str:
 class Worker:
     """One request at a time, on its own connection (kept alive unless ``reuse`` is off)."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: Workload, number: int = 0) -> None:
         self._workload = workload
+        self._payload = workload.payloads[number % len(workload.payloads)]
         self._connection: _Connection | None = None
 
     async def connect(self) -> None:
@@ -370,7 +376,7 @@ class Worker:
                 results.append(RequestResult(error=f"connect: {exc}"))
                 continue
             assert self._connection is not None
-            result = await self._connection.request(self._workload.payload)
+            result = await self._connection.request(self._payload)
             results.append(result)
             if not self._workload.reuse or not result.ok:
                 await self.close()
@@ -399,7 +405,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     workload = build_workload(args)
-    workers = [Worker(workload) for _ in range(args.concurrency)]
+    workers = [Worker(workload, number) for number in range(args.concurrency)]
     if args.reuse_connections:
         await asyncio.gather(*(worker.connect() for worker in workers))
     if args.warmup:
@@ -483,6 +489,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep connections alive between requests",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="send 'Authorization: Bearer KEY' (repeatable: the workers take turns)",
     )
     parser.add_argument("--server-pid", type=int, default=None, help="for CPU accounting")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -292,6 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     guard.add_argument(
+        "--api-keys",
+        dest="api_keys_file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=(
+            "a TOML file of [[key]] tables, each an API key with its terms: name, key (or "
+            "key_sha256), and optionally priority, requests_per_minute, tokens_per_minute, "
+            "max_inflight, models (names or globs), share (its weight when requests wait) "
+            "and admin (see the README's Tenants). Reloaded on SIGHUP (a bad file is logged "
+            "and the keys stay as they were); with --nats, the limits hold across frontends"
+        ),
+    )
+    guard.add_argument(
         "--admin-api-key",
         action="append",
         default=None,
@@ -326,8 +340,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help=(
-            "most generation requests in flight; more get 503 with Retry-After (Anthropic's "
-            "API: 529) (None: no limit)"
+            "most generation requests in flight; more wait (--max-queued) or get 503 with "
+            "Retry-After (Anthropic's API: 529) (None: no limit)"
+        ),
+    )
+    guard.add_argument(
+        "--max-queued",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help=(
+            "generation requests that may wait for a slot of --max-inflight, admitted by "
+            "priority and, within one, fairly by API key (each in proportion to its "
+            "share); a newcomer that would go before the last waiting one takes its place"
         ),
     )
     guard.add_argument(

@@ -225,10 +225,14 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     #: keys that may also see every key's requests in the status view (API keys too)
     admin_api_key: tuple[str, ...] = ()
+    #: ``--api-keys FILE``: the keys with their terms (:mod:`operators.edges.http.tenants`)
+    api_keys_file: Path | None = None
     #: web origins whose pages may call the server from a browser (CORS; ``*``: any)
     allowed_origins: tuple[str, ...] = ()
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_inflight: int | None = None
+    #: generation requests that may wait for a slot of max_inflight
+    max_queued: int = 0
     request_timeout: float | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     log_level: LogLevel = "warning"

@@ -22,6 +22,9 @@ Series::
 
     llm_pipeline_requests_total{endpoint, status, model}  counter, one per finished request
     llm_pipeline_inflight_requests                   gauge, generation requests in progress
+    llm_pipeline_waiting_requests                    gauge, generation requests waiting for a slot
+    llm_pipeline_key_requests_total{key, model, status}  counter, requests per API key name
+    llm_pipeline_key_tokens_total{key, model, kind}  counter, prompt/cached/output tokens per key
     llm_pipeline_output_tokens_total{model}          counter, completion tokens generated
     llm_pipeline_time_to_first_token_seconds{model}  histogram, request start -> first token
     llm_pipeline_inter_token_latency_seconds{model}  histogram, gap between token writes
@@ -202,6 +205,19 @@ class ModelMetrics:
 
 
 @final
+class _KeyCounters:
+    """One key's series for one model and status, looked up once."""
+
+    __slots__ = ("cached", "output", "prompt", "requests")
+
+    def __init__(self, metrics: ServerMetrics, key: str, model: str, status: int) -> None:
+        self.requests = metrics.key_requests.labels(key, model, str(status))
+        self.prompt = metrics.key_tokens.labels(key, model, "prompt")
+        self.cached = metrics.key_tokens.labels(key, model, "cached")
+        self.output = metrics.key_tokens.labels(key, model, "output")
+
+
+@final
 class ServerMetrics:
     """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
 
@@ -217,6 +233,25 @@ class ServerMetrics:
         self.inflight = Gauge(
             "llm_pipeline_inflight_requests",
             "Generation requests being served now.",
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "llm_pipeline_waiting_requests",
+            "Generation requests waiting for a slot of --max-inflight (fair-queued by key).",
+            registry=self.registry,
+        )
+        self.key_requests = Counter(
+            "llm_pipeline_key_requests",
+            "Finished requests by API key name (never the key; '' without keys), model and "
+            "status code (429: over one of the key's limits).",
+            ["key", "model", "status"],
+            registry=self.registry,
+        )
+        self.key_tokens = Counter(
+            "llm_pipeline_key_tokens",
+            "Tokens by API key name, model and kind: 'prompt', 'cached' (of the prompt, found "
+            "in a prefix cache) and 'output', as the responses' usage said them.",
+            ["key", "model", "kind"],
             registry=self.registry,
         )
         self.output_tokens = Counter(
@@ -259,11 +294,12 @@ class ServerMetrics:
         self.rejected = Counter(
             "llm_pipeline_rejected_requests",
             "Requests refused before reaching the graph, by reason: 'max_inflight' (503, "
-            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401).",
+            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401), "
+            "'rate_limited' (429, a key's limit).",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ("max_inflight", "draining", "invalid_api_key"):
+        for reason in ("max_inflight", "draining", "invalid_api_key", "rate_limited"):
             self.rejected.labels(reason)  # shown at 0 before the first rejection
         self.timed_out = Counter(
             "llm_pipeline_timed_out_requests",
@@ -290,6 +326,7 @@ class ServerMetrics:
         self._request_counters: dict[tuple[str, int, str], Counter] = {}
         self._decision_counters: dict[str, Counter] = {}
         self._models: dict[str, ModelMetrics] = {}
+        self._key_counters: dict[tuple[str, str, int], _KeyCounters] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
         """The per-request series of ``model`` (a served model's name, or "")."""
@@ -307,6 +344,21 @@ class ServerMetrics:
                 endpoint, str(status), model
             )
         counter.inc()
+
+    def count_key(
+        self, key: str, model: str, status: int, prompt: int = 0, cached: int = 0, output: int = 0
+    ) -> None:
+        """Count one request of the API key named ``key`` on ``model``, with its tokens."""
+        found = self._key_counters.get((key, model, status))
+        if found is None:
+            found = self._key_counters[key, model, status] = _KeyCounters(self, key, model, status)
+        found.requests.inc()
+        if prompt:
+            found.prompt.inc(prompt)
+        if cached:
+            found.cached.inc(cached)
+        if output:
+            found.output.inc(output)
 
     def count_migration(self, kind: str, outcome: str) -> None:
         """Count one lost worker (the ``on_event`` hook of :class:`operators.Migration`)."""

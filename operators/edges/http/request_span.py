@@ -18,6 +18,9 @@ response's status. What it records, with OpenTelemetry's attribute names:
 * ``llm_pipeline.request.owner``, when the server has API keys: who the request acted
   for (:meth:`~.guard.Guard.owner`, a salted digest of its key, never the key), so that
   the status view shows each key only its own requests;
+* ``llm_pipeline.request.key``: the name of its API key (never the key), and
+  ``llm_pipeline.admission.arrival`` and ``.order``: where its arrival and its admission
+  fall in this frontend's numbering of admission events (the fair queue's order);
 * ``llm_pipeline.request.id`` (the ``x-request-id``), and the events ``first_token``
   (the first text written) and ``finish`` (the finish reasons).
 
@@ -37,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = (
     "REQUEST_ID",
+    "REQUEST_KEY",
     "REQUEST_OWNER",
     "finish_request",
+    "record_admission",
     "record_first_token",
     "record_request",
     "record_usage",
@@ -49,6 +54,8 @@ __all__ = (
 REQUEST_ID: Final = "llm_pipeline.request.id"
 #: the attribute naming who the request acted for (an owner digest; absent without keys)
 REQUEST_OWNER: Final = "llm_pipeline.request.owner"
+#: the attribute naming the request's API key by its name (absent without keys)
+REQUEST_KEY: Final = "llm_pipeline.request.key"
 _OPERATIONS: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
@@ -122,6 +129,15 @@ def record_request(
         span.set("gen_ai.request.stop_sequences", [stop])
     elif isinstance(stop, list) and stop:
         span.set("gen_ai.request.stop_sequences", [str(s) for s in stop])
+
+
+def record_admission(span: Span, key: str, arrival: int, order: int) -> None:
+    """Who the request came for (``key``: its API key's name; "" without keys), and where
+    its arrival and its admission fall in the frontend's admission events."""
+    if key:
+        span.set(REQUEST_KEY, key)
+    span.set("llm_pipeline.admission.arrival", arrival)
+    span.set("llm_pipeline.admission.order", order)
 
 
 def record_first_token(span: Span, started: float) -> None:

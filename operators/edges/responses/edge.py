@@ -42,6 +42,7 @@ from .store import MemoryResponseStore, ResponseStore, StoredResponse
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from operators.edges.http.limits import Rates
     from operators.edges.http.models import ServedModel
 
 __all__ = ("RESPONSES", "ResponsesEdge", "ResponsesErrors", "response_shell", "translate")
@@ -80,7 +81,9 @@ def translate(error: ApiError) -> ApiError:
     message = _REWORD(error.message)
     if named == param and message == error.message:
         return error
-    return ApiError(error.kind, message, named, error.code, error.retry_after, error.allow)
+    return ApiError(
+        error.kind, message, named, error.code, error.retry_after, error.allow, error.rates
+    )
 
 
 @final
@@ -92,6 +95,10 @@ class ResponsesErrors:
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
         """See :meth:`operators.edges.openai.errors.OpenAIErrors.render`."""
         return OPENAI_ERRORS.render(translate(error), request_id)
+
+    def rate_headers(self, rates: Rates) -> tuple[tuple[bytes, bytes], ...]:
+        """OpenAI's (:meth:`operators.edges.openai.errors.OpenAIErrors.rate_headers`)."""
+        return OPENAI_ERRORS.rate_headers(rates)
 
 
 _ERRORS: Final = ResponsesErrors()
