@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,8 +34,6 @@ import loadgen
 from bench_nats_http import CLI, base_url, cpu_seconds, nats_server, process
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from operators.edges.responses import MemoryResponseStore, ResponseStore, StoredResponse  # noqa: E402
 
 

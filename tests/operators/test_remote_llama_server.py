@@ -22,13 +22,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
-from vllm_servers import free_port
 
 from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
 from operators.engines.remote import RemoteEngine, parse_upstream
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
+from tests.helpers.server_process import ServerProcess
+from tests.operators.engines.remote.vllm_servers import free_port
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(60)]
 

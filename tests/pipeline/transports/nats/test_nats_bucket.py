@@ -19,10 +19,10 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
-from nats_server import NatsServer, connect, settle
 
 from pipeline.transports.nats import JetStreamUnavailable
 from pipeline.transports.nats.bucket import open_bucket, watch_bucket
+from tests.helpers.nats_server import NatsServer, connect, settle
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
