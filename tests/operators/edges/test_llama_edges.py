@@ -159,7 +159,7 @@ async def test_embeddings_have_576_numbers_the_same_alone_and_batched(
 async def test_a_llama_worker_serves_embeddings_over_nats(tmp_path: Path) -> None:
     pytest.importorskip("nats", reason="needs the nats extra")
     from tests.helpers.nats_server import NatsServer
-    from tests.operators.test_cli_nats import WorkerProcess, wait_for
+    from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
     nats = NatsServer(tmp_path)
     nats.start()

@@ -1,7 +1,7 @@
 """The discovery bucket's watch loop, :func:`watch_bucket`, against a real nats-server.
 
 Discovery and the model list are its followers (their own behaviour is tested in
-``test_nats.py`` and ``tests/operators/test_cli_nats_models.py``); here, what it promises
+``test_nats.py`` and ``tests/operators/cli/test_cli_nats_models.py``); here, what it promises
 them: the replay between ``on_watch`` and ``on_replayed``, ``task_status`` after it, a
 renewed watch (and a new replay) after the server restarts, and a clean stop.
 """

@@ -156,7 +156,7 @@ async def test_a_worker_fronts_one_upstream_over_nats(
 ) -> None:
     pytest.importorskip("nats", reason="the NATS tests need the nats extra")
     from tests.helpers.nats_server import NatsServer
-    from tests.operators.test_cli_nats import WorkerProcess
+    from tests.operators.cli.test_cli_nats import WorkerProcess
 
     first, _ = pair
     nats = NatsServer(tmp_path)

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers.nats_server import NatsServer
 from tests.helpers.server_process import ServerProcess
-from tests.operators.test_cli_nats import WorkerProcess, wait_for
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ from operators.engines.vllm._reaper import descendants
 from tests.helpers.nats_server import NatsServer
 from tests.helpers.server_process import ServerProcess
 from tests.helpers.vllm_support import gone, requires_vllm
-from tests.operators.test_cli_nats import WorkerProcess, wait_for
-from tests.operators.test_cli_nats_kv import increase, scrape
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
+from tests.operators.cli.test_cli_nats_kv import increase, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.time_limit(120)]
 

@@ -19,12 +19,12 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 pytest.importorskip("llama_cpp", reason="needs the [llama] extra (make installs it)")
 
-from tests.operators.test_cli_nats import Deployment, ServerProcess
+from tests.operators.cli.test_cli_nats import Deployment, ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.llama]
 
 #: the repository's root, on the workers' PYTHONPATH for ``tests.operators.cli.kill_prefill``
-ROOT = str(Path(__file__).resolve().parents[2])
+ROOT = str(Path(__file__).resolve().parents[3])
 LLAMA = ["--engine", "llama", "--threads", "1", "--transfer-secret", "this deployment's"]
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ("What is the capital of France?", "Write a haiku about rain.", "Name a colour.")

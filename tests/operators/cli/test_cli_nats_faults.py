@@ -29,7 +29,7 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 from tests.helpers.client_view import chat_stream
 from tests.helpers.nats_server import server_binary
 from tests.helpers.server_process import ServerProcess, run_cli
-from tests.operators.test_cli_nats import Deployment, client, load_requests, wait_until
+from tests.operators.cli.test_cli_nats import Deployment, client, load_requests, wait_until
 
 pytestmark = pytest.mark.slow
 
