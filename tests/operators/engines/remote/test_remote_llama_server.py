@@ -59,10 +59,11 @@ def binary() -> Path:
 @pytest.fixture(scope="module")
 def llama_server() -> Iterator[str]:
     port = free_port()
+    server = binary()  # may skip: before the log is opened, or the skip would leak it
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(
         [
-            str(binary()),
+            str(server),
             "-m",
             str(find_smollm2_gguf()),
             "-t",
