@@ -13,8 +13,8 @@
 4. Every import of a project module (the tests' helpers too) names one that exists, and a
    name it has: a module that moves leaves no alias behind, and mypy does not read tests/,
    benchmarks/ or scripts/, where a stale path in a function body would only fail when that
-   code runs. Nothing there edits ``sys.path``: tests/ is a package, so a helper imports by
-   its dotted name (``tests.helpers.server_process``) from the repository's root.
+   code runs. Nothing there edits ``sys.path``: tests/ and each folder in it are packages, so
+   a helper imports by its dotted name (``tests.helpers.server_process``) from the root.
 5. No import circles among the project's own modules (operators/ and pipeline/): two
    modules that import each other, directly or around a longer loop, are one module in
    two files (each can be read, tested and changed only with the other).
@@ -671,6 +671,14 @@ def test_no_test_benchmark_script_or_example_edits_sys_path() -> None:
         if (found := sys_path_edits(path.read_text()))
     }
     assert not edits, f"sys.path edited (import by dotted name instead): {edits}"
+
+
+def test_every_test_folder_is_a_package() -> None:
+    # A folder without __init__.py would be imported by its files' bare names again (and a
+    # folder named like an installed package, nats/, would shadow it).
+    folders = {path.parent for path in _sources("tests")}
+    missing = sorted(_relative(f) for f in folders if not (f / "__init__.py").is_file())
+    assert not missing, f"test folders without __init__.py: {missing}"
 
 
 # -- 5. no import circles ----------------------------------------------------------------------
