@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -339,7 +338,6 @@ def build_prompt(tokens: int) -> str:
     """A prompt of ``tokens`` tokens for the bundled tokenizer (when importable)."""
     words = [f" w{i % 97}" for i in range(tokens * 2)]
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from operators.text.tokenizer import Tokenizer
     except ImportError:
         return "".join(words[: tokens // 2]).strip()

@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 import pytest
 import pytest_asyncio
-from vllm_support import eventually, gone, requires_vllm
 
 from operators.contracts.llm import (
     Constraint,
@@ -31,6 +30,7 @@ from operators.routing.kv_blocks import block_hashes
 from operators.testing import check_engine, make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, KvEvent, KvStored, open_stream
+from tests.helpers.vllm_support import eventually, gone, requires_vllm
 
 pytestmark = [
     pytest.mark.vllm,

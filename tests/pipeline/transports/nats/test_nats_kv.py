@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,11 +18,7 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
 from anyio.abc import Process
-from kv_worker_process import BLOCK_SIZE
-from kv_worker_process import MODEL as CACHING_MODEL
 from nats.aio.client import Client
-from nats_server import NatsServer, connect
-from ready_process import ready_process
 
 from operators.contracts.llm import PreprocessedRequest, StopConditions
 from operators.contracts.transport import llm_codec
@@ -50,11 +45,13 @@ from pipeline.transports.nats import (
     serve,
 )
 from pipeline.transports.nats.bucket import DEFAULT_BUCKET, open_bucket
+from tests.helpers.nats_server import NatsServer, connect
+from tests.pipeline.transports.nats.kv_worker_process import BLOCK_SIZE
+from tests.pipeline.transports.nats.kv_worker_process import MODEL as CACHING_MODEL
+from tests.pipeline.transports.nats.ready_process import ready_process
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
 MODEL = "m"
 #: a registration that outlives every test: only eviction can take a dead worker out
 LONG = NatsTimeouts(ttl=30)
@@ -295,8 +292,8 @@ async def test_an_engine_without_a_cache_publishes_nothing(nc: Client) -> None:
 
 
 def caching_worker_process(url: str, worker_id: str) -> AbstractAsyncContextManager[Process]:
-    """``kv_worker_process.py`` as ``worker_id`` (key TTL 30 s); killed on exit."""
-    return ready_process("kv_worker_process.py", url, worker_id, "30")
+    """``kv_worker_process`` as ``worker_id`` (key TTL 30 s); killed on exit."""
+    return ready_process("tests.pipeline.transports.nats.kv_worker_process", url, worker_id, "30")
 
 
 @pytest.mark.time_limit(20)

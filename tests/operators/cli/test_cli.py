@@ -172,10 +172,14 @@ def test_the_worker_roles_are_the_transports() -> None:
 async def test_insert_before_splices_operators_into_the_served_graph_in_order() -> None:
     args = parse(
         "serve", "--model-name", "m",
-        "--insert-before", "backend=shout:Exclaim", "--insert-before", "backend=shout:Shout",
+        "--insert-before", "backend=tests.helpers.shout:Exclaim",
+        "--insert-before", "backend=tests.helpers.shout:Shout",
     )  # fmt: skip
     config = cli.ServeConfig.from_args(args)
-    assert config.insert_before == (("backend", "shout:Exclaim"), ("backend", "shout:Shout"))
+    assert config.insert_before == (
+        ("backend", "tests.helpers.shout:Exclaim"),
+        ("backend", "tests.helpers.shout:Shout"),
+    )
     metrics = ServerMetrics()
     app = OpenAIApp(cli.build_graph(config, TOKENIZER, metrics), model_name="m", metrics=metrics)
     async with openai_client(app) as client:
@@ -188,8 +192,11 @@ async def test_insert_before_splices_operators_into_the_served_graph_in_order() 
     ("value", "message"),
     [
         ("backend", "expected STAGE=MODULE:NAME"),
-        ("backend=shout", "expected STAGE=MODULE:NAME"),
-        ("detokenizer=shout:Shout", "'preprocessor', 'parser', 'migration', 'backend'"),
+        ("backend=tests.helpers.shout", "expected STAGE=MODULE:NAME"),
+        (
+            "detokenizer=tests.helpers.shout:Shout",
+            "'preprocessor', 'parser', 'migration', 'backend'",
+        ),
     ],
 )
 def test_a_malformed_insertion_is_a_usage_error(
@@ -205,9 +212,12 @@ def test_a_malformed_insertion_is_a_usage_error(
     ("spec", "message"),
     [
         ("no_such_module_here:Shout", "cannot import no_such_module_here:Shout"),
-        ("shout:Missing", "cannot import shout:Missing"),
-        ("shout:broken", "shout:broken() failed: RuntimeError('no configuration')"),
-        ("shout:not_an_operator", "has no generate() method"),
+        ("tests.helpers.shout:Missing", "cannot import tests.helpers.shout:Missing"),
+        (
+            "tests.helpers.shout:broken",
+            "tests.helpers.shout:broken() failed: RuntimeError('no configuration')",
+        ),
+        ("tests.helpers.shout:not_an_operator", "has no generate() method"),
     ],
 )
 async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
@@ -223,10 +233,11 @@ async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
 async def test_a_misplaced_operator_stops_serve_with_code_2_naming_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    config = cli.ServeConfig(insert_before=(("engine", "shout:Shout"),))  # a text operator
+    shout = "tests.helpers.shout:Shout"  # a text operator
+    config = cli.ServeConfig(insert_before=(("engine", shout),))
     assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
     error = capsys.readouterr().err
-    assert "shout:Shout: Shout cannot go before 'engine'" in error
+    assert "tests.helpers.shout:Shout: Shout cannot go before 'engine'" in error
     assert "yields BackendOutput, not EngineOutput" in error
 
 

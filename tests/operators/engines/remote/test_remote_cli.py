@@ -5,7 +5,6 @@ and every usage error."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,18 +12,16 @@ import anyio
 import httpx
 import openai
 import pytest
-from fake_upstream import FakeUpstream, continuation
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess, run_cli
 
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess, run_cli
+from tests.operators.engines.remote.fake_upstream import FakeUpstream, continuation
 
 pytestmark = [pytest.mark.slow, pytest.mark.time_limit(30)]
 
 TOKENIZER = Tokenizer.default()
 PROMPT = "Once upon a time"
-#: the NATS tests' helpers (nats_server)
-TRANSPORTS = str(Path(__file__).resolve().parent.parent / "pipeline" / "transports")
 
 
 @pytest.fixture
@@ -158,10 +155,8 @@ async def test_a_worker_fronts_one_upstream_over_nats(
     pair: tuple[FakeUpstream, FakeUpstream], tmp_path: Path
 ) -> None:
     pytest.importorskip("nats", reason="the NATS tests need the nats extra")
-    if TRANSPORTS not in sys.path:
-        sys.path.insert(0, TRANSPORTS)
-    from nats_server import NatsServer
-    from test_cli_nats import WorkerProcess
+    from tests.helpers.nats_server import NatsServer
+    from tests.operators.cli.test_cli_nats import WorkerProcess
 
     first, _ = pair
     nats = NatsServer(tmp_path)

@@ -16,7 +16,8 @@ import anthropic
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, run_cli
+
+from tests.helpers.server_process import ServerProcess, run_cli
 
 pytestmark = pytest.mark.slow
 

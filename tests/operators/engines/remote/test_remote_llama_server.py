@@ -22,13 +22,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
-from vllm_servers import free_port
 
 from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
 from operators.engines.remote import RemoteEngine, parse_upstream
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
+from tests.helpers.server_process import ServerProcess
+from tests.operators.engines.remote.vllm_servers import free_port
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(60)]
 
@@ -59,10 +59,11 @@ def binary() -> Path:
 @pytest.fixture(scope="module")
 def llama_server() -> Iterator[str]:
     port = free_port()
+    server = binary()  # may skip: before the log is opened, or the skip would leak it
     log = tempfile.TemporaryFile()
     process = subprocess.Popen(
         [
-            str(binary()),
+            str(server),
             "-m",
             str(find_smollm2_gguf()),
             "-t",

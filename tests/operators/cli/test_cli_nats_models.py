@@ -10,7 +10,6 @@ model's workers a request reached.
 from __future__ import annotations
 
 import signal
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +21,9 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
-
-from nats_server import NatsServer  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-from test_cli_nats import WorkerProcess, wait_for  # noqa: E402
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.time_limit(90)]
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import anyio
 import pytest
-from fake_upstream import FakeUpstream, continuation
 
 from operators.contracts.llm import (
     EngineOutput,
@@ -31,6 +30,7 @@ from pipeline import (
     StreamDisconnected,
     open_stream,
 )
+from tests.operators.engines.remote.fake_upstream import FakeUpstream, continuation
 
 TOKENIZER = Tokenizer.default()
 PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]

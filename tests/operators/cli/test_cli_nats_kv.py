@@ -7,7 +7,6 @@ routed to the worker that served its first, as the frontend's /metrics show.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +18,9 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from prometheus_client.parser import text_string_to_metric_families
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
-
-from nats_server import NatsServer  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-from test_cli_nats import WorkerProcess, wait_for  # noqa: E402
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 

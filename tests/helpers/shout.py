@@ -1,4 +1,4 @@
-"""Operators for ``serve --insert-before`` tests, importable as ``shout:NAME``."""
+"""Operators for ``serve --insert-before`` tests, importable as ``tests.helpers.shout:NAME``."""
 
 from __future__ import annotations
 

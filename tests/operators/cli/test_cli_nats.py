@@ -29,12 +29,9 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
-
-from client_view import chat_once, chat_stream  # noqa: E402
-from nats_server import NatsServer  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
+from tests.helpers.client_view import chat_once, chat_stream
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,6 @@ which then reports the reused prompt as ``usage.prompt_tokens_details.cached_tok
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,16 +16,12 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "edges" / "openai"), str(HERE.parent / "pipeline" / "transports")]
-
-from nats_server import NatsServer  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-from test_cli_nats import WorkerProcess, wait_for  # noqa: E402
-from test_cli_nats_kv import increase, scrape  # noqa: E402
-from vllm_support import gone, requires_vllm  # noqa: E402
-
-from operators.engines.vllm._reaper import descendants  # noqa: E402
+from operators.engines.vllm._reaper import descendants
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.vllm_support import gone, requires_vllm
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
+from tests.operators.cli.test_cli_nats_kv import increase, scrape
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.time_limit(120)]
 

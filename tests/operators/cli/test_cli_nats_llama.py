@@ -19,11 +19,12 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 pytest.importorskip("llama_cpp", reason="needs the [llama] extra (make installs it)")
 
-from test_cli_nats import Deployment, ServerProcess
+from tests.operators.cli.test_cli_nats import Deployment, ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.llama]
 
-HERE = str(Path(__file__).resolve().parent)
+#: the repository's root, on the workers' PYTHONPATH for ``tests.operators.cli.kill_prefill``
+ROOT = str(Path(__file__).resolve().parents[3])
 LLAMA = ["--engine", "llama", "--threads", "1", "--transfer-secret", "this deployment's"]
 MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = ("What is the capital of France?", "Write a haiku about rain.", "Name a colour.")
@@ -93,13 +94,13 @@ async def test_llama_prefill_and_decode_workers_answer_like_one_aggregated_serve
 async def test_a_prefill_worker_killed_between_handle_and_pull_is_invisible(
     tmp_path: Path, aggregated: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     deployment = Deployment(tmp_path)
     try:
         prefill = deployment.spawn("prefill-1", *LLAMA, "--role", "prefill")
         monkeypatch.setenv("LLM_PIPELINE_TEST_KILL_PID", str(prefill.process.pid))
         deployment.spawn("decode-1", *LLAMA, "--role", "decode")
-        start(deployment, "--insert-before", "engine=kill_prefill:KillPrefill")
+        start(deployment, "--insert-before", "engine=tests.operators.cli.kill_prefill:KillPrefill")
         want = await answers(aggregated)
         got = await answers(deployment.server)  # the first one's prefill worker dies
         assert got == want

@@ -1,10 +1,11 @@
 """An operator for fault tests: it kills the prefill worker the moment a request carries
 its transfer handle, before the decode worker can pull the KV.
 
-Inserted before the engine (``serve --insert-before engine=kill_prefill:KillPrefill``), it
-sees every request the PrefillRouter sends to decode. The first one with a handle makes
-it ``kill -9`` the process whose pid is in ``$LLM_PIPELINE_TEST_KILL_PID`` and wait until
-the handle's address refuses connections (the process is gone), then pass the request on.
+Inserted before the engine (``serve --insert-before
+engine=tests.operators.cli.kill_prefill:KillPrefill``), it sees every request the
+PrefillRouter sends to decode. The first one with a handle makes it ``kill -9`` the process
+whose pid is in ``$LLM_PIPELINE_TEST_KILL_PID`` and wait until the handle's address refuses
+connections (the process is gone), then pass the request on.
 """
 
 from __future__ import annotations

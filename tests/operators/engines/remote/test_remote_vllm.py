@@ -20,11 +20,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
-from vllm_servers import MODEL_NAME, VllmServer
-from vllm_support import requires_vllm
 
 from operators.engines.vllm import default_model_dir
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.vllm_support import requires_vllm
+from tests.operators.engines.remote.vllm_servers import MODEL_NAME, VllmServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.time_limit(120)]
 

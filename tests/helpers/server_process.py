@@ -20,6 +20,9 @@ from typing import IO, NoReturn
 
 __all__ = ("ServerProcess", "run_cli")
 
+#: the repository's root: ``run_cli`` runs there, so the project and ``tests`` import
+ROOT = Path(__file__).resolve().parents[2]
+
 _BANNER = re.compile(r"llm-pipeline serving model '(?P<model>[^']*)' on (?P<url>http://\S+)")
 
 
@@ -101,6 +104,6 @@ def run_cli(args: Sequence[str], *, timeout: float = 30.0) -> subprocess.Complet
         text=True,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
-        cwd=Path(__file__).parent,
+        cwd=ROOT,
         check=False,
     )

@@ -26,13 +26,10 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE / "edges" / "openai"), str(HERE.parent / "pipeline" / "transports")]
-
-from client_view import chat_stream  # noqa: E402
-from nats_server import server_binary  # noqa: E402
-from server_process import ServerProcess, run_cli  # noqa: E402
-from test_cli_nats import Deployment, client, load_requests, wait_until  # noqa: E402
+from tests.helpers.client_view import chat_stream
+from tests.helpers.nats_server import server_binary
+from tests.helpers.server_process import ServerProcess, run_cli
+from tests.operators.cli.test_cli_nats import Deployment, client, load_requests, wait_until
 
 pytestmark = pytest.mark.slow
 
