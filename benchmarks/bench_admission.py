@@ -25,17 +25,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-
-from bench_edges import start_server  # noqa: E402
-from bench_nats_http import nats_server  # noqa: E402
+from bench_edges import start_server
+from bench_nats_http import nats_server
 
 
 def keys_file(directory: Path, count: int) -> tuple[Path, list[str]]:

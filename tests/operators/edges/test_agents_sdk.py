@@ -26,7 +26,8 @@ from agents import (
 )
 from agents.items import MessageOutputItem, ReasoningItem
 from openai.types.shared import Reasoning
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -20,16 +20,16 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from server_process import ServerProcess
 
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(180)]
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="needs the [llama] extra (make installs it)")
 
-#: where ``open_think`` (the reasoning format the server imports) lives
-HELPERS = str(Path(__file__).resolve().parents[1])
+#: the repository's root, on the server's PYTHONPATH for ``tests.helpers.open_think``
+ROOT = str(Path(__file__).resolve().parents[3])
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -51,7 +51,7 @@ def serve(tmp_path: Path, template: str, parser: str) -> ServerProcess:
     path = tmp_path / "template.jinja"
     path.write_text(template)
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("PYTHONPATH", os.pathsep.join([HELPERS, os.environ.get("PYTHONPATH", "")]))
+        env.setenv("PYTHONPATH", os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         return ServerProcess(
             "--engine",
             "llama",
@@ -67,7 +67,7 @@ def serve(tmp_path: Path, template: str, parser: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def opened(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = serve(tmp_path_factory.mktemp("opened"), OPENED, "open_think:OPEN_THINK")
+    server = serve(tmp_path_factory.mktemp("opened"), OPENED, "tests.helpers.open_think:OPEN_THINK")
     yield server
     server.stop()
 

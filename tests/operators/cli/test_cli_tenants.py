@@ -19,7 +19,8 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, run_cli
+
+from tests.helpers.server_process import ServerProcess, run_cli
 
 HI: Any = [{"role": "user", "content": "hi"}]
 

@@ -23,15 +23,11 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "pipeline" / "transports")]
-
-from nats_server import NatsServer, connect  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-
-from operators.edges.http.limits import Ask, Limits  # noqa: E402
-from operators.edges.http.nats_budgets import NatsBudgets  # noqa: E402
-from operators.edges.http.tenants import Tenant  # noqa: E402
+from operators.edges.http.limits import Ask, Limits
+from operators.edges.http.nats_budgets import NatsBudgets
+from operators.edges.http.tenants import Tenant
+from tests.helpers.nats_server import NatsServer, connect
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 
