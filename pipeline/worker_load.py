@@ -88,12 +88,13 @@ class WorkerLoad:
     prefill_tokens: int = 0
     #: sequences past their prefill (or running: a server that does not tell them apart)
     decoding: int = 0
-    #: requests waiting for room (a batch slot, KV memory)
+    #: requests not decoding yet: waiting for room (a batch slot, KV memory) or prefilling
     waiting: int = 0
     #: the fraction of its KV cache in use (None: not said)
     kv_usage: float | None = None
-    #: on the router's clock (``anyio.current_time()``): every request sent to the worker
-    #: before this is counted in the report
+    #: on the router's clock (``anyio.current_time()``), when the report was made or heard:
+    #: the router takes its requests sent before as counted in it (stamp late rather than
+    #: early: a request not counted after all is still counted once, as the router's own)
     at: float = -math.inf
 
     def work(self, decode_weight: float = DECODE_WEIGHT) -> float:

@@ -16,8 +16,10 @@ from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
 from operators.telemetry.engine_metrics import watch_prefill
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
+from pipeline.kv_routing import engine_report
 
 from .engines import worker_set
+from .nats import KvFeed
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy, upstream_policy
 
@@ -43,7 +45,7 @@ def engine_and_options(
     workers: WorkerSets | None,
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
-    kv_indexes: Sequence[PrefixIndex] | None = None,
+    kv_feeds: Sequence[KvFeed] | None = None,
     local: tuple[_Workers, _Workers | None] | None = None,
 ) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
     """The engine to put behind the default graph, the graph's options, and the worker
@@ -61,8 +63,8 @@ def engine_and_options(
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
     ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
-    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
-    (unfed ones when not given), and so does the PrefillRouter.
+    (decode, prefill) ``kv_feeds`` instead, fed by the workers' KV events and load reports
+    over NATS (unfed ones when not given), and so does the PrefillRouter.
     """
     encode: _Workers | None
     prefill: _Workers | None
@@ -105,9 +107,14 @@ def engine_and_options(
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
-            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
-            policy = remote_kv_policy(config, decode_index, metrics)
-            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
+            decode_feed, prefill_feed = kv_feeds or (
+                KvFeed(PrefixIndex(), engine_report),
+                KvFeed(PrefixIndex(), engine_report),
+            )
+            policy = remote_kv_policy(config, decode_feed.prefixes, metrics, decode_feed.report)
+            prefill_policy = remote_kv_policy(
+                config, prefill_feed.prefixes, metrics, prefill_feed.report
+            )
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}

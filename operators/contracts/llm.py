@@ -236,6 +236,10 @@ class PreprocessedRequest:
     priority: int = 0
     #: the adapter (LoRA) to run with, by name (None: the base model)
     lora: str | None = None
+    #: the conversation it belongs to (OpenAI's ``prompt_cache_key``, the
+    #: ``x-session-affinity`` header): a KV router keeps a conversation on one worker while
+    #: that worker's load allows, a remote engine passes it on to its server
+    affinity: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
