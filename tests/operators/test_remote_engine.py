@@ -234,7 +234,10 @@ async def test_the_fleet_follows_its_servers_health(vllm: FakeUpstream) -> None:
             await eventually(lambda: all(e.load_report() for e in fleet.engines), "a report")
             report = fleet.engines[0].load_report()
             assert report is not None
-            assert report.kv_cache_usage == 0.25
+            assert report.kv_usage == 0.25  # in the router's unit
+            said = fleet.engines[0].upstream_load()
+            assert said is not None
+            assert said.kv_cache_usage == 0.25  # as the server said it
             port = other.port
             other.stop()
             await eventually(lambda: len(fleet.workers) == 1, "the stopped one out")

@@ -37,6 +37,7 @@ from pipeline import Context, InvalidRequest, open_stream
 
 from .asgi import (
     BodyTooLarge,
+    conversation_key,
     id_header,
     kill_on_disconnect,
     read_body,
@@ -224,12 +225,15 @@ class Generations:
                     f"a request with x-request-id {request_id!r} is already in flight",
                     param="x-request-id",
                 )
+            conversation = conversation_key(metadata)
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
         time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
         request = exchange.request
         if getattr(request, "priority", 0) is None:  # the API key's default, else 0
             request.priority = self.guard.priority_for(scope)
+        if conversation is not None:
+            _name_conversation(request, conversation)
         tracer = self.tracer
         ctx = Context.new(
             exchange.request,
@@ -335,3 +339,18 @@ class Generations:
             run.metrics.output_tokens.inc(tokens)
         await send_json(send, 200, body, id_header(ctx))
         return 200
+
+
+#: where a graph's request keeps its conversation: the OpenAI models' field, the token
+#: request's (``PreprocessedRequest.affinity``: the tokens-in/tokens-out edge's)
+_CONVERSATION_FIELDS = ("prompt_cache_key", "affinity")
+
+
+def _name_conversation(request: Any, key: str) -> None:
+    """The ``x-session-affinity`` header names ``request``'s conversation, unless its body
+    did (every edge's: a request of any API carries it to the router)."""
+    for field in _CONVERSATION_FIELDS:
+        if hasattr(request, field):
+            if getattr(request, field) is None:
+                setattr(request, field, key)
+            return

@@ -298,6 +298,7 @@ class OpenAIPreprocessor:
             n=request.n,
             priority=request.priority or 0,
             lora=request.model if request.model in self._adapters else None,
+            affinity=request.prompt_cache_key,
         )
         return _Leg(preprocessed, echo)
 

@@ -33,6 +33,7 @@ from operators.edges.http.schema import (
     OBJECT,
     STRING,
     Bool,
+    ConversationKey,
     Count,
     Float,
     JsonObject,
@@ -305,6 +306,8 @@ class ResponsesRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
+    #: the conversation: its requests stay on one worker while its load allows
+    prompt_cache_key: ConversationKey | None = None
 
     @field_validator("metadata")
     @classmethod

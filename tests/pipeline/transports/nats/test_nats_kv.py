@@ -389,7 +389,8 @@ async def test_load_reports_reach_the_frontend_with_events_and_alone(
         cache.load = WorkerLoad(prefill_tokens=5, decoding=9, kv_usage=0.5)  # no event
         await wait_until(lambda: (said(feed, workers, "w1") or report).decoding == 9)
         latest = said(feed, workers, "w1")
-        assert latest is not None and latest.kv_usage == 0.5
+        assert latest is not None
+        assert latest.kv_usage == 0.5
         assert latest.at >= before  # stamped when it came, on the frontend's clock
 
 
