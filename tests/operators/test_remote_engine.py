@@ -95,6 +95,17 @@ async def test_the_engine_keeps_the_contract_over_vllm(vllm: FakeUpstream, route
         assert {path for path, _ in vllm.counts.bodies} == {expected}
 
 
+async def test_a_conversation_goes_along_to_a_server_that_may_route_it(
+    vllm: FakeUpstream, llama: FakeUpstream
+) -> None:
+    async with await connect(vllm) as a, await connect(llama) as b:
+        for engine in (a, b):
+            await run(engine, request(affinity="chat-1"))
+            await run(engine, request())
+    assert vllm.counts.conversations == ["chat-1", None]
+    assert llama.counts.conversations == ["chat-1", None]
+
+
 async def test_the_engine_keeps_the_contract_over_llama_server(llama: FakeUpstream) -> None:
     async with await connect(llama) as engine:
         assert (engine.info.kind, engine.info.slots) == ("llama-server", 2)

@@ -15,6 +15,9 @@ streamed response. What this module adds is the contract's edges:
   (``ConnectFailed`` before any output), which Migration retries on another upstream from
   prompt + output so far. ``on_lost`` is told at once (the fleet takes the server out of
   its worker set until it answers again).
+- **The conversation goes along** (``PreprocessedRequest.affinity``, as the
+  ``x-session-affinity`` header): an upstream that routes (another ``serve``, a router)
+  keeps it on one worker too; vLLM and llama-server ignore the header.
 - **What it says of itself.** :meth:`poll` reads the server's load (:mod:`._load`),
   :meth:`load_report` is the last report in the router's unit (:class:`pipeline.WorkerLoad`),
   :meth:`upstream_load` as the server said it; with ``kv_events`` (vLLM's ZMQ
@@ -56,6 +59,8 @@ __all__ = ("CONNECT_TIMEOUT", "STALL_TIMEOUT", "RemoteEngine", "RemoteStatistics
 
 logger = logging.getLogger("operators.engines.remote")
 
+#: the header naming a request's conversation, for an upstream that routes (``serve``'s)
+SESSION_AFFINITY: Final = "x-session-affinity"
 #: how long connecting to an upstream, and a request's first bytes to it, may take
 CONNECT_TIMEOUT: Final = 10.0
 #: the longest silence of a streaming upstream before it counts as lost (a long prompt's
@@ -346,10 +351,13 @@ class RemoteEngine:
             RequestError: the server refused the request, or could not be reached.
         """
         client = self._client
+        conversation = ctx.data.affinity  # (for a server that routes: a router, our serve)
+        headers = {SESSION_AFFINITY: conversation} if conversation is not None else None
         while True:
             try:
                 response = await client.send(
-                    client.build_request("POST", call.path, json=call.body), stream=True
+                    client.build_request("POST", call.path, json=call.body, headers=headers),
+                    stream=True,
                 )
             except httpx.HTTPError as exc:
                 self._lose()
