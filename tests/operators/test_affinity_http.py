@@ -16,9 +16,9 @@ import pytest
 from test_kv_router_http import TOKENIZER, changed, parse, scrape
 
 from operators.cli.config import ServeConfig
+from operators.cli.model_graph import engine_and_options
 from operators.contracts.llm import PreprocessedRequest
 from operators.contracts.transport import llm_codec
-from operators.cli.model_graph import engine_and_options
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
 from operators.serving import build_app
