@@ -16,10 +16,8 @@ from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
 from operators.telemetry.engine_metrics import watch_prefill
 from pipeline import Engine, PrefixIndex, Router, WorkerSet
-from pipeline.kv_routing import engine_report
 
 from .engines import worker_set
-from .nats import KvFeed
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy, upstream_policy
 
@@ -32,6 +30,7 @@ if TYPE_CHECKING:
     from pipeline import RoutingPolicy
 
     from .config import ServeConfig
+    from .nats import KvFeed
 
 __all__ = ("engine_and_options",)
 
@@ -107,14 +106,15 @@ def engine_and_options(
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
-            decode_feed, prefill_feed = kv_feeds or (
-                KvFeed(PrefixIndex(), engine_report),
-                KvFeed(PrefixIndex(), engine_report),
-            )
-            policy = remote_kv_policy(config, decode_feed.prefixes, metrics, decode_feed.report)
-            prefill_policy = remote_kv_policy(
-                config, prefill_feed.prefixes, metrics, prefill_feed.report
-            )
+            if kv_feeds:
+                decode_feed, prefill_feed = kv_feeds
+                policy = remote_kv_policy(config, decode_feed.prefixes, metrics, decode_feed.report)
+                prefill_policy = remote_kv_policy(
+                    config, prefill_feed.prefixes, metrics, prefill_feed.report
+                )
+            else:  # (unfed: a graph built without NATS)
+                policy = remote_kv_policy(config, PrefixIndex(), metrics)
+                prefill_policy = remote_kv_policy(config, PrefixIndex(), metrics)
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}

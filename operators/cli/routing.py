@@ -32,7 +32,6 @@ from pipeline import (
     WorkerLoad,
     WorkerSet,
 )
-from pipeline.kv_routing import engine_report
 
 if TYPE_CHECKING:
     from operators.edges.http.metrics import ServerMetrics
@@ -85,7 +84,7 @@ def remote_kv_policy(
     config: ServeConfig,
     index: PrefixIndex,
     metrics: ServerMetrics | None = None,
-    report: Report = engine_report,
+    report: Report | None = None,
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
     workers' KV events over NATS) and ``report`` (their load reports, over NATS too) among
@@ -101,9 +100,11 @@ def kv_router(
     metrics: ServerMetrics | None,
     *,
     approximate: bool,
-    report: Report = engine_report,
+    report: Report | None = None,
 ) -> KvRouter:
-    """The KV router ``config`` asks for over ``index``."""
+    """The KV router ``config`` asks for over ``index``; ``report`` reads a worker's load
+    report (None: its engine's ``load_report()``)."""
+    options: dict[str, Any] = {} if report is None else {"report": report}
     return llm_kv_router(
         index,
         block_size=config.engine.kv_block_size,
@@ -114,8 +115,8 @@ def kv_router(
         temperature=config.router_temperature,
         affinity_ttl=config.affinity_ttl,
         approximate=approximate,
-        report=report,
         on_decision=None if metrics is None else metrics.count_kv_decision,
+        **options,
     )
 
 

@@ -243,7 +243,14 @@ class Generations:
             span=span if tracer is not None and tracer.stages else None,
         )
         if span is not None:
-            record_request(span, exchange.request, ctx.id, model_name, exchange.response_id)
+            record_request(
+                span,
+                exchange.request,
+                ctx.id,
+                model_name,
+                exchange.response_id,
+                stream=exchange.stream,
+            )
         self._contexts.add(ctx)
         status = CLIENT_GONE
         failed: BaseException | None = None

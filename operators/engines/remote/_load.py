@@ -2,7 +2,8 @@
 
 Read every ``--upstream-poll-ms`` (:meth:`RemoteEngine.poll`): vLLM's ``/metrics``
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``, summed over its engines), llama-server's ``/slots`` (the
+``vllm:kv_cache_usage_perc``, summed over its engines; another of our servers says
+``llm_pipeline_inflight_requests``), llama-server's ``/slots`` (the
 slots processing, those past their first token) and, with ``--metrics``, its
 ``llamacpp:requests_deferred`` (waiting). The server's numbers count every client's
 requests, not only ours: that is the point of reading them.
@@ -29,6 +30,8 @@ _VLLM: Final = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    # another of our servers (it speaks vLLM's route, not its metrics): what it serves now
+    "llm_pipeline_inflight_requests": "running",
 }
 
 
