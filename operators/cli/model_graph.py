@@ -15,7 +15,8 @@ from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, Preproce
 from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
 from operators.telemetry.engine_metrics import watch_prefill
-from pipeline import Engine, PrefixIndex, Router, WorkerSet
+from operators.telemetry.router_metrics import watch_routers
+from pipeline import Engine, KvRouter, PrefixIndex, Router, WorkerSet
 
 from .engines import worker_set
 from .output_options import output_options
@@ -121,6 +122,8 @@ def engine_and_options(
         # Remote workers check constraints themselves: the llama engine honours them, the
         # echo and mocker engines refuse them with a 400 that travels back by name.
         features = frozenset({CONSTRAINED_DECODING})
+    if metrics is not None:  # the llm_pipeline_router_* series of every routed set
+        _watch(config, metrics, engine, prefill, prefill_policy)
     options: GraphOptions = {
         **output_options(config),
         "max_model_len": config.max_model_len,
@@ -153,3 +156,29 @@ def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int,
         return found
 
     return counts
+
+
+def _watch(
+    config: ServeConfig,
+    metrics: ServerMetrics,
+    engine: _Engine,
+    prefill: _Workers | None,
+    prefill_policy: RoutingPolicy | None,
+) -> None:
+    """Register the routed sets (the decode Router's, the prefill one) for the router
+    series, each with what its KV router (if any) weighs a worker by."""
+    collector = watch_routers(metrics.registry)
+    routed: list[tuple[_Workers, Any]] = []
+    if isinstance(engine, Router):
+        routed.append((engine.workers, engine.policy))
+    if prefill is not None:
+        routed.append((prefill, prefill_policy))
+    model = config.model_name
+    for workers, policy in routed:
+        kv = getattr(policy, "policy", policy)  # (inside a RetryElsewhere)
+        name = workers.name
+        label = name if name.startswith(model) else f"{model} {name}".strip()
+        if isinstance(kv, KvRouter):
+            collector.watch(workers, kv.work, kv.report, label=label)
+        else:
+            collector.watch(workers, label=label)
