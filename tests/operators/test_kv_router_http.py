@@ -320,8 +320,7 @@ async def test_the_router_series_say_what_went_where_and_how_loaded_each_worker_
         for n in range(6):
             await client.completions.create(model="m", prompt=f"{n} a b c", max_tokens=2)
     families = {
-        family.name: family
-        for family in text_string_to_metric_families(metrics.render().decode())
+        family.name: family for family in text_string_to_metric_families(metrics.render().decode())
     }
     routed = {
         sample.labels["worker"]: sample.value
