@@ -28,7 +28,7 @@ from pipeline import Context, PrefixIndex, RoutingPolicy, Worker, WorkerLoad
 from pipeline.testing import make_context
 from pipeline.worker_load import PREDICTED_PREFILL, Sent
 
-BLOCK = 16
+BLOCK = 64
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ reported as in-process engines report it), and through round-robin for compariso
 - **no herding while others are idle**: whenever the router gives a request to a busy
   worker while another worker is idle, that worker had not received more than 1.5 times
   the mean of the recent requests (plus one);
-- **the cache is used**: the share of prompt tokens found cached is at least round-robin's
-  on the same trace.
+- **the cache is used**: on a trace of one kind of reuse the prompt tokens found cached are
+  at least round-robin's; in a mix, fewer are found only when the answers were as fast.
 """
 
 from __future__ import annotations
@@ -42,6 +42,10 @@ from pipeline import KvRouter, PrefixIndex, RoundRobin, RoutingPolicy
 LONGEST = 32 * 1024 // BLOCK
 #: seconds between two turns of a conversation, at least (its answer, then the user's)
 THINK = 0.5
+#: the simulation caches a prompt's blocks as each step's chunk of it is computed: two
+#: routings that both prefill a prefix on every worker differ in hits by the chunk a
+#: request found under way when its own prefill started, at most one step's tokens
+CHUNK = Timing().step_tokens
 
 
 @dataclass(frozen=True)
@@ -158,19 +162,31 @@ def test_no_worker_takes_over_its_share_while_another_is_idle(
 
 
 @PROPERTY
-@given(traces, st.integers(2, 6), st.integers(0, 1000))
-def test_the_cache_hit_rate_is_at_least_round_robins(
+@given(traces.filter(lambda spec: len(spec.kinds) == 1), st.integers(2, 6), st.integers(0, 1000))
+def test_on_one_kind_of_reuse_the_cache_hit_rate_is_at_least_round_robins(
     spec: TraceSpec, workers: int, seed: int
 ) -> None:
     trace = spec.build()
     index = PrefixIndex()
     kv, _ = simulate(kv_router(index, seed), workers, trace, index)
     robin, _ = simulate(RoundRobin(), workers, trace, PrefixIndex())
-    # A hit is given up only for a shorter wait: a holder busier than the prefill it saves
-    assert kv.hit_tokens >= robin.hit_tokens or mean(kv.ttft) < mean(robin.ttft), (
-        kv.received,
-        robin.received,
-    )
+    assert kv.hit_tokens + CHUNK >= robin.hit_tokens, (kv.received, robin.received)
+
+
+@PROPERTY
+@given(traces, st.integers(2, 6), st.integers(0, 1000))
+def test_in_any_mix_a_cache_hit_is_given_up_only_for_speed(
+    spec: TraceSpec, workers: int, seed: int
+) -> None:
+    """A mix of reuses can make the holder of one prefix busy with another's requests: then
+    the router may send a request where it is not cached, because it is answered sooner
+    there. Fewer hits than round-robin's then come with answers as fast (within 1%)."""
+    trace = spec.build()
+    index = PrefixIndex()
+    kv, _ = simulate(kv_router(index, seed), workers, trace, index)
+    robin, _ = simulate(RoundRobin(), workers, trace, PrefixIndex())
+    if kv.hit_tokens + CHUNK < robin.hit_tokens:
+        assert mean(kv.ttft) <= mean(robin.ttft) * 1.01, (kv.received, robin.received)
 
 
 @PROPERTY
