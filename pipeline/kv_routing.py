@@ -23,7 +23,7 @@ requests only until its queue is as long as the prefix, then the next one goes e
 And a guard: while some worker is idle, a busy worker that received more than ``balance``
 times its share of the recent requests (``balance * mean + 1``, decayed over the last
 ``8 * workers`` decisions, at least 32) is passed over for one that did not: idle capacity
-is never left idle for a small saving.
+is never left idle for a small saving (:mod:`pipeline.balance`).
 
 A worker that keeps blocks below its working cache (host memory, disk: KV events with a
 ``tier``, see :mod:`pipeline.kv_tier`) can restore them instead of prefilling them, which
@@ -65,10 +65,11 @@ import math
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any, final
 
 from .affinity import Affinity
+from .balance import RecentShares
 from .prefix_index import PrefixIndex
 from .worker_load import DECODE_WEIGHT, PREDICTED_PREFILL, Prediction, WorkerLoad
 
@@ -86,29 +87,6 @@ def engine_report(worker: Worker[Any, Any]) -> WorkerLoad | None:
     """The load ``worker``'s engine reports (``engine.load_report()``), if it reports one."""
     load_report = getattr(worker.engine, "load_report", None)
     return load_report() if load_report is not None else None
-
-
-def _pending(queued: Iterable[Sequence[Hashable]], blocks: Sequence[Hashable], best: int) -> int:
-    """The most leading ``blocks`` one of the ``queued`` prompts shares (0 if not more than
-    ``best``). Ids are chained: prompts equal at block ``k`` are equal before it, so a
-    prompt that differs at ``best`` cannot share more, and the rest is a binary search."""
-    found = 0
-    if best >= len(blocks):
-        return 0
-    for other in queued:
-        if len(other) <= best or other[best] != blocks[best]:
-            continue
-        low, high = best + 1, min(len(other), len(blocks))  # equal up to ``low`` blocks
-        while low < high:
-            middle = (low + high + 1) // 2
-            if other[middle - 1] == blocks[middle - 1]:
-                low = middle
-            else:
-                high = middle - 1
-        best = found = low
-        if best == len(blocks):
-            break
-    return found
 
 
 @final
@@ -238,8 +216,8 @@ class KvRouter:
         self._stride = stride if approximate else 1
         self._clock = clock
         self._on_decision = on_decision
-        # the guard's recent requests per worker, decayed at every decision
-        self._recent: dict[str, float] = {}
+        # the guard's recent requests per worker
+        self._recent = RecentShares()
         # approximation: worker -> block -> when it expires; and the routed batches in
         # expiry order (ttl is constant, so appending keeps the deque sorted)
         self._expiry: dict[str, dict[Hashable, float]] = {}
@@ -266,7 +244,7 @@ class KvRouter:
 
     def recent_share(self, worker_id: str) -> float:
         """The requests sent ``worker_id`` recently (decayed), as the guard counts them."""
-        return self._recent.get(worker_id, 0.0)
+        return self._recent[worker_id]
 
     # -- choosing -----------------------------------------------------------------------------
 
@@ -296,7 +274,7 @@ class KvRouter:
         elif blocks:  # what a worker will hold once the prompts queued there are prefilled
             held = dict(held)
             for worker in workers:
-                queued = _pending(worker.ledger.pending(), blocks, held.get(worker.id, 0))
+                queued = worker.ledger.queued_overlap(blocks, held.get(worker.id, 0))
                 if queued:
                     held[worker.id] = queued
         works = [self.work(worker) for worker in workers]
@@ -317,7 +295,7 @@ class KvRouter:
             chosen = self._stick(session, workers, costs, works, chosen, now)
         chosen = self._guard(workers, costs, works, chosen)
         worker = workers[chosen]
-        self._count(worker.id, workers)
+        self._recent.count(worker.id, len(workers))
         if session is not None:
             self._affinity.put(session, worker.id, now)
         ctx.state.set(
@@ -371,25 +349,11 @@ class KvRouter:
         if not idle or chosen in idle:
             return chosen
         recent = self._recent
-        mean = sum(recent.get(w.id, 0.0) for w in workers) / count
-        limit = self.balance * mean + 1
-        if recent.get(workers[chosen].id, 0.0) < limit:
+        limit = recent.limit(self.balance, [w.id for w in workers])
+        if recent[workers[chosen].id] < limit:
             return chosen
-        allowed = [i for i, w in enumerate(workers) if i in idle or recent.get(w.id, 0.0) < limit]
+        allowed = [i for i, w in enumerate(workers) if i in idle or recent[w.id] < limit]
         return self._cheapest(costs, allowed)
-
-    def _count(self, chosen: str, workers: Sequence[Worker[Any, Any]]) -> None:
-        """One more request to ``chosen``; every count decays over ``8 * workers``
-        decisions (at least 32)."""
-        recent = self._recent
-        decay = 1.0 - 1.0 / max(32, 8 * len(workers))
-        for worker in list(recent):
-            value = recent[worker] * decay
-            if value < 1e-3:
-                del recent[worker]
-            else:
-                recent[worker] = value
-        recent[chosen] = recent.get(chosen, 0.0) + 1.0
 
     def _held(self, found: int, keys: Sequence[Hashable], total: int) -> int:
         """The blocks a worker holding the first ``found`` sparse ``keys`` holds: all of

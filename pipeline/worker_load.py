@@ -242,6 +242,31 @@ class LoadLedger:
         order), which its KV events cannot say yet."""
         return [entry.blocks for entry in self._prefilling]
 
+    def queued_overlap(self, blocks: Sequence[Hashable], held: int = 0) -> int:
+        """The most leading ``blocks`` a prompt of ours prefilling there shares (0 when none
+        shares more than ``held``, what the worker holds already). Ids are chained: prompts
+        equal at block ``k`` are equal before it, so a prompt that differs at ``held``
+        cannot share more, and the rest is a binary search."""
+        best = held
+        found = 0
+        if best >= len(blocks):
+            return 0
+        for entry in self._prefilling:
+            other = entry.blocks
+            if len(other) <= best or other[best] != blocks[best]:
+                continue
+            low, high = best + 1, min(len(other), len(blocks))  # equal up to ``low``
+            while low < high:
+                middle = (low + high + 1) // 2
+                if other[middle - 1] == blocks[middle - 1]:
+                    low = middle
+                else:
+                    high = middle - 1
+            best = found = low
+            if best == len(blocks):
+                break
+        return found
+
     def others(self, report: WorkerLoad, decode_weight: float = DECODE_WEIGHT) -> float:
         """The work ``report`` counts that is not this router's: its counts less this
         router's requests it can have counted (sent before ``report.at``, still in flight,
