@@ -37,7 +37,7 @@ class RecentShares:
         return balance * sum(counts.get(w, 0.0) for w in workers) / len(workers) + 1
 
     def count(self, chosen: str, workers: int) -> None:
-        """One more request to ``chosen``, every count decayed by ``1 - 1 / max(32, 8 ×
+        """One more request to ``chosen``, every count decayed by ``1 - 1 / max(32, 8 *
         workers)`` first."""
         counts = self._counts
         decay = 1.0 - 1.0 / max(32, 8 * workers)
