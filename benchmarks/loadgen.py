@@ -57,6 +57,9 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    #: ``usage.prompt_tokens``, and its ``prompt_tokens_details.cached_tokens`` (None: not said)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 _HEADERS, _SIZE, _DATA, _DATA_END, _TRAILER, _FIXED = range(6)
@@ -216,6 +219,11 @@ class _Connection(asyncio.Protocol):
             tokens = self._api.tokens_of(event)
             if tokens:
                 result.tokens = tokens
+                usage: Any = event.get("usage") or {}
+                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                result.cached_tokens = cached if isinstance(cached, int) else None
         if result.status != 200:
             result.error = f"HTTP {result.status}"
         elif not result.tokens:

@@ -282,6 +282,22 @@ class Stages:
         to the right anyway, so the nesting builds the same chain as one flat call.
         """
         at = self.before.get
+        return link(
+            chain(*at("preprocessor", ())),
+            named("preprocessor", self.preprocessor),
+            chain(*at("parser", ())),
+            named("parser", self.parser),
+            self.link_tokens(engine),
+        )
+
+    def link_tokens(
+        self, engine: Engine[PreprocessedRequest, EngineOutput]
+    ) -> Engine[PreprocessedRequest, BackendOutput]:
+        """The graph below the parser: token requests in, the Backend's outputs out
+        (Migration, the Backend's stop rules on ids and text, the routers, the engine, and
+        what was inserted there). What the tokens-in/tokens-out edge serves: no template, no
+        tokenizing, no parsing of the text."""
+        at = self.before.get
         features = self.engine_features
         if features is None:
             features = engine_features(engine)
@@ -300,10 +316,6 @@ class Stages:
             engine,
         )
         return link(
-            chain(*at("preprocessor", ())),
-            named("preprocessor", self.preprocessor),
-            chain(*at("parser", ())),
-            named("parser", self.parser),
             chain(*at("migration", ())),
             named("migration", self.migration),
             chain(*at("backend", ())),

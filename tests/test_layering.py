@@ -462,6 +462,7 @@ EDGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     "openai": frozenset({"http"}),
     "responses": frozenset({"http", "openai"}),
     "anthropic": frozenset({"http", "openai"}),
+    "tokens": frozenset({"http", "openai"}),
 }
 
 

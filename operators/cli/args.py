@@ -31,12 +31,14 @@ from .options import (
     add_engine_options,
     add_log_level,
     api_key,
+    balance,
     fraction,
     non_negative_float,
     non_negative_int,
     port,
     positive_float,
     positive_int,
+    weight,
     worker_id,
 )
 
@@ -190,10 +192,41 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument(
         "--kv-overlap-weight",
         "--kv-overlap-score-weight",  # Dynamo's name
-        type=non_negative_float,
-        default=1.0,
+        type=weight,
+        default=2.0,
         metavar="W",
-        help="--router kv: the cost of one block to prefill, in requests in flight",
+        help=(
+            "--router kv: the cost of one prompt token to prefill, against one of a worker's "
+            "queued work (2: paid by the request and by every request queued after it)"
+        ),
+    )
+    workers.add_argument(
+        "--kv-decode-weight",
+        type=weight,
+        default=16.0,
+        metavar="TOKENS",
+        help="--router kv: prompt tokens of prefill one sequence a worker holds is worth",
+    )
+    workers.add_argument(
+        "--router-balance",
+        type=balance,
+        default=1.5,
+        metavar="B",
+        help=(
+            "--router kv: while a worker is idle, a busy one that received more than B times "
+            "its share of the recent requests is passed over (0: never)"
+        ),
+    )
+    workers.add_argument(
+        "--affinity-ttl",
+        type=non_negative_float,
+        default=300.0,
+        metavar="SECONDS",
+        help=(
+            "--router kv: a conversation named by prompt_cache_key or the x-session-affinity "
+            "header stays on its worker while its load allows, until SECONDS after its last "
+            "request (0: never)"
+        ),
     )
     workers.add_argument(
         "--kv-restore-cost",

@@ -210,9 +210,17 @@ class ServeConfig:
     decode_workers: int = 1
     #: how a request picks one of the in-process decode/aggregated workers
     router: RouterName = "round-robin"
-    kv_overlap_weight: float = 1.0
+    #: --router kv's cost of a prompt token to prefill, against one of queued work
+    kv_overlap_weight: float = 2.0
     kv_restore_cost: float = 0.1
+    #: --router kv's prompt tokens one sequence a worker holds is worth
+    kv_decode_weight: float = 16.0
+    #: --router kv: a busy worker over this many times its share is passed over for an idle one
+    router_balance: float = 1.5
     router_temperature: float = 0.0
+    #: seconds a conversation (``prompt_cache_key``, ``x-session-affinity``) sticks to its
+    #: worker after its last request (0: never)
+    affinity_ttl: float = 300.0
     prefill_workers: int = 0
     encode_workers: int = 0
     disagg_min_prompt_tokens: int = 0

@@ -28,7 +28,7 @@ from operators.graph import default_graph
 from operators.serving import ModelSpec, build_app, serve
 from operators.telemetry import SpanBuffer, make_tracer, tracing_options
 from operators.ui import attach_ui
-from pipeline import Engine, PrefixIndex, WorkerSet
+from pipeline import Engine, WorkerSet
 
 from .config import ServeConfig
 from .defaults import MODEL_ENGINES
@@ -44,7 +44,7 @@ from .engines import (
 from .insertions import load_insertions
 from .keys import guard, open_budgets, reloader
 from .model_graph import engine_and_options
-from .nats import close_nats, connect_nats, follow_kv_events, one_line
+from .nats import KvFeed, close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 
@@ -308,7 +308,7 @@ async def _served_models(
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
         workers: WorkerSets | None = None
-        kv_indexes: list[PrefixIndex] | None = None
+        kv_feeds: list[KvFeed] | None = None
         embedder: Embedder | None = None
         loaded: Any = None
         local: tuple[_Workers, _Workers | None] | None = None
@@ -325,7 +325,7 @@ async def _served_models(
             if model.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
-                kv_indexes = await follow_kv_events(
+                kv_feeds = await follow_kv_events(
                     tg, nc, model=name, sets=(workers.decode, workers.prefill)
                 )
         elif model.engine.engine == "llama":
@@ -360,7 +360,7 @@ async def _served_models(
             stack.push_async_callback(loaded.aclose)
             engines.append(loaded)
         engine, options, found = engine_and_options(
-            model, tokenizer, workers, loaded, metrics, kv_indexes, local
+            model, tokenizer, workers, loaded, metrics, kv_feeds, local
         )
         if not specs:
             engine_name = type(engine).__name__

@@ -271,6 +271,10 @@ class PreprocessedRequest:
     #: how many tokens each choice may reason (None: as many as it likes); an engine that
     #: cannot end reasoning raises ``InvalidRequest(param=reasoning_budget.param)``
     reasoning_budget: ReasoningBudget | None = None
+    #: the conversation it belongs to (OpenAI's ``prompt_cache_key``, the
+    #: ``x-session-affinity`` header): a KV router keeps a conversation on one worker while
+    #: that worker's load allows, a remote engine passes it on to its server
+    affinity: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

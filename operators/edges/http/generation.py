@@ -47,6 +47,7 @@ from pipeline.priority import priority_of
 from .admission import Admission
 from .asgi import (
     BodyTooLarge,
+    conversation_key,
     id_header,
     kill_on_disconnect,
     read_body,
@@ -296,9 +297,12 @@ class Generations:
                     f"a request with x-request-id {request_id!r} is already in flight",
                     param="x-request-id",
                 )
+            conversation = conversation_key(metadata)
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
         request = exchange.request
+        if conversation is not None:
+            _name_conversation(request, conversation)
         tracer = self.tracer
         ctx = Context.new(
             request,
@@ -308,7 +312,9 @@ class Generations:
             span=span if tracer is not None and tracer.stages else None,
         )
         if span is not None:
-            record_request(span, request, ctx.id, model_name, exchange.response_id)
+            record_request(
+                span, request, ctx.id, model_name, exchange.response_id, stream=exchange.stream
+            )
             record_admission(span, ticket.tenant.name, ticket.arrival, ticket.admission)
         self._contexts.add(ctx)
         status = CLIENT_GONE
@@ -434,3 +440,18 @@ class Generations:
         headers = id_header(ctx) if run.headers is None else id_header(ctx) + run.headers()
         await send_json(send, 200, body, headers)
         return 200
+
+
+#: where a graph's request keeps its conversation: the OpenAI models' field, the token
+#: request's (``PreprocessedRequest.affinity``: the tokens-in/tokens-out edge's)
+_CONVERSATION_FIELDS = ("prompt_cache_key", "affinity")
+
+
+def _name_conversation(request: Any, key: str) -> None:
+    """The ``x-session-affinity`` header names ``request``'s conversation, unless its body
+    did (every edge's: a request of any API carries it to the router)."""
+    for field in _CONVERSATION_FIELDS:
+        if hasattr(request, field):
+            if getattr(request, field) is None:
+                setattr(request, field, key)
+            return

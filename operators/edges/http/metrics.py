@@ -35,6 +35,7 @@ Series::
     llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
+    llm_pipeline_router_hit_blocks_total{worker}     counter, prompt blocks routed to it, held
 """
 
 from __future__ import annotations
@@ -322,9 +323,15 @@ class ServerMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.router_hit_blocks = Counter(
+            "llm_pipeline_router_hit_blocks",
+            "Prompt blocks the KV router sent to each worker already holding them.",
+            ["worker"],
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         self._request_counters: dict[tuple[str, int, str], Counter] = {}
-        self._decision_counters: dict[str, Counter] = {}
+        self._decision_counters: dict[str, tuple[Counter, Counter]] = {}
         self._models: dict[str, ModelMetrics] = {}
         self._key_counters: dict[tuple[str, str, int], _KeyCounters] = {}
 
@@ -367,12 +374,17 @@ class ServerMetrics:
     def count_kv_decision(self, worker: str, hit: int, miss: int) -> None:
         """Count one KV routing decision (``KvRouter``'s ``on_decision``): it runs on the
         routing path, so the worker's counter is looked up once."""
-        counter = self._decision_counters.get(worker)
-        if counter is None:
-            counter = self._decision_counters[worker] = self.router_decisions.labels(worker)
-        counter.inc()
+        counters = self._decision_counters.get(worker)
+        if counters is None:
+            counters = self._decision_counters[worker] = (
+                self.router_decisions.labels(worker),
+                self.router_hit_blocks.labels(worker),
+            )
+        decisions, hits = counters
+        decisions.inc()
         if hit:
             self.kv_hit_blocks.inc(hit)
+            hits.inc(hit)
         if miss:
             self.kv_miss_blocks.inc(miss)
 

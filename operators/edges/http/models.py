@@ -53,6 +53,9 @@ class ServedModel:
     embedder: Embedder | None = None
     #: the engine's context length, for a preprocessor that sets none
     context: int | None = None
+    #: its graph below the preprocessor (token requests in, the Backend's outputs out):
+    #: what the tokens-in/tokens-out edge runs (None: that edge refuses the model)
+    tokens: Engine[Any, Any] | None = None
     #: what loads and unloads its adapters (an engine declaring ``LORA``: a
     #: :class:`~operators.contracts.llm.LoraEngine`); None: it takes none
     lora: LoraEngine | None = None
@@ -69,12 +72,13 @@ class ServedModel:
             root=root,
             preprocessor=self.preprocessor,
             context=self.context,
+            tokens=self.tokens,
         )
 
     def card(self) -> dict[str, Any]:
         """Its entry in ``GET /v1/models`` (OpenAI's model object, with vLLM's ``root`` and
         ``parent``)."""
-        return {
+        card: dict[str, Any] = {
             "id": self.name,
             "object": "model",
             "created": self.created,
@@ -82,6 +86,10 @@ class ServedModel:
             "root": self.root if self.root is not None else self.name,
             "parent": self.parent,
         }
+        context = getattr(self.preprocessor, "max_model_len", None) or self.context
+        if isinstance(context, int):  # (vLLM's field: what a client must fit in)
+            card["max_model_len"] = context
+        return card
 
 
 @final

@@ -99,15 +99,24 @@ def start_request(tracer: Tracer, scope: Scope, route: str, *, owner: str = "") 
 
 
 def record_request(
-    span: Span, request: Any, request_id: str, served: str, response_id: str | None = None
+    span: Span,
+    request: Any,
+    request_id: str,
+    served: str,
+    response_id: str | None = None,
+    *,
+    stream: bool | None = None,
 ) -> None:
     """What the client asked for, once the body parsed (``request``: the graph's request,
-    a chat or completions request whichever the edge; ``response_id``: the id the edge
-    names its response with, when not OpenAI's ``chatcmpl-``/``cmpl-`` + request id)."""
+    a chat or completions request whichever the edge, or a token request; ``response_id``:
+    the id the edge names its response with, when not OpenAI's ``chatcmpl-``/``cmpl-`` +
+    request id; ``stream``: whether it streams, when the request does not say)."""
     span.set(REQUEST_ID, request_id)
-    span.set("gen_ai.request.model", request.model or served)
+    span.set("gen_ai.request.model", getattr(request, "model", None) or served)
     span.set("gen_ai.response.model", served)
-    span.set("gen_ai.request.stream", bool(request.stream))
+    if stream is None:
+        stream = bool(getattr(request, "stream", False))
+    span.set("gen_ai.request.stream", stream)
     if response_id is None:
         completions = str(span.attributes.get("http.route")) == "/v1/completions"
         response_id = f"{'cmpl' if completions else 'chatcmpl'}-{request_id}"

@@ -61,6 +61,7 @@ from pipeline import InvalidRequest
 __all__ = (
     "ARRAY",
     "ARRAYS",
+    "MAX_CONVERSATION_KEY",
     "MAX_DEPTH",
     "MAX_INT",
     "MAX_STOP_STRINGS",
@@ -70,6 +71,7 @@ __all__ = (
     "STRING",
     "STRINGS",
     "Bool",
+    "ConversationKey",
     "Count",
     "Float",
     "JsonObject",
@@ -112,6 +114,11 @@ Bool = Annotated[bool, Field(strict=True)]
 #: a request's scheduling priority (vLLM's ``priority``): lower runs earlier, 0 by default
 #: (or the API key's); bounded both ways like every integer (:mod:`pipeline.priority`)
 Priority = Annotated[int, Field(strict=True, ge=-MAX_INT, le=MAX_INT)]
+#: the longest conversation key (``prompt_cache_key``, the ``x-session-affinity`` header)
+MAX_CONVERSATION_KEY: Final = 1024
+#: a conversation's name (OpenAI's ``prompt_cache_key``): requests sharing it are kept on
+#: one worker while its load allows (``PreprocessedRequest.affinity``)
+ConversationKey = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_CONVERSATION_KEY)]
 
 
 class Model(BaseModel):

@@ -218,7 +218,7 @@ class OpenAIPreprocessor:
                 shown = prompt
             else:
                 ids = list(prompt)
-                self._check_token_ids(ids, param)
+                self.check_token_ids(ids, param)
                 shown = self._tokenizer.decode(ids) if echo else ""
             if span is not None:
                 span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
@@ -252,33 +252,9 @@ class OpenAIPreprocessor:
         return leg
 
     def _leg(self, request: OpenAIRequest, ids: list[int], param: str, echo: str) -> _Leg:
-        prompt_len = len(ids)
         what = "messages" if param == "messages" else "prompt"
-        if prompt_len == 0:
-            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
-        max_tokens, max_param = request.requested_max_tokens
-        limit = self._max_model_len
-        if limit is not None:
-            if prompt_len >= limit:
-                raise InvalidRequest(
-                    f"This model's maximum context length is {limit} tokens, but the {what} "
-                    f"has {prompt_len} tokens, which leaves no room for a completion. "
-                    f"Shorten the {what}.",
-                    param=param,
-                )
-            if max_tokens is not None and prompt_len + max_tokens > limit:
-                raise InvalidRequest(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
-                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
-                    f"'{max_param}'.",
-                    param=max_param,
-                )
-        if max_tokens is None:
-            max_tokens = self._default_max_tokens
-            if limit is not None:
-                room = limit - prompt_len
-                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        requested, max_param = request.requested_max_tokens
+        max_tokens = self.fit(len(ids), requested, what=what, param=param, max_param=max_param)
         preprocessed = PreprocessedRequest(
             token_ids=ids,
             stop=request.stop_conditions(max_tokens=max_tokens, eos_token_ids=self._eos_token_ids),
@@ -288,6 +264,7 @@ class OpenAIPreprocessor:
             n=request.n,
             priority=request.priority or 0,
             lora=request.model if request.model in self._adapters else None,
+            affinity=request.prompt_cache_key,
         )
         return _Leg(preprocessed, echo)
 
@@ -328,7 +305,53 @@ class OpenAIPreprocessor:
             self._legs, request, span, add_generation_prompt, limiter=self._large
         )
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-generation ids (the Backend's hidden stops)."""
+        return self._eos_token_ids
+
+    def fit(
+        self, prompt_len: int, max_tokens: int | None, *, what: str, param: str, max_param: str
+    ) -> int | None:
+        """The output limit of a prompt of ``prompt_len`` tokens asking for ``max_tokens``
+        (None: the default, capped by the room the context leaves).
+
+        Raises:
+            InvalidRequest: an empty prompt or one that leaves no room (naming ``param``,
+                calling it ``what``), or ``max_tokens`` over the room (naming ``max_param``).
+        """
+        if prompt_len == 0:
+            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
+        limit = self._max_model_len
+        if limit is not None:
+            if prompt_len >= limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens, but the {what} "
+                    f"has {prompt_len} tokens, which leaves no room for a completion. "
+                    f"Shorten the {what}.",
+                    param=param,
+                )
+            if max_tokens is not None and prompt_len + max_tokens > limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
+                    f"'{max_param}'.",
+                    param=max_param,
+                )
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens
+            if limit is not None:
+                room = limit - prompt_len
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        return max_tokens
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Refuse an id outside the vocabulary, naming ``param.<position>``.
+
+        Raises:
+            InvalidRequest: the first such id.
+        """
         vocab_size = self._vocab_size
         if vocab_size is not None:
             for position, token_id in enumerate(ids):

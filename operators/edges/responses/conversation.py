@@ -297,4 +297,5 @@ def chat_request(
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs if request.logprobs else None,
         priority=request.priority,
+        prompt_cache_key=request.prompt_cache_key,
     )

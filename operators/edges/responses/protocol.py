@@ -37,6 +37,7 @@ from operators.edges.http.schema import (
     OBJECT,
     STRING,
     Bool,
+    ConversationKey,
     Count,
     Float,
     JsonObject,
@@ -361,7 +362,6 @@ class ResponsesRequest(Model):
     metadata: Metadata | None = None
     user: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_options: JsonObject | None = None
     prompt_cache_retention: str | None = None
     # vLLM's extensions, through ``extra_body``
@@ -373,6 +373,8 @@ class ResponsesRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
+    #: the conversation: its requests stay on one worker while its load allows
+    prompt_cache_key: ConversationKey | None = None
 
     @model_validator(mode="after")
     def _fits_together(self) -> ResponsesRequest:

@@ -310,3 +310,32 @@ async def test_with_prefill_workers_the_next_turn_is_prefilled_where_its_prefix_
     assert second.usage is not None
     assert second.usage.prompt_tokens_details is not None
     assert second.usage.prompt_tokens_details.cached_tokens == cached[prefill_worker]
+
+
+async def test_the_router_series_say_what_went_where_and_how_loaded_each_worker_is() -> None:
+    app, metrics = app_for(
+        "--model-name", "m", "--engine", "mocker", "--decode-workers", "3", "--router", "kv"
+    )  # fmt: skip
+    async with openai_client(app) as client:
+        for n in range(6):
+            await client.completions.create(model="m", prompt=f"{n} a b c", max_tokens=2)
+    families = {
+        family.name: family for family in text_string_to_metric_families(metrics.render().decode())
+    }
+    routed = {
+        sample.labels["worker"]: sample.value
+        for sample in families["llm_pipeline_router_requests"].samples
+        if sample.name.endswith("_total")
+    }
+    assert set(routed) == {"aggregated-0", "aggregated-1", "aggregated-2"}
+    assert sum(routed.values()) == 6
+    for name in (
+        "llm_pipeline_router_weighed_load_tokens",
+        "llm_pipeline_router_reported_prefill_tokens",
+        "llm_pipeline_router_reported_sequences",
+    ):  # every worker idle again: nothing queued, nothing weighed
+        samples = families[name].samples
+        assert {s.labels["set"] for s in samples} == {"m aggregated"}
+        assert [s.value for s in samples] == [0.0, 0.0, 0.0]
+    hits = families["llm_pipeline_router_hit_blocks"].samples
+    assert all(sample.labels["worker"].startswith("aggregated-") for sample in hits)

@@ -13,6 +13,7 @@ from operators.engines._prefix_cache import PrefixCache
 from operators.engines.mocker import MockerEngine
 from operators.routing.kv_blocks import block_hashes
 from operators.testing import make_request
+from pipeline import Context, open_stream
 from pipeline.prefix_index import KvCleared, KvEvent, KvRemoved, KvStored, PrefixIndex
 from pipeline.testing import collect, make_context
 
@@ -183,3 +184,24 @@ async def test_without_a_cache_every_prompt_is_prefilled_and_nothing_is_reported
     assert engine.statistics().cached_prompt_tokens == 0
     with pytest.raises(ValueError, match="cache_blocks"):
         MockerEngine(cache_blocks=-1)
+
+
+async def test_the_load_report_counts_queued_prefill_and_sequences() -> None:
+    """One slot: the first request decodes while the second waits, its estimate the part of
+    its prompt the cache does not hold (looked up when it arrived)."""
+    mocker = MockerEngine(
+        prefill_ms_per_token=1, decode_ms_per_step=5, max_batch=1, cache_blocks=64, block_size=16
+    )
+    assert mocker.load_report().work() == 0
+    prompt = list(range(100, 164))  # four blocks
+    first = Context.new(make_request(prompt, max_tokens=50))
+    second = Context.new(make_request([*prompt, *range(200, 216)], max_tokens=2))
+    async with anyio.create_task_group() as tg, open_stream(mocker, first) as stream:
+        await anext(stream)  # prefilled: its blocks are cached, it decodes
+        assert (mocker.load_report().decoding, mocker.load_report().waiting) == (1, 0)
+        tg.start_soon(collect, mocker, second)
+        await anyio.wait_all_tasks_blocked()
+        report = mocker.load_report()
+        assert (report.decoding, report.waiting, report.prefill_tokens) == (1, 1, 16)
+        first.stop_generating()
+    assert mocker.load_report().work() == 0

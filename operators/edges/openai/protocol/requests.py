@@ -21,6 +21,7 @@ from operators.edges.http.schema import (
     STRING,
     STRINGS,
     Bool,
+    ConversationKey,
     Count,
     Float,
     JsonObject,
@@ -102,6 +103,9 @@ class GenerationRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
+    #: the conversation (OpenAI's name): its requests stay on one worker while its load
+    #: allows (None: the ``x-session-affinity`` header's, if any)
+    prompt_cache_key: ConversationKey | None = None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> GenerationRequest:

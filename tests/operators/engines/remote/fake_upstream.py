@@ -74,6 +74,8 @@ class Counts:
     running: int = 0
     #: (path, body) of every generation request, in order
     bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    #: the x-session-affinity header of every generation request (None: not sent)
+    conversations: list[str | None] = field(default_factory=list)
 
 
 class _Break(Exception):
@@ -141,6 +143,11 @@ class FakeUpstream:
         request = json.loads(body or b"{}")
         if request:  # (not the remote engine's probe of /inference/v1/generate)
             self.counts.bodies.append((path, request))
+            headers = dict(scope["headers"])
+            conversation = headers.get(b"x-session-affinity")
+            self.counts.conversations.append(
+                None if conversation is None else conversation.decode()
+            )
         if path == "/inference/v1/generate" and self.kind == "vllm":
             if self.faults.no_generate:
                 await _json(send, 403, {"error": {"message": "forbidden", "code": 403}})

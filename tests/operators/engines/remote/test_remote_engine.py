@@ -95,6 +95,17 @@ async def test_the_engine_keeps_the_contract_over_vllm(vllm: FakeUpstream, route
         assert {path for path, _ in vllm.counts.bodies} == {expected}
 
 
+async def test_a_conversation_goes_along_to_a_server_that_may_route_it(
+    vllm: FakeUpstream, llama: FakeUpstream
+) -> None:
+    async with await connect(vllm) as a, await connect(llama) as b:
+        for engine in (a, b):
+            await run(engine, request(affinity="chat-1"))
+            await run(engine, request())
+    assert vllm.counts.conversations == ["chat-1", None]
+    assert llama.counts.conversations == ["chat-1", None]
+
+
 async def test_the_engine_keeps_the_contract_over_llama_server(llama: FakeUpstream) -> None:
     async with await connect(llama) as engine:
         assert (engine.info.kind, engine.info.slots) == ("llama-server", 2)
@@ -234,7 +245,10 @@ async def test_the_fleet_follows_its_servers_health(vllm: FakeUpstream) -> None:
             await eventually(lambda: all(e.load_report() for e in fleet.engines), "a report")
             report = fleet.engines[0].load_report()
             assert report is not None
-            assert report.kv_cache_usage == 0.25
+            assert report.kv_usage == 0.25  # in the router's unit
+            said = fleet.engines[0].upstream_load()
+            assert said is not None
+            assert said.kv_cache_usage == 0.25  # as the server said it
             port = other.port
             other.stop()
             await eventually(lambda: len(fleet.workers) == 1, "the stopped one out")

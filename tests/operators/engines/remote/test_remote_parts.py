@@ -5,7 +5,6 @@ decoder that needs no vLLM."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from operators.contracts.llm import (
     StopConditions,
 )
 from operators.engines._vllm_kv_events import BlockTranslator, event_batch_type
-from operators.engines.remote import UpstreamInfo, UpstreamLoad, parse_upstream, reported_load
+from operators.engines.remote import UpstreamInfo, UpstreamLoad, parse_upstream
 from operators.engines.remote._gaps import GapFiller
 from operators.engines.remote._http import DONE, mid_stream, refusal
 from operators.engines.remote._llama import LlamaReader, llama_call
@@ -36,7 +35,7 @@ from pipeline import (
     InvalidRequest,
     KvStored,
     StreamDisconnected,
-    Worker,
+    WorkerLoad,
 )
 
 TOKENIZER = Tokenizer.default()
@@ -385,21 +384,30 @@ def test_vllms_metrics_are_summed_over_its_engines() -> None:
 
 def test_llama_servers_slots_and_deferred_requests() -> None:
     slots = [{"id": 0, "is_processing": True}, {"id": 1, "is_processing": False}]
-    assert llama_load(slots, "llamacpp:requests_deferred 3\n", 2.0) == UpstreamLoad(1, 3, None, 2.0)
+    assert llama_load(slots, "llamacpp:requests_deferred 3\n", 2.0) == UpstreamLoad(
+        1, 3, None, 2.0, 0
+    )
     with pytest.raises(ValueError, match="not a list"):
         llama_load({"error": "x"}, None, 0.0)
 
 
-def test_the_weighed_load_is_the_report_plus_what_was_sent_since() -> None:
-    report = UpstreamLoad(2, 1, None, 0.0, sent_since=3)
-    worker = Worker("a", SimpleNamespace(load_report=lambda: report))  # type: ignore[arg-type]
-    worker.in_flight = 1
-    assert reported_load(worker) == 6
-    worker.in_flight = 9  # the report is older than our own requests
-    assert reported_load(worker) == 9
-    silent = Worker("b", SimpleNamespace(load_report=lambda: None))  # type: ignore[arg-type]
-    silent.in_flight = 2
-    assert reported_load(silent) == 2
+def test_a_llama_slot_before_its_first_token_is_prefilling() -> None:
+    slots = [
+        {"id": 0, "is_processing": True, "next_token": {"n_decoded": 0}},
+        {"id": 1, "is_processing": True, "next_token": [{"n_decoded": 5}]},
+        {"id": 2, "is_processing": False, "next_token": {"n_decoded": 0}},
+    ]
+    report = llama_load(slots, None, 1.0)
+    assert (report.running, report.prefilling, report.waiting) == (2, 1, 0)
+    load = report.worker_load(prefill_per_request=300)
+    assert (load.prefill_tokens, load.decoding, load.waiting) == (300, 1, 1)
+
+
+def test_a_report_in_the_routers_unit_estimates_the_queued_prompts() -> None:
+    """Neither server says its queued prompt tokens: the requests not decoding yet, at what
+    ours prefilled there lately."""
+    load = UpstreamLoad(running=3, waiting=2, kv_cache_usage=0.5, at=7.0).worker_load(100.0)
+    assert load == WorkerLoad(prefill_tokens=200, decoding=3, waiting=2, kv_usage=0.5, at=7.0)
 
 
 # -- KV events without vLLM --------------------------------------------------------------------

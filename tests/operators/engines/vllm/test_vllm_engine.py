@@ -282,3 +282,20 @@ async def test_statistics_show_a_running_request(engine: VllmEngine) -> None:
     assert after.requests == before.requests + 1
     assert after.prompt_tokens == before.prompt_tokens + len(STORY)
     assert 0 < after.generated_tokens - before.generated_tokens < 200
+
+
+async def test_the_load_report_follows_a_request_from_prompt_to_decoding(
+    engine: VllmEngine,
+) -> None:
+    assert engine.load_report().work() == 0  # (idle)
+    ctx = Context.new(request(STORY, max_tokens=200, ignore_eos=True))
+    stream = open_stream(engine, ctx)
+    async with stream as outputs:
+        report = None
+        async for _ in outputs:
+            report = engine.load_report()
+            ctx.stop_generating()
+    assert report is not None
+    assert (report.decoding, report.waiting, report.prefill_tokens) == (1, 0, 0)
+    assert report.kv_usage is not None
+    assert engine.load_report().work() == 0
