@@ -124,9 +124,9 @@ async def tokens_of(engine: object, prompt: str) -> list[int]:
 
 
 async def test_greedy_tokens_equal_our_llama_engines(llama_server: str) -> None:
-    from operators.engines.llama import LlamaEngine
+    from operators.engines.llama import LlamaEngine, LlamaOptions
 
-    ours = LlamaEngine(n_ctx=2048, n_threads=1)
+    ours = LlamaEngine(options=LlamaOptions(n_ctx=2048, n_threads=1))
     try:
         async with await RemoteEngine.connect(
             parse_upstream(llama_server), tokenizer=TOKENIZER
