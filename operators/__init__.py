@@ -19,16 +19,12 @@ The folders say what is what:
   OpenAI server; also ``operators.build_app``/``operators.serve``, imported on first use: the
   HTTP stack is not loaded by ``import operators``), :mod:`operators.testing`
   (``openai_client``: the official client, in-process) and :mod:`operators.cli`.
-
-The modules' old paths (``operators.stop_jail``, ``operators.openai.server``,
-``operators.llm``...) still import, as the very same modules (:mod:`operators._moved`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import _moved
 from .backend import Backend as Backend
 from .contracts.llm import BackendOutput as BackendOutput
 from .contracts.llm import EngineOutput as EngineOutput
@@ -39,8 +35,6 @@ from .contracts.llm import StopConditions as StopConditions
 from .migration import Migration as Migration
 from .text.stop_jail import StopJail as StopJail
 from .text.tokenizer import Tokenizer as Tokenizer
-
-_moved.install()
 
 if TYPE_CHECKING:
     from .graph import default_graph as default_graph
@@ -67,16 +61,12 @@ _LAZY = {"build_app": "serving", "serve": "serving", "default_graph": "graph"}
 
 
 def __getattr__(name: str) -> Any:
-    """``build_app``, ``serve`` and ``default_graph``, imported when first asked for; a moved
-    module by its old name (``operators.llm``), as its old path gave it."""
+    """``build_app``, ``serve`` and ``default_graph``, imported when first asked for."""
     import importlib
 
     module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    elif f"{__name__}.{name}" in _moved.MOVED:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
+    if module is None:
         raise AttributeError(f"module 'operators' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     globals()[name] = value
     return value

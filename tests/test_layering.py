@@ -9,9 +9,15 @@
 3. The floors of operators/: each kind of module imports only from the kinds below it
    (contracts/ and text/ at the ground, the API edges and the engines never of each other,
    the entry points on top); within edges/, the shared plumbing (http/) knows no API and no
-   edge imports one beside it but the OpenAI edge (what the graph speaks); and the
-   project's own code imports moved modules by their new paths only (the old ones are
-   aliases for users, ``operators._moved``).
+   edge imports one beside it but the OpenAI edge (what the graph speaks).
+4. Every import of a project module (the tests' helpers too) names one that exists, and a
+   name it has: a module that moves leaves no alias behind, and mypy does not read tests/,
+   benchmarks/ or scripts/, where a stale path in a function body would only fail when that
+   code runs. Nothing there edits ``sys.path``: tests/ and each folder in it are packages, so
+   a helper imports by its dotted name (``tests.helpers.server_process``) from the root.
+5. No import circles among the project's own modules (operators/ and pipeline/): two
+   modules that import each other, directly or around a longer loop, are one module in
+   two files (each can be read, tested and changed only with the other).
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ from pathlib import Path
 import pytest
 
 import pipeline
-from operators._moved import new_name
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -383,20 +388,29 @@ def _kind(module: str) -> str | None:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _absolute_imports(source: str, module: str, package: bool) -> Iterator[tuple[int, str]]:
-    """(line, module) for every import in ``source`` (of ``module``), TYPE_CHECKING ones too,
-    relative ones made absolute; ``from X import name`` also gives ``X.name`` (a submodule?)."""
+def _resolved_imports(
+    source: str, module: str, package: bool
+) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) for every import in ``source`` (of ``module``),
+    TYPE_CHECKING ones too, relative ones made absolute."""
     here = module.split(".") if package else module.split(".")[:-1]
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield node.lineno, alias.name
+                yield node.lineno, alias.name, []
         elif isinstance(node, ast.ImportFrom):
             base = here[: len(here) - node.level + 1] if node.level else []
             imported = ".".join([*base, *([node.module] if node.module else [])])
-            yield node.lineno, imported
-            for alias in node.names:
-                yield node.lineno, f"{imported}.{alias.name}"
+            yield node.lineno, imported, [alias.name for alias in node.names]
+
+
+def _absolute_imports(source: str, module: str, package: bool) -> Iterator[tuple[int, str]]:
+    """(line, module) for every import in ``source`` (of ``module``), TYPE_CHECKING ones too,
+    relative ones made absolute; ``from X import name`` also gives ``X.name`` (a submodule?)."""
+    for line, imported, names in _resolved_imports(source, module, package):
+        yield line, imported
+        for name in names:
+            yield line, f"{imported}.{name}"
 
 
 def floor_violations(source: str, module: str, package: bool = False) -> list[str]:
@@ -410,17 +424,6 @@ def floor_violations(source: str, module: str, package: bool = False) -> list[st
             f"line {line}: {imported} ({other}/)"
             for line, imported in _absolute_imports(source, module, package)
             if (other := _kind(imported)) is not None and other != kind and other not in allowed
-        }
-    )
-
-
-def old_path_imports(source: str, module: str, package: bool = False) -> list[str]:
-    """The imports in ``source`` that name a moved module by its old path."""
-    return sorted(
-        {
-            f"line {line}: {imported}"
-            for line, imported in _absolute_imports(source, module, package)
-            if new_name(imported) is not None
         }
     )
 
@@ -459,6 +462,7 @@ EDGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     "openai": frozenset({"http"}),
     "responses": frozenset({"http", "openai"}),
     "anthropic": frozenset({"http", "openai"}),
+    "tokens": frozenset({"http", "openai"}),
 }
 
 
@@ -512,42 +516,307 @@ def test_every_edge_has_a_floor() -> None:
     assert edges - {"__pycache__"} == set(EDGE_MAY_IMPORT)
 
 
-@pytest.mark.parametrize(
-    ("source", "bad"),
-    [
-        ("from operators.text.stop_jail import StopJail", False),
-        ("from operators import Backend, StopJail", False),
-        ("import operators.edges.openai.server", False),
-        ("import operators.stop_jail", True),
-        ("from operators import llm", True),
-        ("from operators.openai.protocol.requests import ChatCompletionRequest", True),
-        ("from operators.tokenizer import Tokenizer", True),
-    ],
-)
-def test_the_old_path_checker_itself(source: str, bad: bool) -> None:
-    assert bool(old_path_imports(source, "examples.example")) == bad
-
-
-def test_the_old_path_checker_resolves_relative_imports() -> None:
-    assert old_path_imports("from .llm import EngineOutput", "operators", package=True)
-    assert not old_path_imports("from .contracts.llm import EngineOutput", "operators", True)
-
-
 @pytest.mark.parametrize("path", _sources("operators"), ids=_relative)
 def test_operators_modules_import_only_their_floor_and_below(path: Path) -> None:
     problems = floor_violations(path.read_text(), *_module_name(path))
     assert not problems, f"{_relative(path)} imports above its floor: " + "; ".join(problems)
 
 
+# -- 4. every import names something that exists -----------------------------------------
+
+#: the packages whose modules the project imports by path (``tests`` for the tests' helpers)
+PROJECT_PACKAGES = frozenset({"operators", "pipeline", "tests"})
+
+
+def _module_source(module: str) -> Path | None:
+    """The file of a project module (``operators.text`` -> its ``__init__.py``), if any."""
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _bound_names(source: str) -> set[str]:
+    """The names a module binds at its top level (in ``if``/``try`` blocks too) and lists in
+    ``__all__`` (a lazy ``__getattr__`` name is in ``__all__``)."""
+    names: set[str] = set()
+    body = list(ast.parse(source).body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+            if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and isinstance(
+                node.value, ast.Tuple | ast.List
+            ):
+                names.update(
+                    e.value
+                    for e in node.value.elts
+                    if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                )
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                body.extend(getattr(node, field, []))
+        elif isinstance(node, ast.ExceptHandler):
+            body.extend(node.body)
+    return names
+
+
+def missing_imports(source: str, module: str, package: bool = False) -> list[str]:
+    """The imports in ``source`` (of ``module``) of a project module that does not exist, or
+    of a name that a project module neither binds nor has as a submodule."""
+    problems = set()
+    for line, imported, names in _resolved_imports(source, module, package):
+        if imported.split(".")[0] not in PROJECT_PACKAGES:
+            continue
+        found = _module_source(imported)
+        if found is None:
+            problems.add(f"line {line}: no module {imported}")
+            continue
+        bound = _bound_names(found.read_text()) if names else set()
+        problems.update(
+            f"line {line}: {imported} has no {name!r}"
+            for name in names
+            if name != "*" and name not in bound and _module_source(f"{imported}.{name}") is None
+        )
+    return sorted(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("from operators.text.stop_jail import StopJail", False),
+        ("from operators import Backend, StopJail, build_app", False),
+        ("from operators import engines", False),
+        ("import operators.edges.openai.server", False),
+        ("from pipeline.testing import ScriptedEngine", False),
+        ("import os, json\nfrom tokenizers import Tokenizer", False),
+        ("import operators.stop_jail", True),
+        ("from operators import llm", True),
+        ("from operators.openai.protocol.requests import ChatCompletionRequest", True),
+        ("from operators.tokenizer import Tokenizer", True),
+        ("from operators.text.tokenizer import Tokeniser", True),
+        ("def f():\n    from operators.edges.openai.guard import Guard", True),
+        ("from tests.helpers.server_process import ServerProcess", False),
+        ("from tests.operators.server_process import ServerProcess", True),
+    ],
+)
+def test_the_missing_import_checker_itself(source: str, bad: bool) -> None:
+    assert bool(missing_imports(source, "examples.example")) == bad
+
+
+def test_the_missing_import_checker_resolves_relative_imports() -> None:
+    assert missing_imports("from .llm import EngineOutput", "operators", package=True)
+    assert not missing_imports("from .contracts.llm import EngineOutput", "operators", True)
+    assert missing_imports("from ..http import nope", "operators.edges.openai.server")
+
+
+def test_the_missing_import_checker_reads_names_bound_in_blocks() -> None:
+    module = "if TYPE_CHECKING:\n    from x import A\ntry:\n    B = 1\nexcept E:\n    C = 2\n"
+    assert _bound_names(module) >= {"A", "B", "C"}
+    lazy = "__all__ = ('lazy',)\ndef f():\n    inner = 1\n"
+    assert _bound_names(lazy) == {"__all__", "lazy", "f"}
+
+
 @pytest.mark.parametrize(
     "path",
-    [
-        path
-        for path in _sources("operators", "tests", "examples", "benchmarks", "scripts")
-        if path.name != "test_moved_modules.py"  # the aliases' own test
-    ],
+    _sources("operators", "pipeline", "tests", "examples", "benchmarks", "scripts"),
     ids=_relative,
 )
-def test_the_project_imports_moved_modules_by_their_new_paths(path: Path) -> None:
-    old = old_path_imports(path.read_text(), *_module_name(path))
-    assert not old, f"{_relative(path)} imports old paths: " + "; ".join(old)
+def test_the_project_imports_only_modules_and_names_that_exist(path: Path) -> None:
+    missing = missing_imports(path.read_text(), *_module_name(path))
+    assert not missing, f"{_relative(path)} imports what does not exist: " + "; ".join(missing)
+
+
+def sys_path_edits(source: str) -> list[str]:
+    """The lines of ``source`` that change ``sys.path`` (assign to it or call its methods)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            targets = [node.func.value]
+        for target in targets:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if ast.unparse(target) == "sys.path":
+                lines.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("import sys\nsys.path.insert(0, 'x')", True),
+        ("import sys\nsys.path[:0] = ['x']", True),
+        ("import sys\nsys.path += ['x']", True),
+        ("import sys\nsys.path.append('x')", True),
+        ("import sys\nfound = [p for p in sys.path if p]\nsys.argv.append('x')", False),
+    ],
+)
+def test_the_sys_path_checker_itself(source: str, bad: bool) -> None:
+    assert bool(sys_path_edits(source)) == bad
+
+
+def test_no_test_benchmark_script_or_example_edits_sys_path() -> None:
+    edits = {
+        _relative(path): found
+        for path in _sources("tests", "examples", "benchmarks", "scripts")
+        if (found := sys_path_edits(path.read_text()))
+    }
+    assert not edits, f"sys.path edited (import by dotted name instead): {edits}"
+
+
+def test_every_test_folder_is_a_package() -> None:
+    # A folder without __init__.py would be imported by its files' bare names again (and a
+    # folder named like an installed package, nats/, would shadow it).
+    folders = {path.parent for path in _sources("tests")}
+    missing = sorted(_relative(f) for f in folders if not (f / "__init__.py").is_file())
+    assert not missing, f"test folders without __init__.py: {missing}"
+
+
+# -- 5. no import circles ----------------------------------------------------------------------
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line} among ``sources`` (module -> (source, is a
+    package)): every import, relative, absolute and ``TYPE_CHECKING`` ones alike, read as
+    the floor checks read them (:func:`_absolute_imports`: ``from X import name`` imports
+    ``X.name`` when that is a module).
+
+    A module's own parent packages are not counted when it only takes submodules of them
+    (``from . import sibling``), nor when Python runs them before it: they are not what the
+    module depends on. Taking a name a parent defines (``from . import helper``) is."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, (source, package) in sources.items():
+        edges = graph.setdefault(module, {})
+        names: dict[tuple[int, str], list[str]] = {}
+        for line, imported in _absolute_imports(source, module, package):
+            names.setdefault((line, imported.rpartition(".")[0]), []).append(imported)
+        for line, imported in _absolute_imports(source, module, package):
+            if imported not in sources or imported == module:
+                continue
+            parent = module.startswith(imported + ".")
+            taken = [name for name in names.get((line, imported), []) if name != imported]
+            if parent and all(name in sources for name in taken):
+                continue  # a parent package run first, or only its submodules taken
+            edges.setdefault(imported, line)
+    return graph
+
+
+def import_circles(sources: dict[str, tuple[str, bool]]) -> list[frozenset[str]]:
+    """The sets of modules in ``sources`` that import each other in a circle (the graph's
+    strongly connected components of more than one module; Tarjan's algorithm)."""
+    graph = import_graph(sources)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[frozenset[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = {stack.pop()}
+            while module not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                circles.append(frozenset(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def _circle_text(circle: frozenset[str], graph: dict[str, dict[str, int]]) -> str:
+    """The imports that close ``circle``, one per line: ``a -> b (line n)``."""
+    return "\n".join(
+        f"  {module} -> {other} (line {line})"
+        for module in sorted(circle)
+        for other, line in sorted(graph[module].items())
+        if other in circle
+    )
+
+
+@pytest.mark.parametrize(
+    ("sources", "circles"),
+    [
+        ({"p.a": ("import p.b", False), "p.b": ("", False)}, []),
+        ({"p.a": ("import p.b", False), "p.b": ("import p.a", False)}, [{"p.a", "p.b"}]),
+        (
+            {
+                "p.a": ("from .b import x", False),
+                "p.b": ("from . import c", False),
+                "p.c": ("if TYPE_CHECKING:\n    from p.a import A", False),
+                "p.d": ("from .a import x", False),
+            },
+            [{"p.a", "p.b", "p.c"}],
+        ),
+        (
+            {
+                "p": ("from .a import x", True),
+                "p.a": ("from . import y", False),  # a name of the package: a circle
+                "p.b": ("import os", False),
+            },
+            [{"p", "p.a"}],
+        ),
+        ({"p": ("from .a import x", True), "p.a": ("from .b import y", False)}, []),
+        (
+            {
+                "p": ("from .a import x", True),
+                "p.a": ("from . import b\nimport p.b", False),  # submodules only
+                "p.b": ("", False),
+            },
+            [],
+        ),
+        ({"p.a": ("import p.a", False), "p.b": ("from p.c import z", False)}, []),
+        (
+            {
+                "p.a": ("import p.b", False),
+                "p.b": ("import p.a", False),
+                "p.c": ("import p.d", False),
+                "p.d": ("import p.c", False),
+            },
+            [{"p.a", "p.b"}, {"p.c", "p.d"}],
+        ),
+    ],
+    ids=[
+        "one-way",
+        "two",
+        "three-relative-type-checking",
+        "package",
+        "parents",
+        "sibling-modules",
+        "self",
+        "apart",
+    ],
+)
+def test_the_circle_checker_itself(
+    sources: dict[str, tuple[str, bool]], circles: list[set[str]]
+) -> None:
+    assert sorted(map(sorted, import_circles(sources))) == sorted(map(sorted, circles))
+
+
+def test_no_import_circles() -> None:
+    sources = {
+        _module_name(path)[0]: (path.read_text(), _module_name(path)[1])
+        for path in _sources("operators", "pipeline")
+    }
+    graph = import_graph(sources)
+    found = set(import_circles(sources))
+    circles = sorted(found, key=sorted)
+    assert not circles, "import circles:\n" + "\n\n".join(_circle_text(c, graph) for c in circles)

@@ -2,39 +2,52 @@
 
 Echo and mocker engines are cheap and built per worker; the llama engine loads a model, so
 it is loaded once, in a thread (loading blocks), and its statistics feed the server's
-metrics.
+metrics. The remote engine connects to its upstream servers (:func:`open_remote`), whose
+``llm_pipeline_upstream_*`` series are registered like the vLLM engine's
+(:func:`watch_upstreams`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.http.metrics import BatchingCounts, EngineLoad, KvCounts, ServerMetrics
 from operators.engines import EchoEngine
 from operators.engines._prefix_cache import DEFAULT_CACHE_BLOCKS
 from operators.engines.mocker import MockerEngine
+from operators.telemetry import engine_metrics
+from operators.telemetry.engine_metrics import BatchingCounts, EngineLoad, KvCounts
 from operators.text.tokenizer import Tokenizer
 from pipeline import WorkerSet
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from operators.engines.llama import LlamaOptions
+    from operators.engines.remote import UpstreamFleet
+
     from .config import EngineConfig
 
 __all__ = (
+    "llama_engine_options",
     "load_engine",
     "load_llama",
     "load_llama_workers",
     "load_tokenizer",
     "load_vllm",
     "make_engine",
+    "open_remote",
     "watch_engine",
     "watch_engines",
     "watch_llama",
+    "watch_upstreams",
     "watch_vllm",
     "worker_set",
 )
@@ -104,6 +117,29 @@ def worker_set(
     )
 
 
+def llama_engine_options(
+    config: EngineConfig,
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+    *,
+    disk_cache: Path | None = None,
+) -> LlamaOptions:
+    """The options of the llama engine ``config`` describes, in ``role`` as ``worker_id``:
+    ``config.llama`` (the llama flags') with the options other engines share (block size,
+    transfer secret, adapters); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``).
+    """
+    secret = config.transfer_secret
+    return dataclasses.replace(
+        config.llama,
+        block_size=config.kv_block_size,
+        role=role,
+        worker_id=worker_id,
+        transfer_secret=None if secret is None else secret.encode(),
+        kv_disk_cache=config.llama.kv_disk_cache if disk_cache is None else disk_cache,
+        loras={name: str(path) for name, path in config.lora},
+    )
+
+
 async def load_llama(
     config: EngineConfig,
     role: Any = "aggregated",
@@ -111,37 +147,13 @@ async def load_llama(
     *,
     disk_cache: Path | None = None,
 ) -> Any:
-    """The llama.cpp engine ``config`` describes, in ``role``, loaded in a thread (loading
-    blocks); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``)."""
-    from operators.engines.llama import LlamaEngine, NgramSpeculation
+    """The llama.cpp engine ``config`` describes (:func:`llama_engine_options`), loaded in
+    a thread (loading blocks)."""
+    from operators.engines.llama import LlamaEngine
 
-    speculative = (
-        NgramSpeculation(ngram_size=config.ngram_size, num_draft_tokens=config.draft_tokens)
-        if config.speculative == "ngram"
-        else None
-    )
-    secret = config.transfer_secret
+    options = llama_engine_options(config, role, worker_id, disk_cache=disk_cache)
     return await anyio.to_thread.run_sync(
-        functools.partial(
-            LlamaEngine,
-            config.model,
-            n_ctx=config.n_ctx,
-            n_threads=config.threads,
-            parallel=config.parallel,
-            step_tokens=config.step_tokens,
-            step_ms=config.step_ms,
-            speculative=speculative,
-            block_size=config.kv_block_size,
-            role=role,
-            worker_id=worker_id,
-            transfer_secret=None if secret is None else secret.encode(),
-            transfer_host=config.kv_transfer_host,
-            transfer_timeout=config.kv_transfer_timeout,
-            kv_host_cache_mb=config.kv_host_cache_mb,
-            kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
-            kv_disk_cache_mb=config.kv_disk_cache_mb,
-            loras={name: str(path) for name, path in config.lora},
-        )
+        functools.partial(LlamaEngine, config.model, options=options)
     )
 
 
@@ -158,10 +170,9 @@ async def load_llama_workers(
     try:
         for i in range(count):
             name = f"{role}-{i}"
-            disk = config.kv_disk_cache
-            if disk is not None and (shared or count > 1):
-                disk = disk / name
-            engines[name] = await load_llama(config, role, name, disk_cache=disk)
+            disk = config.llama.kv_disk_cache
+            folder = None if disk is None or not (shared or count > 1) else Path(disk) / name
+            engines[name] = await load_llama(config, role, name, disk_cache=folder)
     except BaseException:
         for engine in engines.values():
             engine.close()
@@ -217,21 +228,57 @@ async def load_engine(
     return await load_llama(config, role, worker_id)
 
 
+@asynccontextmanager
+async def open_remote(
+    config: EngineConfig, tokenizer: Tokenizer | None, role: str = "aggregated"
+) -> AsyncIterator[UpstreamFleet]:
+    """The upstream servers ``--upstream`` names, connected and watched while the context
+    is open (:func:`operators.engines.remote.open_upstreams`).
+
+    Raises:
+        ConnectionError: none answered; ValueError: one is neither vLLM nor llama-server;
+        ImportError: ``kv=`` without pyzmq and msgspec.
+    """
+    from operators.engines.remote import open_upstreams, parse_upstream
+
+    upstreams = [parse_upstream(text, config.upstream_kind) for text in config.upstream]
+    async with open_upstreams(
+        upstreams,
+        tokenizer=tokenizer,
+        block_size=config.kv_block_size,
+        poll_interval=config.upstream_poll_ms / 1000,
+        stall_timeout=config.upstream_timeout,
+        role=role,
+    ) as fleet:
+        yield fleet
+
+
+def watch_upstreams(registry: CollectorRegistry, fleets: Sequence[UpstreamFleet]) -> None:
+    """Export the upstreams' ``llm_pipeline_upstream_*`` series in ``registry``, every
+    model's in one collector (read at each scrape: upstreams that join later are
+    included)."""
+    from operators.engines.remote import UpstreamCollector
+
+    registry.register(
+        UpstreamCollector(lambda: [engine for fleet in fleets for engine in fleet.engines])
+    )
+
+
 def watch_engines(
-    metrics: ServerMetrics, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
+    registry: CollectorRegistry, engines: Sequence[Any], *, prefill: Sequence[Any] = ()
 ) -> None:
-    """Export the statistics of every model engine a server loaded (one per model of
-    ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
+    """Export in ``registry`` the statistics of every model engine a server loaded (one per
+    model of ``--models``, or in-process workers; ``prefill``: llama prefill workers): the
     ``llm_pipeline_llama_*`` and ``llm_pipeline_vllm_*`` series sum over the engines of
     their kind."""
     llama = [engine for engine in engines if hasattr(engine, "recent_steps")]
     vllm = [engine for engine in engines if not hasattr(engine, "recent_steps")]
     if llama or prefill:
-        watch_llama(metrics, *llama, prefill=prefill)
+        watch_llama(registry, *llama, prefill=prefill)
     if len(vllm) == 1:
-        watch_vllm(metrics, vllm[0])
+        watch_vllm(registry, vllm[0])
     elif vllm:
-        watch_vllm(metrics, _Summed(vllm))
+        watch_vllm(registry, _Summed(vllm))
 
 
 class _Summed:
@@ -259,16 +306,16 @@ class _Summed:
         return type(first)(**summed)
 
 
-def watch_engine(metrics: ServerMetrics, engine: Any) -> None:
-    """Export a model engine's statistics in ``metrics`` (llama's or vllm's)."""
+def watch_engine(registry: CollectorRegistry, engine: Any) -> None:
+    """Export a model engine's statistics in ``registry`` (llama's or vllm's)."""
     if hasattr(engine, "recent_steps"):
-        watch_llama(metrics, engine)
+        watch_llama(registry, engine)
     else:
-        watch_vllm(metrics, engine)
+        watch_vllm(registry, engine)
 
 
-def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
-    """Export the vLLM engine's scheduler load (as vLLM last reported it) in ``metrics``."""
+def watch_vllm(registry: CollectorRegistry, engine: Any) -> None:
+    """Export the vLLM engine's scheduler load (as vLLM last reported it) in ``registry``."""
 
     def load() -> EngineLoad:
         stats = engine.statistics()
@@ -281,11 +328,11 @@ def watch_vllm(metrics: ServerMetrics, engine: Any) -> None:
             preemptions=stats.preemptions,
         )
 
-    metrics.watch_engine("vllm", load)
+    engine_metrics.watch_engine(registry, "vllm", load)
 
 
-def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = ()) -> None:
-    """Export the llama engines' statistics in ``metrics``: batching and speculation of
+def watch_llama(registry: CollectorRegistry, *engines: Any, prefill: Sequence[Any] = ()) -> None:
+    """Export the llama engines' statistics in ``registry``: batching and speculation of
     ``engines`` (the decode or aggregated ones, summed); KV tiers and transfers of all of
     them, ``prefill`` workers included."""
 
@@ -318,9 +365,9 @@ def watch_llama(metrics: ServerMetrics, *engines: Any, prefill: Sequence[Any] = 
             transfer_seconds=sum(s.transfer_seconds for s in stats),
         )
 
-    metrics.watch_speculation(speculation)
-    metrics.watch_batching(batching)
-    metrics.watch_kv(kv)
+    engine_metrics.watch_speculation(registry, speculation)
+    engine_metrics.watch_batching(registry, batching)
+    engine_metrics.watch_kv(registry, kv)
 
 
 def _sum_dicts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:

@@ -11,14 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from operators.contracts.constraint_guard import GUARDED
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
-from pipeline import Engine, PrefixIndex, Router, WorkerSet
+from operators.telemetry.engine_metrics import watch_prefill
+from operators.telemetry.router_metrics import watch_routers
+from pipeline import Engine, KvRouter, PrefixIndex, Router, WorkerSet
 
 from .engines import worker_set
 from .output_options import output_options
-from .routing import remote_kv_policy, routing_policy
+from .routing import remote_kv_policy, routing_policy, upstream_policy
 
 if TYPE_CHECKING:
     from operators.contracts.transport import WorkerSets
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
     from pipeline import RoutingPolicy
 
     from .config import ServeConfig
+    from .nats import KvFeed
 
 __all__ = ("engine_and_options",)
 
@@ -42,7 +46,7 @@ def engine_and_options(
     workers: WorkerSets | None,
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
-    kv_indexes: Sequence[PrefixIndex] | None = None,
+    kv_feeds: Sequence[KvFeed] | None = None,
     local: tuple[_Workers, _Workers | None] | None = None,
 ) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
     """The engine to put behind the default graph, the graph's options, and the worker
@@ -53,13 +57,15 @@ def engine_and_options(
     counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
     (llama.cpp's); without it they are made from ``config`` (echo, mocker).
 
-    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
+    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers. With
+    ``--engine remote``, ``local`` holds the upstreams' worker set (``open_remote``): a
+    Router over it, waiting ``config.worker_wait`` for one to be up, retrying elsewhere.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
     ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
-    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
-    (unfed ones when not given), and so does the PrefillRouter.
+    (decode, prefill) ``kv_feeds`` instead, fed by the workers' KV events and load reports
+    over NATS (unfed ones when not given), and so does the PrefillRouter.
     """
     encode: _Workers | None
     prefill: _Workers | None
@@ -68,6 +74,13 @@ def engine_and_options(
     groups: WorkerGroups | None = None
     if engine is not None:
         encode = prefill = None
+    elif config.engine.engine == "remote":
+        if local is None:
+            raise ValueError("--engine remote needs its upstreams connected (open_remote)")
+        decode, encode, prefill = local[0], None, None
+        engine = Router(decode, upstream_policy(config, decode, metrics), wait=config.worker_wait)
+        groups = {"aggregated": decode, "prefill": None, "encode": None}
+        features = frozenset({CONSTRAINED_DECODING})  # (each upstream maps or refuses them)
     elif workers is None:
         engine_config = config.engine
         decode_role = "decode" if config.prefill_workers else "aggregated"
@@ -88,22 +101,31 @@ def engine_and_options(
         if kv and prefill is not None:  # prompts are prefilled where their prefix is
             prefill_policy = routing_policy(config, prefill, metrics)
         if metrics is not None and engine_config.engine != "echo":
-            metrics.watch_prefill(_prefill_counts(decode, prefill))
+            watch_prefill(metrics.registry, _prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
-        from operators.contracts.transport import RetryElsewhere
+        from operators.contracts.retry_elsewhere import RetryElsewhere
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
-            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
-            policy = remote_kv_policy(config, decode_index, metrics)
-            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
+            if kv_feeds:
+                decode_feed, prefill_feed = kv_feeds
+                policy = remote_kv_policy(config, decode_feed.prefixes, metrics, decode_feed.report)
+                prefill_policy = remote_kv_policy(
+                    config, prefill_feed.prefixes, metrics, prefill_feed.report
+                )
+            else:  # (unfed: a graph built without NATS)
+                policy = remote_kv_policy(config, PrefixIndex(), metrics)
+                prefill_policy = remote_kv_policy(config, PrefixIndex(), metrics)
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
-        # Remote workers check constraints themselves: the llama engine honours them, the
-        # echo and mocker engines refuse them with a 400 that travels back by name.
-        features = frozenset({CONSTRAINED_DECODING})
+        # Remote workers check constraints and reasoning budgets themselves (each behind
+        # its own guard): the llama engine honours them, the echo and mocker engines refuse
+        # them with a 400 that travels back by name.
+        features = GUARDED
+    if metrics is not None:  # the llm_pipeline_router_* series of every routed set
+        _watch(config, metrics, engine, prefill, prefill_policy)
     options: GraphOptions = {
         **output_options(config),
         "max_model_len": config.max_model_len,
@@ -136,3 +158,29 @@ def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int,
         return found
 
     return counts
+
+
+def _watch(
+    config: ServeConfig,
+    metrics: ServerMetrics,
+    engine: _Engine,
+    prefill: _Workers | None,
+    prefill_policy: RoutingPolicy | None,
+) -> None:
+    """Register the routed sets (the decode Router's, the prefill one) for the router
+    series, each with what its KV router (if any) weighs a worker by."""
+    collector = watch_routers(metrics.registry)
+    routed: list[tuple[_Workers, Any]] = []
+    if isinstance(engine, Router):
+        routed.append((engine.workers, engine.policy))
+    if prefill is not None:
+        routed.append((prefill, prefill_policy))
+    model = config.model_name
+    for workers, policy in routed:
+        kv = getattr(policy, "policy", policy)  # (inside a RetryElsewhere)
+        name = workers.name
+        label = name if name.startswith(model) else f"{model} {name}".strip()
+        if isinstance(kv, KvRouter):
+            collector.watch(workers, kv.work, kv.report, label=label)
+        else:
+            collector.watch(workers, label=label)

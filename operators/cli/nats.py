@@ -5,18 +5,19 @@ line on stderr and an exit code, never a traceback.
 
 KV events cross NATS here too: a worker publishes its engine's (:func:`publish_kv_events`),
 a ``serve --router kv`` frontend follows them into one index per worker set
-(:func:`follow_kv_events`).
+(:func:`follow_kv_events`), with the load reports the workers send along.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
-from pipeline import PrefixIndex
+from pipeline import PrefixIndex, Worker, WorkerLoad
 
 from .defaults import NATS_CONNECT_TIMEOUT
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from pipeline import WorkerSet
 
 __all__ = (
+    "KvFeed",
     "OneLineErrors",
     "close_nats",
     "connect_nats",
@@ -85,20 +87,30 @@ async def publish_kv_events(
     return publisher.active
 
 
+class KvFeed(NamedTuple):
+    """What the KV router of one worker set reads, fed over NATS."""
+
+    #: the blocks each member holds (its KV events)
+    prefixes: PrefixIndex
+    #: each member's last load report (None: none heard)
+    report: Callable[[Worker[Any, Any]], WorkerLoad | None]
+
+
 async def follow_kv_events(
     task_group: TaskGroup, nc: Client, *, model: str, sets: Iterable[WorkerSet[Any, Any]]
-) -> list[PrefixIndex]:
+) -> list[KvFeed]:
     """One index per worker set, fed from ``task_group`` by the KV events its members
-    publish (see :class:`~pipeline.transports.nats.NatsKvEvents`); returns once every
-    current member was asked for its snapshot."""
+    publish, and their load reports (see :class:`~pipeline.transports.nats.NatsKvEvents`);
+    returns once every current member was asked for its snapshot."""
     from pipeline.transports.nats import NatsKvEvents
 
-    indexes = []
+    feeds = []
     for workers in sets:
         index = PrefixIndex()
-        await task_group.start(NatsKvEvents(nc, model=model, index=index).run, workers)
-        indexes.append(index)
-    return indexes
+        events = NatsKvEvents(nc, model=model, index=index)
+        await task_group.start(events.run, workers)
+        feeds.append(KvFeed(index, events.load_report))
+    return feeds
 
 
 class OneLineErrors(logging.Filter):

@@ -21,7 +21,6 @@ import anyio
 
 from operators.contracts.adapters import EveryWorker
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.http.guard import Guard
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.http.models import Models
 from operators.edges.responses import MemoryResponseStore
@@ -29,15 +28,23 @@ from operators.graph import default_graph
 from operators.serving import ModelSpec, build_app, serve
 from operators.telemetry import SpanBuffer, make_tracer, tracing_options
 from operators.ui import attach_ui
-from pipeline import Engine, PrefixIndex, WorkerSet
+from pipeline import Engine, WorkerSet
 
-from .config import ServeConfig, key_priorities
+from .config import ServeConfig
 from .defaults import MODEL_ENGINES
 from .discovered import DiscoveredModels
-from .engines import load_engine, load_llama_workers, load_tokenizer, watch_engines
+from .engines import (
+    load_engine,
+    load_llama_workers,
+    load_tokenizer,
+    open_remote,
+    watch_engines,
+    watch_upstreams,
+)
 from .insertions import load_insertions
+from .keys import guard, open_budgets, reloader
 from .model_graph import engine_and_options
-from .nats import close_nats, connect_nats, follow_kv_events, one_line
+from .nats import KvFeed, close_nats, connect_nats, follow_kv_events, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 
@@ -49,10 +56,11 @@ if TYPE_CHECKING:
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.edges.responses import ResponseStore
+    from operators.engines.remote import UpstreamFleet
     from operators.text.tokenizer import Tokenizer
     from operators.ui import WorkerGroups
 
-__all__ = ("build_graph", "guard", "run_serve")
+__all__ = ("build_graph", "run_serve")
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 _Engine = Engine[PreprocessedRequest, EngineOutput]
@@ -82,15 +90,6 @@ def build_graph(
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
-
-
-def guard(config: ServeConfig) -> Guard:
-    """The protections ``serve`` was asked for."""
-    return Guard(
-        api_keys=key_priorities(config.api_keys),
-        max_inflight=config.max_inflight,
-        request_timeout=config.request_timeout,
-    )
 
 
 async def _load_llama_sets(
@@ -160,6 +159,11 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         print(f"llm-pipeline: {problem}", file=sys.stderr)
         return 2
     try:
+        protections = guard(config)
+    except ValueError as exc:  # the keys file (naming its line), a key given twice
+        print(f"llm-pipeline: {exc}", file=sys.stderr)
+        return 2
+    try:
         tokenizers = await _tokenizers(config, tokenizer)
     except Exception as exc:  # tokenizers raises plain Exception for a missing file
         print(f"llm-pipeline: cannot load a model's tokenizer: {exc}", file=sys.stderr)
@@ -201,6 +205,11 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 )
             if nc is not None:
                 store = await _nats_store(nc, config, megabytes)
+            if nc is not None and config.api_keys_file is not None:
+                try:
+                    protections.budgets = await open_budgets(nc, stack)
+                except Exception as exc:  # nats-py's errors, a server without JetStream
+                    raise _Unavailable(f"cannot share the keys' limits: {exc}") from exc
         except _Unavailable as exc:
             print(f"llm-pipeline: {exc}", file=sys.stderr)
             return 1
@@ -213,7 +222,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             stack.callback(exporter.shutdown)  # last: what the drain's requests recorded
         app = build_app(
             models=specs,
-            guard=guard(config),
+            guard=protections,
             metrics=metrics,
             responses_store=store,
             tracer=tracer,
@@ -231,6 +240,8 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 engine_name=engine_name,
                 exporting=None if exporter is None else exporter.endpoint,
             )
+
+        path = config.api_keys_file
 
         def announce(host: str, port: int) -> None:
             url = f"http://{_display_host(host)}:{port}"
@@ -250,6 +261,8 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             on_ready=announce,
             log_level=config.log_level,
             drain_timeout=config.drain_timeout,
+            max_header_bytes=config.max_header_bytes,
+            on_hangup=None if path is None else reloader(path, protections),
         )
     return 0
 
@@ -290,11 +303,12 @@ async def _served_models(
     groups: dict[str, WorkerGroups] = {}
     engines: list[Any] = []
     prefill_engines: list[Any] = []
+    fleets: list[UpstreamFleet] = []
     engine_name = "engine"
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
         workers: WorkerSets | None = None
-        kv_indexes: list[PrefixIndex] | None = None
+        kv_feeds: list[KvFeed] | None = None
         embedder: Embedder | None = None
         loaded: Any = None
         local: tuple[_Workers, _Workers | None] | None = None
@@ -311,7 +325,7 @@ async def _served_models(
             if model.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
-                kv_indexes = await follow_kv_events(
+                kv_feeds = await follow_kv_events(
                     tg, nc, model=name, sets=(workers.decode, workers.prefill)
                 )
         elif model.engine.engine == "llama":
@@ -329,6 +343,15 @@ async def _served_models(
                 workers_of = [*decode.members, *(prefill.members if prefill else ())]
                 each: list[Any] = [worker.engine for worker in workers_of]
                 lora = EveryWorker(each)  # (llama engines: each takes adapters)
+        elif model.engine.engine == "remote":
+            try:
+                fleet = await stack.enter_async_context(open_remote(model.engine, tokenizer))
+            except (ConnectionError, ValueError, ImportError) as exc:
+                what = repr(name) if name else "the model"
+                raise _Unavailable(f"cannot serve the upstreams of {what}: {exc}") from exc
+            fleets.append(fleet)
+            name = name or fleet.model  # (the upstream's, unless --model-name says)
+            local = (fleet.workers, None)
         elif model.engine.engine in MODEL_ENGINES:
             try:
                 loaded = await load_engine(model.engine, log_level=config.log_level)
@@ -337,7 +360,7 @@ async def _served_models(
             stack.push_async_callback(loaded.aclose)
             engines.append(loaded)
         engine, options, found = engine_and_options(
-            model, tokenizer, workers, loaded, metrics, kv_indexes, local
+            model, tokenizer, workers, loaded, metrics, kv_feeds, local
         )
         if not specs:
             engine_name = type(engine).__name__
@@ -353,7 +376,9 @@ async def _served_models(
         if found is not None:
             groups[name] = found
     if engines:
-        watch_engines(metrics, engines, prefill=prefill_engines)
+        watch_engines(metrics.registry, engines, prefill=prefill_engines)
+    if fleets:
+        watch_upstreams(metrics.registry, fleets)
     return specs, groups, engine_name
 
 

@@ -16,6 +16,11 @@ the operators record (see :mod:`pipeline.tracing`):
 ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_SERVICE_NAME`` variables;
 :func:`~.setup.make_tracer` builds the tracer they ask for, or None when nothing would
 listen (then nothing is recorded at all). Nothing here imports an OpenTelemetry package.
+
+Beside the spans, :mod:`.engine_metrics` holds the engines' Prometheus collectors
+(``watch_batching(registry, counts)``...): the HTTP edge counts requests and knows no engine,
+so what an engine reports about its batch, KV cache and drafts is registered from here, by
+the entry point that loaded the engine.
 """
 
 from __future__ import annotations

@@ -393,7 +393,14 @@ function renderWorkers(workers) {
       row.append(name);
       cell(row, worker.role);
       cell(row, String(worker.in_flight));
-      cell(row, worker.where);
+      const load = worker.load; // what the worker (an upstream server) last said of its load
+      cell(
+        row,
+        load
+          ? `${worker.where} (${load.decoding} decoding, ${load.waiting} starting, ` +
+              `${load.prefill_tokens} prompt tokens queued)`
+          : worker.where,
+      );
       return row;
     }),
   );

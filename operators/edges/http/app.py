@@ -2,10 +2,15 @@
 
 ::
 
-    request --> route (exact path, else a {name} template) --> API key (guarded routes)
+    request --> CORS (an allowed Origin: its headers; a preflight: 204)
+            --> route (exact path, else a {name} template) --> API key (guarded routes):
+                its Tenant (call.tenant: its name, limits, models)
+            --> a JSON route's body must say content-type: application/json (else 415)
+            --> a metered route: admitted on its key's limits (429), settled after
             --> the edge's handler --> its model (app.models) --> that model's graph
             --> llm_pipeline_requests_total{endpoint, status, model}
     GET /health, GET /metrics: the app's own, never guarded
+    GET /v1/usage: each key's usage (:mod:`.usage`)
 
 The app knows no API and routes every API by model the same way (:mod:`.models`: each
 model its own graph; an unknown model is a 404 in the edge's words). Each
@@ -23,15 +28,32 @@ bytes once, buffer it, write" (:mod:`.sse_writer`); dispatch is one dict lookup.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, TypeVarTuple
+
+import anyio
+import anyio.to_thread
 
 from .asgi import Receive, Scope, Send, send_json
-from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
+from .cors import answer_preflight, with_cors
+from .failures import (
+    ClientGone,
+    ErrorStyle,
+    Refusal,
+    method_not_allowed,
+    not_json,
+    unauthorized,
+    unknown_path,
+)
 from .generation import Generations
 from .guard import Guard
+from .ledger import UsageLedger
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
-from .routes import Call, Edge, Route
+from .routes import Call, Edge, Prepare, Route
+from .schema import OFF_LOOP_BYTES
+from .sse_writer import CLIENT_GONE
+from .tenants import ANONYMOUS, Tenant
+from .usage import usage_routes
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -39,8 +61,13 @@ if TYPE_CHECKING:
 
 __all__ = ("MAX_BODY_BYTES", "EdgeApp", "Pages")
 
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+#: methods whose body a JSON route reads
+_WITH_BODY: Final = frozenset({"POST", "PUT", "PATCH"})
 
 Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
 """A handler of the GET paths no edge serves (the web UI): the status it answered with, or
@@ -93,18 +120,25 @@ class EdgeApp:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         #: what answers the GET paths no edge serves (the web UI), or None
         self.pages = pages
+        #: each key's usage, by model and minute (``GET /v1/usage``)
+        self.ledger = UsageLedger()
         self._generations = Generations(
             self._models,
             guard=self._guard,
             metrics=self.metrics,
             max_body_bytes=max_body_bytes,
             tracer=tracer,
+            ledger=self.ledger,
         )
+        #: large bodies are parsed off the event loop, one at a time (created on first use)
+        self._limiter: anyio.CapacityLimiter | None = None
         self._exact: dict[str, _Methods] = {}
         self._templates: list[tuple[tuple[str, ...], _Methods]] = []
         for edge in edges:
             for route in edge.routes(self):
                 self._add(route)
+        for route in usage_routes(self.ledger, errors):
+            self._add(route)
 
     def _add(self, route: Route) -> None:
         segments = tuple(route.path.strip("/").split("/"))
@@ -144,9 +178,34 @@ class EdgeApp:
         return "" if default is None else default.name
 
     @property
+    def errors(self) -> ErrorStyle:
+        """How the app itself says what went wrong (unknown paths, a 431)."""
+        return self._errors
+
+    @property
     def generations(self) -> Generations:
         """The generation requests in flight and the rules they run under."""
         return self._generations
+
+    async def generate(
+        self, call: Call, prepare: Prepare, errors: ErrorStyle, *, route: str | None = None
+    ) -> int:
+        """Serve ``call`` as a generation request (:meth:`.generation.Generations.run`)."""
+        return await self._generations.run(call, errors, prepare, route=route)
+
+    async def read_body(self, call: Call) -> bytes:
+        """The request's body, bounded (:meth:`.generation.Generations.read_body`)."""
+        return await self._generations.read_body(call)
+
+    async def offload(self, size: int, work: Callable[[*Ts], T], *args: *Ts) -> T:
+        """``work(*args)``: in a worker thread, one at a time, when ``size`` is over
+        :data:`~.schema.OFF_LOOP_BYTES` (parsing 250k items takes a second of one core,
+        which must not stall the other requests), else here."""
+        if size <= OFF_LOOP_BYTES:
+            return work(*args)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter)
 
     @property
     def guard(self) -> Guard:
@@ -212,12 +271,19 @@ class EdgeApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        origin, content_type, preflight = _headers(scope)
+        if origin is not None and self._guard.cors and self._guard.origin_allowed(origin):
+            if method == "OPTIONS" and preflight is not None:
+                await answer_preflight(send, origin, scope)
+                self.metrics.count_request("other", 204)
+                return
+            send = with_cors(send, origin)
         if path == "/health" or path == "/metrics":
             await self._own(path, method, send)
             return
         found = self._match(path)
         if found is None:
-            if path.startswith("/v1/") and not await self._admitted(scope, send, self._errors):
+            if path.startswith("/v1/") and await self._admitted(scope, send, self._errors) is None:
                 self.metrics.count_request("other", 401)
                 return
             answered = None
@@ -233,31 +299,65 @@ class EdgeApp:
         methods, params = found
         route = methods.get("GET" if method == "HEAD" else method)
         any_route = route if route is not None else next(iter(methods.values()))
-        if any_route.guarded and not await self._admitted(scope, send, any_route.errors):
-            self.metrics.count_request(any_route.endpoint, 401)
-            return
+        tenant = ANONYMOUS
+        if any_route.guarded:
+            found_tenant = await self._admitted(scope, send, any_route.errors)
+            if found_tenant is None:
+                self.metrics.count_request(any_route.endpoint, 401)
+                return
+            tenant = found_tenant
         if route is None:
             error = method_not_allowed(path, methods.allowed())
             rendered = any_route.errors.render(error)
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             self.metrics.count_request(any_route.endpoint, rendered.status)
             return
+        if route.json and method in _WITH_BODY and not _is_json(content_type):
+            rendered = route.errors.render(not_json(_text(content_type)))
+            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            self.metrics.count_request(route.endpoint, rendered.status)
+            return
         owner = self._guard.owner(scope) if self._guard.requires_key else ""
-        call = Call(scope, receive, send, params, owner)
-        status = await route.handler(call)
+        call = Call(scope, receive, send, params, owner, tenant=tenant)
+        if route.metered:
+            status = await self._metered(route, call)
+        else:
+            try:
+                status = await route.handler(call)
+            except ClientGone:
+                status = CLIENT_GONE
         self.metrics.count_request(route.endpoint, status, call.model)
 
-    async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> bool:
-        """Whether the request may go on (no keys, or a valid one); a 401 otherwise."""
-        if not self._guard.requires_key:
-            return True
-        allowed, presented = self._guard.check_key(scope)
-        if allowed:
-            return True
+    async def _metered(self, route: Route, call: Call) -> int:
+        """Serve ``call`` on a metered route: admitted on its key's limits first (a 429 in
+        the route's words), settled once the handler answered."""
+        try:
+            ticket = await self._generations.admission.enter(call.tenant, call.receive)
+        except Refusal as exc:
+            rendered = route.errors.render(exc.error)
+            await send_json(call.send, rendered.status, rendered.body, rendered.headers)
+            return rendered.status
+        call.ticket = ticket
+        status = 500
+        try:
+            status = await route.handler(call)
+        except ClientGone:
+            status = CLIENT_GONE
+        finally:
+            ticket.model = call.model
+            await ticket.settle(status)
+        return status
+
+    async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> Tenant | None:
+        """The request's tenant (no keys: :data:`~.tenants.ANONYMOUS`); None, after a 401,
+        when it presented no valid key."""
+        tenant, presented = self._guard.identify(scope)
+        if tenant is not None:
+            return tenant
         rendered = errors.render(unauthorized(presented))
         await send_json(send, rendered.status, rendered.body, rendered.headers)
         self.metrics.rejected.labels("invalid_api_key").inc()
-        return False
+        return None
 
     async def _own(self, path: str, method: str, send: Send) -> None:
         """``/health`` and ``/metrics``: open to probes and scrapers, GET only."""
@@ -281,6 +381,30 @@ class EdgeApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         self.metrics.count_request(path, status)
+
+
+def _headers(scope: Scope) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The request's ``Origin``, ``Content-Type`` and ``Access-Control-Request-Method``."""
+    origin = content_type = preflight = None
+    for name, value in scope.get("headers", ()):
+        if name == b"origin":
+            origin = value
+        elif name == b"content-type":
+            content_type = value
+        elif name == b"access-control-request-method":
+            preflight = value
+    return origin, content_type, preflight
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json``, with or without parameters (``; charset=utf-8``)."""
+    if content_type is None:
+        return False
+    return content_type.partition(b";")[0].strip().lower() == b"application/json"
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")[:100]
 
 
 def _models(

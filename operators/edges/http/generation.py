@@ -1,19 +1,28 @@
 """A generation request's life, the same for every edge: :class:`Generations`.
 
 An edge only says how its API's body becomes a graph request and how the graph's events
-become its API's response (an :class:`Exchange` carrying a :class:`Reply`). Everything
-else happens here, once, for chat completions, Responses, Messages and a user's own edge::
+become its API's response (an :class:`~.routes.Exchange` carrying a
+:class:`~.routes.Reply`). Everything else happens here, once, for chat completions,
+Responses, Messages and a user's own edge (``host.generate(call, prepare, errors)``)::
 
     read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
-                                           (its model resolved: its graph, :mod:`.models`)
-    draining? (503)  at max_inflight? (admission: the edge says 503 or 529)
-    no priority given? the API key's default (Guard)
+                                           (its model resolved: its graph, :mod:`.models`,
+                                           among the ones its key may use)
+    draining? (503)
+    no priority given? the API key's default (its Tenant)
+    admission (:mod:`.admission`): the key's limits (429), a slot of max_inflight or a
+        wait in the fair queue for one (the edge says 503 or 529; 504 at the deadline)
     x-request-id (unique in flight), the deadline (Guard), a Context
     run the graph under open_stream, a watcher task killing it when the client leaves
         stream:  the reply renders each event; sse_writer decides when bytes leave
         whole:   the reply folds the events into one body
+        the graph's first event (the prompt tokenized, the engine not yet asked): the
+        prompt's tokens and the output it may generate are reserved of the key's tokens
+        per minute (429 before any byte)
     a kill by the server (deadline: timeout, drain's abort: unavailable) or a failure
         -> the edge's ErrorStyle (before any byte) or the reply's failure event (after)
+    the end: the ticket is settled (the tokens its usage says; the slot freed, the next
+        waiting request admitted; the key's usage counted)
 
 :meth:`Generations.drain` refuses new requests and lets the in-flight ones finish;
 :meth:`Generations.abort` kills what is left, each ending with an error, never a finish
@@ -27,20 +36,18 @@ that the graph's stages hang under.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
 from pipeline import Context, InvalidRequest, open_stream
+from pipeline.priority import priority_of
 
+from .admission import Admission
 from .asgi import (
     BodyTooLarge,
-    Receive,
-    Scope,
-    Send,
+    conversation_key,
     id_header,
     kill_on_disconnect,
     read_body,
@@ -49,106 +56,40 @@ from .asgi import (
 )
 from .failures import (
     ApiError,
+    ClientGone,
     ErrorStyle,
     Refusal,
-    at_capacity,
     body_too_large,
     describe_failure,
     draining,
+    rate_headers,
     shut_down,
     timed_out,
 )
+from .ledger import UsageLedger
 from .request_span import (
     finish_request,
+    record_admission,
     record_first_token,
     record_request,
     record_usage,
     start_request,
 )
-from .routes import MODEL_SCOPE_KEY
+from .reservation import estimate
+from .running import Running
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 
 if TYPE_CHECKING:
     from pipeline import Engine
     from pipeline.tracing import Span, Tracer
 
+    from .admission import Ticket
     from .guard import Guard
-    from .metrics import ModelMetrics, ServerMetrics
+    from .metrics import ServerMetrics
     from .models import Models
+    from .routes import Call, Exchange, Prepare
 
-__all__ = ("Exchange", "Generations", "KeepAlive", "Prepare", "Reply")
-
-E_contra = TypeVar("E_contra", contravariant=True)
-
-
-class Reply(Protocol[E_contra]):
-    """How one request's events become its API's response: the edge's rendering half.
-
-    A stream calls :meth:`start` with the graph's first event, then the renderer it
-    returns for every event (that first one too); :meth:`visible` tells which event is
-    the first worth committing the response for, :meth:`end` gives the stream's last bytes
-    once the graph ended well, :meth:`failure` the last event of a stream that failed. A
-    whole response calls :meth:`body` with every event instead.
-
-    A reply may also have a ``usage`` attribute: the graph's ``Usage`` event once it went
-    by, which a traced request's span records.
-    """
-
-    def start(self, first: E_contra, /) -> Callable[[E_contra], bytes]:
-        """The renderer of this response's events (bytes, or b"" to write nothing)."""
-        ...
-
-    def visible(self, event: E_contra, /) -> bool:
-        """Whether ``event`` shows the client something (the first one commits)."""
-        ...
-
-    async def end(self) -> bytes:
-        """The stream's last bytes, after its last event (may store state first)."""
-        ...
-
-    def failure(self, error: ApiError, /) -> bytes:
-        """A failed stream's last event."""
-        ...
-
-    async def body(self, events: list[Any], /) -> bytes:
-        """The whole (non-streamed) response's JSON body."""
-        ...
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens generated so far (the response's usage, once seen), for the metrics."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class KeepAlive:
-    """What a quiet stream writes to show it is alive, and after how long."""
-
-    data: bytes
-    interval: float
-
-
-@dataclass(slots=True)
-class Exchange:
-    """A parsed request, ready for the graph: what an edge's ``prepare`` returns."""
-
-    #: what the graph takes (for the default graph: an OpenAI chat or completions request)
-    request: Any
-    stream: bool
-    reply: Reply[Any]
-    #: the graph to run (None: the graph of ``model``)
-    graph: Engine[Any, Any] | None = None
-    keep_alive: KeepAlive | None = None
-    #: the id the response is named by (for traces; None: OpenAI's, from the request id)
-    response_id: str | None = None
-    #: the served model it runs on, as :meth:`~.models.Models.resolve` named it (None: the
-    #: default model); labels its metrics and its span
-    model: str | None = None
-
-
-Prepare = Callable[[bytes], Awaitable[Exchange]]
-"""An edge's parser: the body -> an :class:`Exchange`; raises ``InvalidRequest`` or
-:class:`~.failures.Refusal` to refuse it."""
+__all__ = ("Generations",)
 
 
 @final
@@ -156,13 +97,14 @@ class Generations:
     """The generation requests in flight, and the rules they all run under.
 
     Args:
-        models: the models served: an :class:`Exchange` runs on its model's graph (unless
+        models: the models served: an exchange runs on its model's graph (unless
             it brings its own), the default model's when it names none.
-        guard: admission control, deadlines, and the API keys' default priorities (keys
-            are checked before dispatch).
+        guard: admission control, deadlines, the API keys' terms (keys are checked
+            before dispatch).
         metrics: in-flight gauge, durations, tokens, rejections, timeouts.
         max_body_bytes: larger bodies get a 413.
         tracer: traces every generation request (None: none is traced, nothing is done).
+        ledger: where each key's usage is counted (a fresh one if None).
     """
 
     def __init__(
@@ -173,10 +115,13 @@ class Generations:
         metrics: ServerMetrics,
         max_body_bytes: int,
         tracer: Tracer | None = None,
+        ledger: UsageLedger | None = None,
     ) -> None:
         self.models = models
         self.guard = guard
         self.metrics = metrics
+        #: who may run now, on what terms, and each key's use counted
+        self.admission = Admission(guard, metrics, UsageLedger() if ledger is None else ledger)
         self.max_body_bytes = max_body_bytes
         #: what traces the requests (None: untraced)
         self.tracer = tracer
@@ -201,68 +146,74 @@ class Generations:
 
     def abort(self) -> None:
         """End every in-flight generation request now, down to the engine, each with an
-        error (a stream's failure event, or a whole response's error body)."""
+        error (a stream's failure event, or a whole response's error body); the ones
+        waiting for a slot are refused (503)."""
+        self.admission.close()
         for ctx in list(self._contexts):
             self._aborted.add(ctx)
             ctx.kill()
 
+    async def read_body(self, call: Call) -> bytes:
+        """The request's body, at most ``max_body_bytes``.
+
+        Raises:
+            Refusal: a larger body (413).
+            ClientGone: the client left before it was read.
+        """
+        try:
+            body = await read_body(call.receive, self.max_body_bytes)
+        except BodyTooLarge:
+            raise Refusal(body_too_large(self.max_body_bytes)) from None
+        if body is None:
+            raise ClientGone
+        return body
+
     async def run(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        errors: ErrorStyle,
-        prepare: Prepare,
-        *,
-        route: str | None = None,
+        self, call: Call, errors: ErrorStyle, prepare: Prepare, *, route: str | None = None
     ) -> int:
         """Serve one generation request; the status it ended with (499: the client left).
 
         ``errors`` says what went wrong before the response started; ``prepare`` turns the
-        body into the :class:`Exchange` to run; ``route`` names the endpoint in its span
-        (the path if None).
+        body into the :class:`~.routes.Exchange` to run; ``route`` names the endpoint in
+        its span (the path if None). ``call.model`` is set to the model it runs on.
         """
         started = perf_counter()
         metrics = self.metrics
         metrics.inflight.inc()
         tracer = self.tracer
-        span = None if tracer is None else start_request(tracer, scope, route or scope["path"])
+        scope = call.scope
+        span = None
+        if tracer is not None:
+            span = start_request(tracer, scope, route or scope["path"], owner=call.owner)
         status = 500
         error: BaseException | None = None
-        served = [""]  # the model it ran on, once known
         try:
-            status = await self._serve(scope, receive, send, errors, prepare, started, span, served)
+            status = await self._serve(call, errors, prepare, started, span)
             return status
         except BaseException as exc:
             error = exc
             raise
         finally:
             metrics.inflight.dec()
-            metrics.for_model(served[0]).request_duration.observe(perf_counter() - started)
+            metrics.for_model(call.model).request_duration.observe(perf_counter() - started)
             if span is not None:
                 finish_request(span, status, error)
 
     async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        errors: ErrorStyle,
-        prepare: Prepare,
-        started: float,
-        span: Span | None,
-        served: list[str],
+        self, call: Call, errors: ErrorStyle, prepare: Prepare, started: float, span: Span | None
     ) -> int:
+        scope, receive, send = call.scope, call.receive, call.send
+
         async def refuse(error: ApiError, request_id: str | None = None) -> int:
             rendered = errors.render(error, request_id)
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             return rendered.status
 
         try:
-            body = await read_body(receive, self.max_body_bytes)
-        except BodyTooLarge:
-            return await refuse(body_too_large(self.max_body_bytes))
-        if body is None:
+            body = await self.read_body(call)
+        except Refusal as exc:
+            return await refuse(exc.error)
+        except ClientGone:
             return CLIENT_GONE
         try:
             exchange = await prepare(body)
@@ -272,22 +223,73 @@ class Generations:
             return await refuse(describe_failure(exc, "(not started)"))
         graph = exchange.graph
         model_name = exchange.model
+        tenant = call.tenant
         if graph is None or model_name is None:
             try:
-                model = self.models.resolve(model_name)
+                model = self.models.resolve(model_name, tenant.may_use if tenant.models else None)
             except Refusal as exc:
                 return await refuse(exc.error)
             model_name = model.name
             graph = model.graph if graph is None else graph
-        served[0] = scope[MODEL_SCOPE_KEY] = model_name
-        metrics = self.metrics.for_model(model_name)
+        call.model = model_name
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             return await refuse(draining())
-        limit = self.guard.max_inflight
-        if limit is not None and len(self._contexts) >= limit:
-            self.metrics.rejected.labels("max_inflight").inc()
-            return await refuse(at_capacity(limit))
+        request = exchange.request
+        if getattr(request, "priority", 0) is None:  # the API key's default, else 0
+            request.priority = tenant.priority
+        context = self._context_of(model_name)
+        known, cost = estimate(request, len(body), context, tenant.limits.tokens_per_minute)
+        time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
+        arrived = anyio.current_time()
+        try:
+            ticket = await self.admission.enter(
+                tenant,
+                receive,
+                model=model_name,
+                tokens=known,
+                cost=cost,
+                priority=priority_of(request),
+                slot=True,
+                time_limit=time_limit,
+            )
+        except Refusal as exc:
+            return await refuse(exc.error)
+        except ClientGone:
+            return CLIENT_GONE
+        status = 500
+        try:
+            status = await self._admitted(
+                call, errors, exchange, graph, ticket, context, started, span, arrived, time_limit
+            )
+            return status
+        finally:
+            await ticket.settle(status, getattr(exchange.reply, "usage", None))
+
+    async def _admitted(
+        self,
+        call: Call,
+        errors: ErrorStyle,
+        exchange: Exchange,
+        graph: Engine[Any, Any],
+        ticket: Ticket,
+        context: int | None,
+        started: float,
+        span: Span | None,
+        arrived: float,
+        time_limit: float | None,
+    ) -> int:
+        """Run an admitted request (``ticket``), through its graph."""
+        scope, receive, send = call.scope, call.receive, call.send
+        model_name = ticket.model
+        rates = ticket.rates
+
+        async def refuse(error: ApiError, request_id: str | None = None) -> int:
+            rendered = errors.render(error, request_id)
+            headers = rendered.headers + rate_headers(errors, rates)
+            await send_json(send, rendered.status, rendered.body, headers)
+            return rendered.status
+
         try:
             request_id, metadata = request_identity(scope)
             if request_id is not None and any(c.id == request_id for c in self._contexts):
@@ -295,22 +297,25 @@ class Generations:
                     f"a request with x-request-id {request_id!r} is already in flight",
                     param="x-request-id",
                 )
+            conversation = conversation_key(metadata)
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
-        time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
         request = exchange.request
-        if getattr(request, "priority", 0) is None:  # the API key's default, else 0
-            request.priority = self.guard.priority_for(scope)
+        if conversation is not None:
+            _name_conversation(request, conversation)
         tracer = self.tracer
         ctx = Context.new(
-            exchange.request,
+            request,
             id=request_id,
             metadata=metadata,
-            deadline=None if time_limit is None else anyio.current_time() + time_limit,
+            deadline=None if time_limit is None else arrived + time_limit,
             span=span if tracer is not None and tracer.stages else None,
         )
         if span is not None:
-            record_request(span, exchange.request, ctx.id, model_name, exchange.response_id)
+            record_request(
+                span, request, ctx.id, model_name, exchange.response_id, stream=exchange.stream
+            )
+            record_admission(span, ticket.tenant.name, ticket.arrival, ticket.admission)
         self._contexts.add(ctx)
         status = CLIENT_GONE
         failed: BaseException | None = None
@@ -318,6 +323,27 @@ class Generations:
         def ended_by_server(ctx: Context[Any]) -> ApiError | None:
             return self._ended_by_server(ctx, time_limit)
 
+        async def on_head(head: Any) -> None:
+            prompt = getattr(head, "prompt_tokens", None)
+            if isinstance(prompt, int):
+                await ticket.reserve(prompt, request, context)
+
+        def headers() -> tuple[tuple[bytes, bytes], ...]:
+            return rate_headers(errors, ticket.rates)
+
+        run = Running(
+            graph=graph,
+            ctx=ctx,
+            send=send,
+            reply=exchange.reply,
+            errors=errors,
+            started=started,
+            metrics=self.metrics.for_model(model_name),
+            ended_by_server=ended_by_server,
+            span=span,
+            on_head=on_head,
+            headers=headers,
+        )
         try:
             async with anyio.create_task_group() as watcher:
                 watcher.start_soon(kill_on_disconnect, receive, ctx)
@@ -333,30 +359,9 @@ class Generations:
                                 exchange.keep_alive.data,
                                 exchange.keep_alive.interval,
                             )
-                        status = await stream_response(
-                            graph,
-                            ctx,
-                            send,
-                            exchange.reply,
-                            errors=errors,
-                            started=started,
-                            metrics=metrics,
-                            ended_by_server=ended_by_server,
-                            state=state,
-                            span=span,
-                        )
+                        status = await stream_response(run, state)
                     else:
-                        status = await self._complete(
-                            graph,
-                            ctx,
-                            send,
-                            exchange.reply,
-                            errors,
-                            ended_by_server,
-                            span,
-                            started,
-                            metrics,
-                        )
+                        status = await self._complete(run)
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
@@ -371,6 +376,15 @@ class Generations:
             record_usage(span, usage, list(getattr(usage, "finish_reasons", ())))
         return status
 
+    def _context_of(self, model: str) -> int | None:
+        """The context length of the served model ``model`` (None: unknown)."""
+        served = self.models.get(model)
+        if served is None:
+            return None
+        preprocessor = served.preprocessor
+        known = getattr(preprocessor, "max_model_len", None) if preprocessor is not None else None
+        return known if isinstance(known, int) else served.context
+
     def _ended_by_server(self, ctx: Context[Any], time_limit: float | None) -> ApiError | None:
         """Why a killed request was killed, if the server did it; None when the client
         went away."""
@@ -382,47 +396,62 @@ class Generations:
             return timed_out(time_limit)
         return None
 
-    async def _complete(
-        self,
-        graph: Engine[Any, Any],
-        ctx: Context[Any],
-        send: Send,
-        reply: Reply[Any],
-        errors: ErrorStyle,
-        ended_by_server: Callable[[Context[Any]], ApiError | None],
-        span: Span | None,
-        started: float,
-        metrics: ModelMetrics,
-    ) -> int:
+    async def _complete(self, run: Running) -> int:
         """Run the graph to the end and send the folded response as one JSON body."""
+        ctx, send, reply, span = run.ctx, run.send, run.reply, run.span
         error: ApiError | None = None
         try:
-            async with open_stream(graph, ctx) as stream:
+            async with open_stream(run.graph, ctx) as stream:
+                events: list[Any] = []
+                async for head in stream:  # the first event (it may refuse the request)
+                    if run.on_head is not None:
+                        await run.on_head(head)
+                    events.append(head)
+                    break
                 if span is None:
-                    events = [event async for event in stream]
+                    events.extend([event async for event in stream])
                 else:  # (noting on the span when the first text came)
-                    events = []
                     seen = False
+                    for event in events:
+                        seen = seen or reply.visible(event)
+                    if seen:
+                        record_first_token(span, run.started)
                     async for event in stream:
                         events.append(event)
                         if not seen and reply.visible(event):
                             seen = True
-                            record_first_token(span, started)
+                            record_first_token(span, run.started)
             if not ctx.is_killed:
                 body = await reply.body(events)
         except Exception as exc:
             if not ctx.is_killed:
                 error = describe_failure(exc, ctx.id)
         if ctx.is_killed:
-            error = ended_by_server(ctx)
+            error = run.ended_by_server(ctx)
             if error is None:
                 return CLIENT_GONE
         if error is not None:
-            rendered = errors.render(error, ctx.id)
+            rendered = run.errors.render(error, ctx.id)
             await send_json(send, rendered.status, rendered.body, rendered.headers + id_header(ctx))
             return rendered.status
         tokens = reply.output_tokens
         if tokens:
-            metrics.output_tokens.inc(tokens)
-        await send_json(send, 200, body, id_header(ctx))
+            run.metrics.output_tokens.inc(tokens)
+        headers = id_header(ctx) if run.headers is None else id_header(ctx) + run.headers()
+        await send_json(send, 200, body, headers)
         return 200
+
+
+#: where a graph's request keeps its conversation: the OpenAI models' field, the token
+#: request's (``PreprocessedRequest.affinity``: the tokens-in/tokens-out edge's)
+_CONVERSATION_FIELDS = ("prompt_cache_key", "affinity")
+
+
+def _name_conversation(request: Any, key: str) -> None:
+    """The ``x-session-affinity`` header names ``request``'s conversation, unless its body
+    did (every edge's: a request of any API carries it to the router)."""
+    for field in _CONVERSATION_FIELDS:
+        if hasattr(request, field):
+            if getattr(request, field) is None:
+                setattr(request, field, key)
+            return

@@ -3,6 +3,7 @@
 uvicorn (httptools parser) on the running asyncio loop, with this module, not uvicorn,
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
 
+    SIGHUP --> on_hangup()          (when given: the keys file reloaded, nothing dropped)
     signal --> app.drain()          new requests get 503, in-flight ones run on
            --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
     drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
@@ -14,6 +15,11 @@ the drain timeout or gets an error event, so a client can tell a cut answer from
 one. The process is gone at most :data:`EXIT_AFTER_ABORT` seconds after the drain timeout,
 so ``drain_timeout`` plus that is what to fit in a supervisor's grace period (Kubernetes:
 ``terminationGracePeriodSeconds``, 30 s by default, then SIGKILL).
+
+A request's line and headers are bounded (``max_header_bytes``, 64 KiB by default): past the
+bound the connection gets a 431 and is closed before the rest is read. httptools (llhttp)
+sets no bound of its own and buffers a header however long, so the protocol counts the
+bytes it feeds the parser until the head ends (:func:`bounded_protocol`).
 
 Streams never wait on Nagle's algorithm: uvicorn writes the response head and each event
 in separate ``transport.write`` calls, and uvloop sets TCP_NODELAY on every accepted
@@ -31,15 +37,19 @@ from typing import TYPE_CHECKING, Final
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .failures import headers_too_large
 
 if TYPE_CHECKING:
+    import asyncio
     import socket
 
     from anyio.abc import TaskStatus
 
     from .app import EdgeApp
 
-__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "serve")
+__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "MAX_HEADER_BYTES", "bounded_protocol", "serve")
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,65 @@ DRAIN_TIMEOUT: Final = 25.0
 #: after the drain timeout's abort, how long the error events have to reach their clients
 #: before the exit is forced
 EXIT_AFTER_ABORT: Final = 3.0
+#: the most bytes a request's line and headers may take (``--max-header-bytes``)
+MAX_HEADER_BYTES: Final = 64 * 1024
+_HEAD_END: Final = b"\r\n\r\n"
+
+
+def bounded_protocol(limit: int, refusal: bytes) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, answering ``refusal`` (a whole HTTP response) and
+    closing the connection once a request's head (its line and headers) passes ``limit``
+    bytes.
+
+    The bytes are counted as they arrive, before the parser sees them (llhttp buffers a
+    header of any length: a 64 MiB one stalled the server for seconds); a chunk that ends
+    the head counts up to the blank line only, so a body sent with the head is not taken
+    for headers.
+    """
+
+    class BoundedHead(HttpToolsProtocol):
+        _in_head = True
+        _head_bytes = 0
+        _tail = b""
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes, self._tail = False, 0, b""
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head = True
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                seen = self._tail + data
+                end = seen.find(_HEAD_END)
+                counted = len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+                self._head_bytes += counted
+                self._tail = seen[-3:]
+                if self._head_bytes > limit:
+                    self.transport.write(refusal)
+                    self.transport.close()
+                    return
+            super().data_received(data)
+
+    return BoundedHead
+
+
+def _refusal(app: EdgeApp, limit: int) -> bytes:
+    """The 431 response, whole, in the app's error style."""
+    rendered = app.errors.render(headers_too_large(limit))
+    head = [
+        b"HTTP/1.1 431 Request Header Fields Too Large",
+        b"content-type: application/json",
+        b"content-length: %d" % len(rendered.body),
+        b"connection: close",
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + rendered.body
 
 
 class _Server(uvicorn.Server):
@@ -78,6 +147,8 @@ async def serve(
     drain_timeout: float = DRAIN_TIMEOUT,
     handle_signals: bool = True,
     log_level: str = "warning",
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    on_hangup: Callable[[], object] | None = None,
 ) -> None:
     """Serve ``app`` over HTTP (uvicorn, httptools) until SIGINT or SIGTERM.
 
@@ -86,7 +157,10 @@ async def serve(
     503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
     finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
     exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
-    A second signal forces the exit. Returns normally after a signal-initiated shutdown.
+    A second signal forces the exit. A request whose line and headers are over
+    ``max_header_bytes`` gets a 431 and its connection is closed. With ``on_hangup``, a
+    SIGHUP calls it (and serving goes on). Returns normally after a signal-initiated
+    shutdown.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
@@ -96,7 +170,7 @@ async def serve(
         app,
         host=host,
         port=port,
-        http="httptools",
+        http=bounded_protocol(max_header_bytes, _refusal(app, max_header_bytes)),
         loop="none",
         lifespan="off",
         log_level=log_level,
@@ -124,10 +198,14 @@ async def serve(
                 server.force_exit = True
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        wanted = (signal.SIGINT, signal.SIGTERM, *(() if on_hangup is None else (signal.SIGHUP,)))
+        with anyio.open_signal_receiver(*wanted) as signals:
             task_status.started()
             async for signum in signals:
-                if server.should_exit:
+                if signum == signal.SIGHUP:
+                    assert on_hangup is not None
+                    on_hangup()
+                elif server.should_exit:
                     logger.warning("second %s: forcing the exit", signal.Signals(signum).name)
                     app.abort()
                     server.force_exit = True

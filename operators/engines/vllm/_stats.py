@@ -10,9 +10,33 @@ on a small machine is taken from the engine; ours only keeps the last values, re
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, NamedTuple, final
 
-__all__ = ("SchedulerCounts", "stat_logger_class")
+__all__ = ("SchedulerCounts", "VllmStatistics", "stat_logger_class")
+
+
+class VllmStatistics(NamedTuple):
+    """Counters and gauges of a :class:`VllmEngine` (counters since it was created)."""
+
+    #: requests that reached vLLM (refused ones are not counted)
+    requests: int
+    #: prompt tokens of those requests (once per request, also for n > 1)
+    prompt_tokens: int
+    #: tokens generated, over all choices
+    generated_tokens: int
+    #: prompt tokens vLLM found in its prefix cache
+    cached_prompt_tokens: int
+    #: requests (choices) vLLM is running now, as of its last step
+    running_requests: int = 0
+    #: requests (choices) waiting for room in vLLM's batch or KV cache
+    waiting_requests: int = 0
+    #: the fraction of vLLM's KV cache blocks in use (0..1)
+    kv_cache_usage: float = 0.0
+    #: prompt tokens vLLM looked up in its prefix cache, and found there
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    #: requests vLLM preempted (their KV was dropped for room and recomputed later)
+    preemptions: int = 0
 
 
 @final

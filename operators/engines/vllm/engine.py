@@ -4,9 +4,12 @@ vLLM is a server of its own: its engine core (scheduler, model, KV cache) runs i
 process, and ``AsyncLLM`` in ours turns its outputs into per-request queues from a task on
 the event loop. What this module adds is the contract's edge: a request's token ids go in
 as they are (``tokens_input``: vLLM neither tokenizes nor detokenizes), each choice's new
-tokens come out as :class:`~operators.contracts.llm.EngineOutput` steps, and a request that ends
-early, however it ends (a kill, a closed stream, a stop, an error), is aborted inside vLLM
-before ``generate`` returns, so its KV blocks are freed at once.
+tokens come out as :class:`~operators.contracts.llm.EngineOutput` steps, and a request that
+ends early, however it ends (a kill, a closed stream, a stop, an error), is aborted inside vLLM
+before ``generate`` returns, so its KV blocks are freed at once. Starting and stopping vLLM
+itself (its processes, its tasks on our event loop, its KV event socket) is
+:class:`~._runtime.VllmRuntime`'s; the mapping of a request to vLLM's sampling parameters is
+``_sampling``'s.
 
 The request's task holds no task group across a ``yield``; it only waits on its queue. The
 abort on the way out is shielded: it is one message to the engine core, and a cancelled
@@ -15,62 +18,36 @@ request must not leave vLLM generating for nobody.
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import itertools
-import logging
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
-from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
-from operators.engines._grammar import lark_grammar
+from operators.contracts.llm import (
+    CONSTRAINED_DECODING,
+    LORA,
+    REASONING_BUDGET,
+    EngineOutput,
+    PreprocessedRequest,
+)
 from operators.engines._kv_delivery import KvDelivery
+from operators.engines._load_meter import LoadMeter
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
-from pipeline import EngineError, InvalidRequest, StreamDisconnected
+from operators.engines._vllm_kv_events import BlockTranslator
+from pipeline import EngineError, InvalidRequest, StreamDisconnected, WorkerLoad
 
-from ._args import engine_args, import_vllm
-from ._kv_events import BlockTranslator, KvEventListener
 from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
-from ._reaper import ProcessReaper, descendants
-from ._sampling import EngineLimits, SamplingPlan, plan_sampling, replay_args
-from ._stats import SchedulerCounts, stat_logger_class
+from ._runtime import VllmRuntime
+from ._sampling import plan_sampling, sampling_params
+from ._stats import SchedulerCounts, VllmStatistics
 
 if TYPE_CHECKING:
     from pipeline import Context, KvEventSink, KvSnapshot, Stream
 
-__all__ = ("VllmEngine", "VllmStatistics")
-
-logger = logging.getLogger("operators.engines.vllm")
-
-
-class VllmStatistics(NamedTuple):
-    """Counters and gauges of a :class:`VllmEngine` (counters since it was created)."""
-
-    #: requests that reached vLLM (refused ones are not counted)
-    requests: int
-    #: prompt tokens of those requests (once per request, also for n > 1)
-    prompt_tokens: int
-    #: tokens generated, over all choices
-    generated_tokens: int
-    #: prompt tokens vLLM found in its prefix cache
-    cached_prompt_tokens: int
-    #: requests (choices) vLLM is running now, as of its last step
-    running_requests: int = 0
-    #: requests (choices) waiting for room in vLLM's batch or KV cache
-    waiting_requests: int = 0
-    #: the fraction of vLLM's KV cache blocks in use (0..1)
-    kv_cache_usage: float = 0.0
-    #: prompt tokens vLLM looked up in its prefix cache, and found there
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    #: requests vLLM preempted (their KV was dropped for room and recomputed later)
-    preemptions: int = 0
+__all__ = ("VllmEngine",)
 
 
 def _import_error() -> ImportError | None:
@@ -160,9 +137,8 @@ class VllmEngine:
             except InvalidRequest as exc:
                 raise ValueError(f"cannot serve the adapters: {exc.message}") from exc
         #: what this engine honours beyond the base contract (``engine_features``)
-        self.features = frozenset(
-            {CONSTRAINED_DECODING} if self._adapters is None else {CONSTRAINED_DECODING, LORA}
-        )
+        features = {CONSTRAINED_DECODING, REASONING_BUDGET}
+        self.features = frozenset(features if self._adapters is None else {*features, LORA})
         if model is None:
             from .model_dir import default_model_dir
 
@@ -172,84 +148,25 @@ class VllmEngine:
         self._kv = KvDelivery()
         self._kv.set_sink(kv_events)
         self._counts = SchedulerCounts()
+        self._meter = LoadMeter()
         self._requests = self._prompt_tokens = self._generated = self._cached = 0
         self._ids = itertools.count()
         self._closing = False
-        self._sockets = tempfile.mkdtemp(prefix="llmp-vllm-")
-        self._llm: Any = None
-        self._listener: KvEventListener | None = None
-        self._reaper: ProcessReaper | None = None
-        self._tasks_started = False
-        self._zmq_context: Any = None
-        try:
-            self._start(
-                model,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                block_size=vllm_block_size,
-                extra={**lora, **(engine_args or {})},
-                log_level=log_level,
-            )
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, model: str | Path, *, log_level: str, **options: Any) -> None:
-        import_vllm(log_level)
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        endpoint = f"ipc://{self._sockets}/kv-events"
-        args = engine_args(model, kv_endpoint=endpoint, on_cpu=current_platform.is_cpu(), **options)
-        before = descendants()
-        try:
-            # (no local name for it: a frame of this call outlives it, captured by an
-            # import below, and would keep it alive until the interpreter exits)
-            self._llm = AsyncLLM.from_engine_args(
-                AsyncEngineArgs(**args), stat_loggers=[stat_logger_class(self._counts)]
-            )
-        except Exception as exc:
-            raise EngineError(f"vLLM could not start: {exc}") from exc
-        finally:  # (also when it failed half-way: what it started must not outlive us)
-            self._reaper = ProcessReaper(descendants() - before)
-        config = self._llm.vllm_config
-        model_config = config.model_config
-        self._limits = EngineLimits(
-            vocab_size=model_config.get_vocab_size(),
-            max_model_len=model_config.max_model_len,
-            max_logprobs=model_config.max_logprobs,
-        )
-        self._vllm_block_size = int(config.cache_config.block_size)
-        self._listener = KvEventListener(endpoint, self._translator, self._kv)
-        self._listener.start()
-        try:  # created from a worker thread of an event loop: start vLLM's tasks on it now
-            anyio.from_thread.run_sync(self._start_tasks)
-        except RuntimeError:  # (not in one: the first request starts them)
-            pass
-        logger.info(
-            "vLLM serves %s (max_model_len=%d, block_size=%d)",
+        self._runtime = VllmRuntime(
             model,
-            self._limits.max_model_len,
-            self._vllm_block_size,
+            self._translator,
+            self._kv,
+            self._counts,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size,
+            block_size=vllm_block_size,
+            extra={**lora, **(engine_args or {})},
+            log_level=log_level,
         )
-
-    def _start_tasks(self) -> None:
-        """Start ``AsyncLLM``'s two tasks on the running event loop (its socket reader and
-        its output handler), which it starts by itself only when it is created on that
-        loop, or at the first request: then they would appear under that request, as tasks
-        a request left behind. Idempotent."""
-        llm = self._llm
-        if self._tasks_started or llm is None:
-            return
-        self._tasks_started = True
-        ensure_reader = getattr(llm.engine_core, "_ensure_output_queue_task", None)
-        if ensure_reader is not None:
-            ensure_reader()
-        llm._run_output_handler()
+        self._limits = self._runtime.limits
 
     # ------------------------------------------------------------------------ properties
 
@@ -275,18 +192,17 @@ class VllmEngine:
     @property
     def vllm_block_size(self) -> int:
         """Tokens per block in vLLM's own KV cache."""
-        return self._vllm_block_size
+        return self._runtime.block_size
 
     @property
     def processes(self) -> frozenset[int]:
         """The pids of the processes vLLM started (its engine core and workers)."""
-        reaper = self._reaper
-        return reaper.pids if reaper is not None else frozenset()
+        return self._runtime.processes
 
     @property
     def async_llm(self) -> Any:
         """vLLM's ``AsyncLLM`` (None once closed): for what this class does not wrap."""
-        return self._llm
+        return self._runtime.llm
 
     @property
     def kv_events(self) -> KvEventSink | None:
@@ -301,9 +217,15 @@ class VllmEngine:
 
     def kv_snapshot(self) -> KvSnapshot:
         """Every block held as of the last KV event delivered, with that event's ``seq``."""
-        self._start_tasks()
+        self._runtime.start_tasks()
         self._kv.bind()
         return self._kv.snapshot()
+
+    def load_report(self) -> WorkerLoad:
+        """Its load now, for the KV router: prompt tokens of the requests before their first
+        token (whole: vLLM says what it found cached only with the first token), requests
+        decoding and before their first token, and vLLM's KV cache usage at its last step."""
+        return self._meter.report(self._counts.kv_cache_usage)
 
     def statistics(self) -> VllmStatistics:
         """Counters since the engine was created, and vLLM's load as of its last step."""
@@ -335,7 +257,7 @@ class VllmEngine:
         Raises:
             InvalidRequest: LoRA is off, the name is taken, or vLLM refuses the folder.
         """
-        adapters, llm = self._adapters, self._llm
+        adapters, llm = self._adapters, self._runtime.llm
         if adapters is None or llm is None:
             raise InvalidRequest(
                 "this vLLM engine runs no adapters (start it with one: --lora NAME=DIR)",
@@ -360,28 +282,11 @@ class VllmEngine:
         if self._adapters is None:
             raise KeyError(name)
         lora_id = self._adapters.remove(name)
-        if self._llm is not None:
-            await self._llm.remove_lora(lora_id)
+        llm = self._runtime.llm
+        if llm is not None:
+            await llm.remove_lora(lora_id)
 
     # ------------------------------------------------------------------------ generation
-
-    def _sampling_params(self, request: PreprocessedRequest, plan: SamplingPlan) -> Any:
-        from vllm.sampling_params import (
-            RequestOutputKind,
-            SamplingParams,
-            StructuredOutputsParams,
-        )
-
-        params = dict(plan.params)
-        constraint = request.constraint
-        if constraint is not None:
-            grammar = lark_grammar(constraint)
-            replayed = request.replayed_tokens
-            if replayed:  # continue the grammar past the replayed output (see _replay)
-                params["extra_args"] = replay_args(grammar, request.token_ids[-replayed:])
-            else:
-                params["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
-        return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
 
     async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
         """Stream ``ctx``'s completion: one output per vLLM step and choice (several steps
@@ -399,18 +304,23 @@ class VllmEngine:
         """
         request = ctx.data
         plan = plan_sampling(request, ctx.id, self._limits)
-        llm = self._llm
+        llm = self._runtime.llm
         if llm is None or self._closing:
             raise EngineError("the vllm engine is closed", request_id=ctx.id)
         if plan.budget == 0:
             for index in range(plan.n):
                 yield EngineOutput([], None, None, "length", index)
             return
-        params = self._sampling_params(request, plan)
-        self._start_tasks()
+        params = sampling_params(request, plan)
+        self._runtime.start_tasks()
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
-        queue = await self._submit(llm, ctx, request, params)
+        metered = self._meter.arrived(len(request.token_ids))
+        try:
+            queue = await self._submit(llm, ctx, request, params)
+        except BaseException:
+            metered.close()
+            raise
         self._requests += 1
         self._prompt_tokens += request.prompt_tokens
         logprobs = request.output.logprobs
@@ -431,6 +341,7 @@ class VllmEngine:
                     if cached is None and step.index == 0:
                         cached = step.cached_tokens = output.num_cached_tokens or 0
                         self._cached += cached
+                        metered.prefilled()
                     produced += len(step.token_ids)
                     self._generated += len(step.token_ids)
                     yield step
@@ -441,7 +352,8 @@ class VllmEngine:
         except Exception as exc:  # vLLM's engine died, or failed this request
             raise EngineError(f"vLLM failed: {exc!r}", request_id=ctx.id) from exc
         finally:
-            if not finished and self._llm is not None:
+            metered.close()
+            if not finished and self._runtime.llm is not None:
                 with anyio.CancelScope(shield=True):
                     await llm.abort(queue.request_id, internal=True)
             queue.close()
@@ -485,49 +397,12 @@ class VllmEngine:
         """Stop vLLM (its processes included) without blocking the event loop. Requests
         still running fail with EngineError. Idempotent."""
         self._closing = True
-        # vLLM's tasks are stopped first, on their loop: they would otherwise see the engine
-        # core die under them (and log that as a failure), and its sockets can be closed.
-        tasks = [task for task in _client_tasks(self._llm) if not task.done()]
-        for task in tasks:
-            task.cancel()
-        with anyio.CancelScope(shield=True):
-            if tasks:
-                await asyncio.wait(tasks)
-            await anyio.to_thread.run_sync(self.close)
-        # vLLM closed its sockets on this loop meanwhile (it was asked from close()'s thread)
-        context, self._zmq_context = self._zmq_context, None
-        if context is not None:
-            _terminate(context)
+        await self._runtime.aclose()
 
     def close(self) -> None:
         """Stop vLLM now, blocking until its processes are gone (seconds). Idempotent."""
         self._closing = True
-        llm, self._llm = self._llm, None
-        listener, self._listener = self._listener, None
-        reaper, self._reaper = self._reaper, None
-        try:
-            if llm is not None:
-                context = getattr(llm.engine_core, "ctx", None)
-                loop = _client_loop(llm)
-                llm.shutdown(timeout=30)  # (its engine core then exits by itself: no kill)
-                del llm
-                # vLLM leaves its ZMQ context to the garbage collector, which warns. Its
-                # sockets are closed by now, unless their loop runs in another thread: then
-                # they are closed on it later, and aclose() terminates the context there.
-                if context is not None:
-                    if loop is None or loop.is_closed() or _running_loop() is loop:
-                        _terminate(context)
-                    else:
-                        self._zmq_context = context
-                # AsyncLLM sits in reference cycles; collected now, its __del__ (a second,
-                # harmless shutdown) runs while the interpreter is whole, not at exit.
-                gc.collect()
-        finally:
-            if reaper is not None:
-                reaper.stand_down()
-            if listener is not None:
-                listener.close()
-            shutil.rmtree(self._sockets, ignore_errors=True)
+        self._runtime.close()
 
     async def __aenter__(self) -> VllmEngine:
         return self
@@ -536,34 +411,6 @@ class VllmEngine:
         await self.aclose()
 
     def __repr__(self) -> str:
-        state = "closed" if self._llm is None else f"max_model_len={self._limits.max_model_len}"
+        closed = self._runtime.llm is None
+        state = "closed" if closed else f"max_model_len={self._limits.max_model_len}"
         return f"VllmEngine({str(self._model)!r}, {state})"
-
-
-def _client_loop(llm: Any) -> asyncio.AbstractEventLoop | None:
-    """The event loop ``AsyncLLM``'s tasks run on (None: none started yet)."""
-    tasks = _client_tasks(llm)
-    return tasks[0].get_loop() if tasks else None
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-
-
-def _terminate(context: Any) -> None:
-    """Terminate vLLM's ZMQ context: the asyncio one it uses is a shadow of a plain one,
-    which alone may terminate (and which warns when collected unterminated)."""
-    for socket in list(getattr(context, "_sockets", None) or ()):
-        socket.close(linger=0)
-    original = getattr(context, "_shadow_obj", None)
-    (original if original is not None and hasattr(original, "term") else context).term()
-
-
-def _client_tasks(llm: Any) -> list[asyncio.Task[Any]]:
-    """``AsyncLLM``'s tasks on the event loop: its output handler and its socket reader."""
-    resources = getattr(getattr(llm, "engine_core", None), "resources", None)
-    found = (getattr(llm, "output_handler", None), getattr(resources, "output_queue_task", None))
-    return [task for task in found if task is not None]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from byte_tokenizer import ByteTokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedReq
 from operators.contracts.transport import coalesce_outputs
 from pipeline import link
 from pipeline.testing import ScriptedEngine, collect, make_context
+from tests.helpers.byte_tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.EOS
 TOKENIZER = ByteTokenizer()

@@ -12,6 +12,7 @@ from operators.edges.http.guard import Guard
 from operators.engines import EchoEngine
 from operators.engines.mocker import MockerEngine
 from operators.serving import build_app
+from operators.telemetry.engine_metrics import watch_prefill
 from operators.text.tokenizer import Tokenizer
 from operators.ui import UI_FILES
 from pipeline import LeastLoaded, Router, WorkerSet
@@ -104,7 +105,7 @@ async def test_status_lists_worker_sets_by_role_and_the_kv_hit_rate() -> None:
             counts[worker.id] = (stats.prefill_tokens, stats.cached_prompt_tokens)
         return counts
 
-    app.metrics.watch_prefill(prefill_counts)
+    watch_prefill(app.metrics.registry, prefill_counts)
     async with client(app) as http:
         for _ in range(2):
             assert (await chat(http)).status_code == 200

@@ -20,12 +20,12 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_process import ServerProcess
 
 from operators.edges.openai.server import OpenAIApp
 from operators.engines.echo import EchoEngine
 from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess
 
 TOKENIZER = Tokenizer.default()
 APP = OpenAIApp(
@@ -114,7 +114,12 @@ async def call(path: str, body: bytes) -> tuple[int, bytes]:
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"content-type", b"application/json")],
+    }
     with anyio.fail_after(10):
         await APP(scope, receive, send)
     status = sent[0]["status"]

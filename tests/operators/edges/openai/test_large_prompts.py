@@ -20,7 +20,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from server_process import ServerProcess
 
 from operators.edges.openai import OpenAIPreprocessor
 from operators.edges.openai.prompt_size import (
@@ -35,6 +34,7 @@ from operators.engines.echo import EchoEngine
 from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
 from pipeline import InvalidRequest
+from tests.helpers.server_process import ServerProcess
 
 TOKENIZER = Tokenizer.default()
 LARGE = "many words here " * (OFF_LOOP_CHARS // 8)  # twice the off-loop threshold
@@ -140,7 +140,12 @@ async def test_a_client_leaving_while_its_large_prompt_is_encoded_leaves_nothing
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+    }
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(app, scope, receive, send)

@@ -1,7 +1,7 @@
 """The NATS transport against a real nats-server: streams, cancellation, deaths, discovery.
 
 Every test starts its own server (``nats_server`` fixture, ~30 ms). Workers run in the
-test's process unless a test needs to ``kill -9`` one; then ``worker_process.py`` runs it.
+test's process unless a test needs to ``kill -9`` one; then ``worker_process`` runs it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,13 +21,11 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 import nats
 from anyio.abc import Process
 from nats.aio.client import Client
-from nats_server import NatsServer, connect, settle
-from ready_process import ready_process
-from worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 from operators.backend import Backend
 from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
 from operators.migration import Migration
+from operators.testing import make_request
 from pipeline import (
     CapacityExhausted,
     ConnectFailed,
@@ -57,11 +54,12 @@ from pipeline.transports.nats import (
     serve,
 )
 from pipeline.transports.nats import connect as connect_nats
+from tests.helpers.nats_server import NatsServer, connect, settle
+from tests.pipeline.transports.nats.ready_process import ready_process
+from tests.pipeline.transports.nats.worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
 
 #: a short registration TTL, so that a dead worker's key expires within the test
 FAST = NatsTimeouts(ttl=1, drain=2.0)
@@ -457,12 +455,8 @@ async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
 def worker_process(
     url: str, worker_id: str, ttl: float = 1
 ) -> AbstractAsyncContextManager[Process]:
-    """``worker_process.py`` serving Countdown as ``worker_id``; killed on exit."""
-    return ready_process("worker_process.py", url, worker_id, str(ttl))
-
-
-def request() -> PreprocessedRequest:
-    return PreprocessedRequest(token_ids=[1, 2, 3])
+    """``worker_process`` serving Countdown as ``worker_id``; killed on exit."""
+    return ready_process("tests.pipeline.transports.nats.worker_process", url, worker_id, str(ttl))
 
 
 async def test_a_killed_worker_fails_its_streams_by_ping_and_by_ttl(
@@ -482,7 +476,7 @@ async def test_a_killed_worker_fails_its_streams_by_ping_and_by_ttl(
         killed_at = 0.0
 
         async def consume(name: str, engine: Any) -> None:
-            items, how = await outcome(engine, make_context(request()))
+            items, how = await outcome(engine, make_context(make_request()))
             assert len(items) >= 3
             ended[name] = (anyio.current_time() - killed_at, how)
 
@@ -511,7 +505,7 @@ async def test_a_stopped_worker_process_times_out(nats_server: NatsServer, nc: C
         remote: RemoteEngine[PreprocessedRequest, EngineOutput] = RemoteEngine(
             nc, worker_id="frozen", codec=CODEC, timeouts=timeouts
         )
-        async with open_stream(remote, make_context(request())) as stream:
+        async with open_stream(remote, make_context(make_request())) as stream:
             await anext(stream)
             process.send_signal(signal.SIGSTOP)  # alive to the server, deaf to pings
             with pytest.raises(ResponseTimeout), anyio.fail_after(2.0):
@@ -549,7 +543,7 @@ async def test_migration_finishes_a_killed_workers_stream_on_another_worker(
             await wait_until(lambda: "survivor" in workers)
             assert workers.members[0].id == "doomed"  # round robin starts there
             outputs: list[BackendOutput] = []
-            async with open_stream(graph, make_context(request())) as stream:
+            async with open_stream(graph, make_context(make_request())) as stream:
                 async for output in stream:
                     outputs.append(output)
                     if len(outputs) == 5:
@@ -603,7 +597,9 @@ async def test_a_dead_worker_is_evicted_by_the_first_request_that_finds_it_gone(
         # and no retry is sent there (Migration allows a request one retry only).
         graph = graph_over(workers, policy, events, limit=1)
         for _ in range(8):
-            assert text(await collect(graph, make_context(request()))) == "".join(map(chr, SCRIPT))
+            assert text(await collect(graph, make_context(make_request()))) == "".join(
+                map(chr, SCRIPT)
+            )
         assert "doomed" not in workers
     assert events == [("connect", "retried")]
     assert len(survivor.requests) == 8
@@ -626,7 +622,7 @@ async def test_a_dead_worker_found_by_a_ping_is_evicted_and_its_streams_migrate_
 
         async def consume(flowing: anyio.Event) -> None:
             outputs: list[BackendOutput] = []
-            async with open_stream(graph, make_context(request())) as stream:
+            async with open_stream(graph, make_context(make_request())) as stream:
                 async for output in stream:
                     outputs.append(output)
                     if len(outputs) == 3:

@@ -6,7 +6,8 @@ These are the losses it did not see: a frame gone with no outage at all (as a de
 socket takes it), a connection lost and back between two rounds of its heartbeat loop,
 and a client that is not back yet when the worker, just reconnected, sends again. Real
 nats-server; the faults are a publish that loses a frame and a TCP forwarder
-(``tcp_proxy.py``) that cuts one client's connection, drops its bytes or holds it back.
+(``tcp_proxy.py`` beside it) that cuts one client's connection, drops its bytes or
+holds it back.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 import nats
 import nats.errors
 from nats.aio.client import Client
-from nats_server import NatsServer
-from tcp_proxy import Proxy
 
 from pipeline import Context, FunctionEngine, open_stream
 from pipeline.testing import make_context
 from pipeline.transports.codec import MsgpackCodec
 from pipeline.transports.nats import NatsTimeouts, RemoteEngine, serve, wire
+from tests.helpers.nats_server import NatsServer
+from tests.pipeline.transports.nats.tcp_proxy import Proxy
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
