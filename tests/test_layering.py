@@ -35,6 +35,7 @@ PUBLIC_MODULES = frozenset(
     {
         "pipeline",
         "pipeline.errors",
+        "pipeline.health",
         "pipeline.priority",
         "pipeline.routers",
         "pipeline.testing",
