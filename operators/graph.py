@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, 
 from pipeline import Engine, Operator, chain, link, named
 
 from .backend import Backend
-from .contracts.constraint_guard import ConstraintGuard
+from .contracts.constraint_guard import ConstraintGuard, engine_name
 from .contracts.llm import (
     CONSTRAINED_DECODING,
     BackendOutput,
@@ -241,7 +241,7 @@ class Stages:
         guard = (
             chain()
             if CONSTRAINED_DECODING in features
-            else chain(ConstraintGuard(type(engine).__name__))
+            else chain(ConstraintGuard(engine_name(engine)))
         )
         routers = link(
             chain(*at("encoder_router", ())),

@@ -33,6 +33,12 @@ from .defaults import (
     Role,
     RouterName,
 )
+from .health import (
+    DEFAULT_CANARY_INTERVAL,
+    DEFAULT_ENGINE_RESTARTS,
+    DEFAULT_RESTART_WINDOW,
+    DEFAULT_STALL_TIMEOUT,
+)
 from .observability import LogFormat
 
 if TYPE_CHECKING:
@@ -202,6 +208,11 @@ class ServeConfig:
     ui: bool = True
     #: the only folder adapters may be loaded from at run time (None: any)
     lora_dir: Path | None = None
+    #: the health options (:mod:`.health`): stalls, the canary, rebuilds of a dead engine
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    canary_interval: float = DEFAULT_CANARY_INTERVAL
+    engine_restarts: int = DEFAULT_ENGINE_RESTARTS
+    engine_restart_window: float = DEFAULT_RESTART_WINDOW
     #: ``--models FILE``: one config per model (its engine and graph options; the
     #: server's own options are this config's); empty: the one model of ``engine``
     models: tuple[ServeConfig, ...] = ()
@@ -256,6 +267,11 @@ class WorkerConfig:
     otlp_traces_endpoint: str | None = None
     #: json: log records as JSON lines
     log_format: LogFormat = "text"
+    #: the health options (:mod:`.health`): stalls, the canary, rebuilds of a dead engine
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    canary_interval: float = DEFAULT_CANARY_INTERVAL
+    engine_restarts: int = DEFAULT_ENGINE_RESTARTS
+    engine_restart_window: float = DEFAULT_RESTART_WINDOW
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -8,7 +8,7 @@ metrics.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 __all__ = (
+    "Supervise",
     "load_engine",
     "load_llama",
     "load_llama_workers",
@@ -43,6 +44,9 @@ __all__ = (
 )
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+
+Supervise = Callable[[Any, str, Callable[[], Awaitable[Any]]], Any]
+"""``supervise(engine, name, factory)``: ``engine`` under watch, rebuilt by ``factory``."""
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:
@@ -149,12 +153,18 @@ async def load_llama(
 
 
 async def load_llama_workers(
-    config: EngineConfig, role: str, count: int, *, shared: bool = False
+    config: EngineConfig,
+    role: str,
+    count: int,
+    *,
+    shared: bool = False,
+    supervise: Supervise | None = None,
 ) -> _Workers | None:
     """``count`` llama engines in ``role`` (None for none), named ``ROLE-i``; engines
     loaded before a failure are closed. ``shared``: other engines of this process use
     ``--kv-disk-cache`` too, so each gets a folder of its own in it (a disk tier is one
-    process's, and so one engine's)."""
+    process's, and so one engine's). ``supervise(engine, name, factory)`` puts each under
+    watch (``factory`` loads it again, as it was loaded)."""
     if count == 0:
         return None
     engines: dict[str, Any] = {}
@@ -164,7 +174,10 @@ async def load_llama_workers(
             disk = config.kv_disk_cache
             if disk is not None and (shared or count > 1):
                 disk = disk / name
-            engines[name] = await load_llama(config, role, name, disk_cache=disk)
+            factory = functools.partial(load_llama, config, role, name, disk_cache=disk)
+            engines[name] = await factory()
+            if supervise is not None:
+                engines[name] = supervise(engines[name], name, factory)
     except BaseException:
         for engine in engines.values():
             engine.close()

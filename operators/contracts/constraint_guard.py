@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import final
 
 from pipeline import Context, Engine, InvalidRequest, Stream, link
+from pipeline.health import Supervised
 
 from .llm import (
     CONSTRAINED_DECODING,
@@ -24,7 +25,15 @@ from .llm import (
     engine_features,
 )
 
-__all__ = ("ConstraintGuard", "guarded")
+__all__ = ("ConstraintGuard", "engine_name", "guarded")
+
+
+def engine_name(engine: object) -> str:
+    """What to call ``engine`` in a message: its class, or the class of the engine a
+    :class:`~pipeline.health.Supervised` gate watches (the gate is not what answers)."""
+    if isinstance(engine, Supervised) and engine.engine is not None:
+        engine = engine.engine
+    return type(engine).__name__
 
 
 def guarded(
@@ -33,7 +42,7 @@ def guarded(
     """``engine``, behind a :class:`ConstraintGuard` unless it decodes under constraints."""
     if CONSTRAINED_DECODING in engine_features(engine):
         return engine
-    return link(ConstraintGuard(type(engine).__name__), engine)
+    return link(ConstraintGuard(engine_name(engine)), engine)
 
 
 @final

@@ -328,8 +328,7 @@ class Supervised(Generic[In, Out]):
         self._closing = engine
 
     def _dead(self, why: str, engine: Engine[In, Out] | None) -> None:
-        self._set("dead", why)
-        logger.error("%s: %s", self.name, why)
+        self._set("dead", why)  # (said once, by whoever ends the process: Health.dead)
         if engine is not None:
             self._closing = engine
 

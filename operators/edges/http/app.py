@@ -5,7 +5,7 @@
     request --> route (exact path, else a {name} template) --> API key (guarded routes)
             --> the edge's handler --> its model (app.models) --> that model's graph
             --> llm_pipeline_requests_total{endpoint, status, model}
-    GET /health, GET /metrics: the app's own, never guarded
+    GET /live, /ready, /health, /metrics: the app's own, never guarded (:mod:`.probes`)
 
 The app knows no API and routes every API by model the same way (:mod:`.models`: each
 model its own graph; an unknown model is a 404 in the edge's words). Each
@@ -25,12 +25,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
+from pipeline.health import Health
+
 from .asgi import Receive, Scope, Send, send_json
 from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
 from .generation import Generations
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
+from .probes import PROBES, HealthMetrics, health_answer, live_answer, ready_answer
 from .routes import Call, Edge, Route
 
 if TYPE_CHECKING:
@@ -41,6 +44,8 @@ __all__ = ("MAX_BODY_BYTES", "EdgeApp", "Pages")
 
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+#: the app's own paths, never guarded
+_OWN_PATHS: Final = PROBES | {"/metrics"}
 
 Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
 """A handler of the GET paths no edge serves (the web UI): the status it answered with, or
@@ -71,6 +76,9 @@ class EdgeApp:
         tracer: traces every generation request (None: none is traced, nothing is done).
         pages: answers the GET and HEAD paths no edge serves (the web UI), before they
             become 404s.
+        health: what ``/live``, ``/ready`` and ``/health`` tell, and what refuses a
+            request at once when no engine of its model can answer (a fresh
+            :class:`~pipeline.health.Health` if None: every model ready).
     """
 
     def __init__(
@@ -86,8 +94,11 @@ class EdgeApp:
         guard: Guard | None = None,
         tracer: Tracer | None = None,
         pages: Pages | None = None,
+        health: Health | None = None,
     ) -> None:
         self._models = _models(graph, model_name, models)
+        #: the engines' and workers' health, by model (:mod:`pipeline.health`)
+        self.health = health if health is not None else Health()
         self._errors = errors
         self._guard = guard if guard is not None else Guard()
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -99,7 +110,12 @@ class EdgeApp:
             metrics=self.metrics,
             max_body_bytes=max_body_bytes,
             tracer=tracer,
+            health=self.health,
         )
+        try:
+            self.metrics.registry.register(HealthMetrics(self.health))
+        except ValueError:  # (metrics shared with an app that registered its health first)
+            pass
         self._exact: dict[str, _Methods] = {}
         self._templates: list[tuple[tuple[str, ...], _Methods]] = []
         for edge in edges:
@@ -212,7 +228,7 @@ class EdgeApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        if path == "/health" or path == "/metrics":
+        if path in _OWN_PATHS:
             await self._own(path, method, send)
             return
         found = self._match(path)
@@ -260,16 +276,20 @@ class EdgeApp:
         return False
 
     async def _own(self, path: str, method: str, send: Send) -> None:
-        """``/health`` and ``/metrics``: open to probes and scrapers, GET only."""
+        """The probes and ``/metrics``: open to orchestrators and scrapers, GET only."""
         if method not in ("GET", "HEAD"):
             rendered = self._errors.render(method_not_allowed(path, "GET"))
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             self.metrics.count_request(path, rendered.status)
             return
-        if path == "/health":
+        if path in PROBES:
             draining = self._generations.draining
-            status = 503 if draining else 200
-            body = b'{"status":"draining"}' if draining else b'{"status":"ok"}'
+            if path == "/live":
+                status, body = live_answer(self.health)
+            elif path == "/ready":
+                status, body = ready_answer(self.health, self._models, draining=draining)
+            else:
+                status, body = health_answer(self.health, draining=draining)
             await send_json(send, status, body)
         else:
             body = self.metrics.render()

@@ -12,6 +12,8 @@ from the same ``ApiError("overloaded", ...)``.
 ``ApiError``::
 
     InvalidRequest                    invalid_request (param)
+    EngineUnavailable, EngineStalled,
+    EngineDead                        unavailable, code engine_unavailable, Retry-After
     CapacityExhausted, WorkerLost     unavailable
     EngineError, RequestError         internal, the error's message
     anything else                     internal, a generic message (logged with its traceback)
@@ -26,7 +28,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, final
 
-from pipeline import CapacityExhausted, EngineError, InvalidRequest, RequestError, WorkerLost
+from pipeline import (
+    CapacityExhausted,
+    EngineDead,
+    EngineError,
+    EngineStalled,
+    EngineUnavailable,
+    InvalidRequest,
+    RequestError,
+    WorkerLost,
+)
+from pipeline.health import RETRY_AFTER
 
 __all__ = (
     "INTERNAL_MESSAGE",
@@ -123,6 +135,10 @@ def describe_failure(exc: Exception, request_id: str) -> ApiError:
     """What an exception a request raised means to its client (logged as fits)."""
     if isinstance(exc, InvalidRequest):
         return ApiError("invalid_request", exc.message, param=exc.param)
+    if isinstance(exc, EngineUnavailable | EngineStalled | EngineDead):
+        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
+        wait = exc.retry_after if isinstance(exc, EngineUnavailable) else RETRY_AFTER
+        return ApiError("unavailable", exc.message, code="engine_unavailable", retry_after=wait)
     if isinstance(exc, CapacityExhausted | WorkerLost):
         logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
         return ApiError("unavailable", exc.message)

@@ -7,6 +7,7 @@ else happens here, once, for chat completions, Responses, Messages and a user's 
     read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
                                            (its model resolved: its graph, :mod:`.models`)
     draining? (503)  at max_inflight? (admission: the edge says 503 or 529)
+    no engine of its model can answer? (503 engine_unavailable, Retry-After: pipeline.health)
     no priority given? the API key's default (Guard)
     x-request-id (unique in flight), the deadline (Guard), a Context
     run the graph under open_stream, a watcher task killing it when the client leaves
@@ -70,6 +71,7 @@ from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, strea
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.health import Health
     from pipeline.tracing import Span, Tracer
 
     from .guard import Guard
@@ -163,6 +165,7 @@ class Generations:
         metrics: in-flight gauge, durations, tokens, rejections, timeouts.
         max_body_bytes: larger bodies get a 413.
         tracer: traces every generation request (None: none is traced, nothing is done).
+        health: refuses a request at once when no engine of its model can answer.
     """
 
     def __init__(
@@ -173,8 +176,10 @@ class Generations:
         metrics: ServerMetrics,
         max_body_bytes: int,
         tracer: Tracer | None = None,
+        health: Health | None = None,
     ) -> None:
         self.models = models
+        self.health = health
         self.guard = guard
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
@@ -288,6 +293,10 @@ class Generations:
         if limit is not None and len(self._contexts) >= limit:
             self.metrics.rejected.labels("max_inflight").inc()
             return await refuse(at_capacity(limit))
+        unavailable = None if self.health is None else self.health.refusal(model_name)
+        if unavailable is not None:
+            self.metrics.rejected.labels("engine_unavailable").inc()
+            return await refuse(describe_failure(unavailable, "(not started)"))
         try:
             request_id, metadata = request_identity(scope)
             if request_id is not None and any(c.id == request_id for c in self._contexts):

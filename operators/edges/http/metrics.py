@@ -259,11 +259,12 @@ class ServerMetrics:
         self.rejected = Counter(
             "llm_pipeline_rejected_requests",
             "Requests refused before reaching the graph, by reason: 'max_inflight' (503, "
-            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401).",
+            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401), "
+            "'engine_unavailable' (503: every engine of the model stalled, failing or dead).",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ("max_inflight", "draining", "invalid_api_key"):
+        for reason in ("max_inflight", "draining", "invalid_api_key", "engine_unavailable"):
             self.rejected.labels(reason)  # shown at 0 before the first rejection
         self.timed_out = Counter(
             "llm_pipeline_timed_out_requests",

@@ -8,6 +8,14 @@ owning SIGINT and SIGTERM, so a shutdown drains the app first::
     drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
     EXIT_AFTER_ABORT later --> force exit (connections that have not closed are dropped)
     second signal --> force exit
+    an engine dead beyond recovery (app.health) --> the same drain, then EngineDead
+
+The app's health (:mod:`pipeline.health`) is judged here too: :func:`serve` runs its
+watchdog, and when an engine the process hosts is dead beyond recovery (``/live`` says
+503 from then on) it logs one line naming why, drains as for a signal and raises
+:class:`~pipeline.EngineDead`, so the process exits non-zero and its supervisor starts a
+fresh one. A host and port that cannot be listened on is :class:`CannotListen`, one error
+naming both (uvicorn would log it and exit).
 
 A stream is never ended with a finish reason it did not earn: it either finishes within
 the drain timeout or gets an error event, so a client can tell a cut answer from a whole
@@ -26,20 +34,21 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, final
 
 import anyio
 import uvicorn
 
-if TYPE_CHECKING:
-    import socket
+from pipeline import EngineDead
 
+if TYPE_CHECKING:
     from anyio.abc import TaskStatus
 
     from .app import EdgeApp
 
-__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "serve")
+__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "CannotListen", "serve")
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,43 @@ DRAIN_TIMEOUT: Final = 25.0
 #: after the drain timeout's abort, how long the error events have to reach their clients
 #: before the exit is forced
 EXIT_AFTER_ABORT: Final = 3.0
+
+
+@final
+class CannotListen(OSError):
+    """:func:`serve` cannot listen on its host and port (in use, not allowed, no such
+    address); the message names both and the system's reason, ``errno`` is the system's."""
+
+
+def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """Listening sockets on ``host`` and ``port`` (one per address the host names), bound
+    here rather than by uvicorn, which logs the error and exits the process instead of
+    raising it.
+
+    Raises:
+        CannotListen: an address cannot be bound.
+    """
+    where = f"{'[' + host + ']' if ':' in host else host}:{port}"
+    bound: list[socket.socket] = []
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            bound.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError as exc:
+        for sock in bound:
+            sock.close()
+        reason = exc.strerror or str(exc)
+        raise CannotListen(exc.errno, f"cannot listen on {where}: {reason}") from exc
+    return bound
 
 
 class _Server(uvicorn.Server):
@@ -87,10 +133,15 @@ async def serve(
     finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
     exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
     A second signal forces the exit. Returns normally after a signal-initiated shutdown.
+    ``app.health``'s watchdog runs meanwhile.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
     (and sets TCP_NODELAY).
+
+    Raises:
+        CannotListen: ``host`` and ``port`` cannot be listened on (one error, naming them).
+        EngineDead: an engine the app hosts died beyond recovery (after the drain).
     """
     config = uvicorn.Config(
         app,
@@ -105,6 +156,7 @@ async def serve(
         timeout_graceful_shutdown=math.ceil(drain_timeout) + 5,
     )
     server = _Server(config, on_ready)
+    dead: list[str] = []
 
     async def abort_after_drain() -> None:
         await anyio.sleep(drain_timeout)
@@ -123,6 +175,11 @@ async def serve(
                 )
                 server.force_exit = True
 
+    def shut_down() -> None:
+        app.drain()
+        server.should_exit = True
+        tg.start_soon(abort_after_drain)
+
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
@@ -138,19 +195,33 @@ async def serve(
                         app.inflight,
                         drain_timeout,
                     )
-                    app.drain()
-                    server.should_exit = True
-                    tg.start_soon(abort_after_drain)
+                    shut_down()
 
-    async with anyio.create_task_group() as tg:
-        if handle_signals:
-            # Handlers are in place before the socket listens (and before on_ready).
-            await tg.start(shut_down_on_signals)
-        try:
-            await server.serve()
-        finally:
-            # Cancelled from outside (a caller stopping us): uvicorn's shutdown did not run,
-            # so its listening sockets are still open. Closing them is synchronous.
-            for listener in server.servers:
-                listener.close()
-        tg.cancel_scope.cancel()
+    async def shut_down_when_dead() -> None:
+        why = await app.health.wait_dead()
+        dead.append(why)
+        if not server.should_exit:
+            logger.error("an engine is dead beyond recovery, exiting after the drain: %s", why)
+            shut_down()
+
+    sockets = _listen(host, port, config.backlog)
+    try:
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                # Handlers are in place before the socket listens (and before on_ready).
+                await tg.start(shut_down_on_signals)
+            await tg.start(app.health.run)
+            tg.start_soon(shut_down_when_dead)
+            try:
+                await server.serve(sockets=sockets)
+            finally:
+                # Cancelled from outside (a caller stopping us): uvicorn's shutdown did not
+                # run, so its listening sockets are still open. Closing them is synchronous.
+                for listener in getattr(server, "servers", ()):
+                    listener.close()
+            tg.cancel_scope.cancel()
+    finally:
+        for sock in sockets:
+            sock.close()
+    if dead:
+        raise EngineDead(f"an engine is dead beyond recovery: {dead[0]}")
