@@ -475,6 +475,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--lora: adapters are served in process only (serve without --nats)")
     if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
         parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
+    if args.freeze_after_tokens is not None and args.engine != "mocker":
+        parser.error("--freeze-after-tokens needs --engine mocker")
     if args.command == "worker" and args.role != "aggregated":
         if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
             engines = "mocker" if args.role == "encode" else "mocker or llama"

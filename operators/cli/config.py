@@ -89,6 +89,8 @@ class EngineConfig:
     model_name: str | None = None
     tokenizer: Path | None = None
     fail_after_tokens: int | None = None
+    #: fault injection (mocker): the engine freezes after this many tokens in all
+    freeze_after_tokens: int | None = None
     echo_delay_ms: float = 0.0
     echo_cycle: bool = False
     model: Path | None = None

@@ -89,6 +89,7 @@ def make_engine(
         tokens=config.mocker_tokens,
         seed=config.mocker_seed,
         fail_after_tokens=config.fail_after_tokens,
+        freeze_after_tokens=config.freeze_after_tokens,
         transfer_secret=None if secret is None else secret.encode(),
         block_size=config.kv_block_size,
         cache_blocks=cache_blocks,

@@ -94,6 +94,16 @@ def add_health_options(parser: argparse.ArgumentParser) -> None:
         ),
     )
     group.add_argument(
+        "--freeze-after-tokens",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help=(
+            "fault injection (mocker): the engine freezes after producing N tokens in all, "
+            "as an engine stopped with SIGSTOP (what --stall-timeout is for)"
+        ),
+    )
+    group.add_argument(
         "--engine-restart-window",
         type=positive_float,
         default=DEFAULT_RESTART_WINDOW,

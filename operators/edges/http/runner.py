@@ -3,10 +3,11 @@
 uvicorn (httptools parser) on the running asyncio loop, with this module, not uvicorn,
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
 
-    signal --> app.drain()          new requests get 503, in-flight ones run on
-           --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
-    drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
-    EXIT_AFTER_ABORT later --> force exit (connections that have not closed are dropped)
+    signal --> app.drain()          new requests get 503, /ready 503, in-flight ones run on
+    no request in flight (or drain_timeout later: app.abort(), what still runs ends
+           with a 503 error event) --> uvicorn should_exit: stop accepting, close idle
+           connections, wait for the rest
+    EXIT_AFTER_ABORT after an abort --> force exit (connections not closed are dropped)
     second signal --> force exit
     an engine dead beyond recovery (app.health) --> the same drain, then EngineDead
 
@@ -16,6 +17,10 @@ watchdog, and when an engine the process hosts is dead beyond recovery (``/live`
 :class:`~pipeline.EngineDead`, so the process exits non-zero and its supervisor starts a
 fresh one. A host and port that cannot be listened on is :class:`CannotListen`, one error
 naming both (uvicorn would log it and exit).
+
+The socket listens on through the drain, so an orchestrator's probes see ``/ready`` turn
+503 (and its load balancer take the server out) while the requests in flight finish,
+rather than a refused connection; new generation requests get a 503 meanwhile.
 
 A stream is never ended with a finish reason it did not earn: it either finishes within
 the drain timeout or gets an error event, so a client can tell a cut answer from a whole
@@ -58,6 +63,8 @@ DRAIN_TIMEOUT: Final = 25.0
 #: after the drain timeout's abort, how long the error events have to reach their clients
 #: before the exit is forced
 EXIT_AFTER_ABORT: Final = 3.0
+#: how often a drain looks whether requests are still in flight, seconds
+_DRAIN_POLL: Final = 0.05
 
 
 @final
@@ -128,10 +135,11 @@ async def serve(
     """Serve ``app`` over HTTP (uvicorn, httptools) until SIGINT or SIGTERM.
 
     ``on_ready(host, port)`` is called once the socket listens, with the real port (so
-    ``port=0`` picks a free one). On the first signal the app drains (new requests get
-    503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
-    finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
-    exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
+    ``port=0`` picks a free one). On the first signal the app drains (new requests and
+    ``/ready`` get 503); in-flight requests have ``drain_timeout`` seconds to finish, then
+    :meth:`~.app.EdgeApp.abort` ends the rest with an error; uvicorn stops accepting once
+    none is left, and the exit is forced :data:`EXIT_AFTER_ABORT` seconds after an abort
+    if connections are still open.
     A second signal forces the exit. Returns normally after a signal-initiated shutdown.
     ``app.health``'s watchdog runs meanwhile.
 
@@ -158,33 +166,41 @@ async def serve(
     server = _Server(config, on_ready)
     dead: list[str] = []
 
-    async def abort_after_drain() -> None:
-        await anyio.sleep(drain_timeout)
-        if app.inflight:
+    shutting_down = False
+
+    async def drain() -> None:
+        with anyio.move_on_after(drain_timeout):
+            while app.inflight:  # noqa: ASYNC110 - requests end in their own tasks
+                await anyio.sleep(_DRAIN_POLL)
+        if not app.inflight:
+            server.should_exit = True
+            return
+        logger.warning(
+            "drain timeout (%g s): ending %d requests still in flight",
+            drain_timeout,
+            app.inflight,
+        )
+        app.abort()
+        server.should_exit = True
+        await anyio.sleep(EXIT_AFTER_ABORT)
+        if not server.force_exit:
             logger.warning(
-                "drain timeout (%g s): ending %d requests still in flight",
-                drain_timeout,
-                app.inflight,
+                "connections still open %g s after the drain: forcing the exit",
+                EXIT_AFTER_ABORT,
             )
-            app.abort()
-            await anyio.sleep(EXIT_AFTER_ABORT)
-            if not server.force_exit:
-                logger.warning(
-                    "connections still open %g s after the drain: forcing the exit",
-                    EXIT_AFTER_ABORT,
-                )
-                server.force_exit = True
+            server.force_exit = True
 
     def shut_down() -> None:
+        nonlocal shutting_down
+        shutting_down = True
         app.drain()
-        server.should_exit = True
-        tg.start_soon(abort_after_drain)
+        tg.start_soon(drain)
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             async for signum in signals:
-                if server.should_exit:
+                if shutting_down:
                     logger.warning("second %s: forcing the exit", signal.Signals(signum).name)
                     app.abort()
                     server.force_exit = True
@@ -200,7 +216,7 @@ async def serve(
     async def shut_down_when_dead() -> None:
         why = await app.health.wait_dead()
         dead.append(why)
-        if not server.should_exit:
+        if not shutting_down:
             logger.error("an engine is dead beyond recovery, exiting after the drain: %s", why)
             shut_down()
 
