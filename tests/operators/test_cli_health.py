@@ -165,7 +165,7 @@ async def test_a_worker_whose_canary_fails_leaves_routing(
         server.stop()
 
 
-async def test_a_frozen_workers_streams_migrate_identically_and_with_every_worker_frozen_the_frontend_is_not_ready(
+async def test_a_frozen_workers_streams_migrate_and_with_every_worker_frozen_none_is_ready(
     nats: NatsServer, workers: Workers
 ) -> None:
     stall = ["--stall-timeout", "1"]
