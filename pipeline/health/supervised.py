@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, cast, final
 
 import anyio
@@ -120,9 +121,11 @@ class Supervised(Generic[In, Out]):
         #: stalls and restarts so far
         self.stalls = 0
         self.restarts = 0
-        self._waiting = 0  # requests waiting on the engine's next output now
         self._outputs = 0  # outputs delivered, ever
-        self._inflight: set[Context[Any]] = set()
+        #: each request in flight and its stream (a generator of ours: see ``waiting``)
+        self._inflight: weakref.WeakValueDictionary[Context[Any], Any] = (
+            weakref.WeakValueDictionary()
+        )
         self._seen = -1  # the progress count at the last tick
         self._progress_at = -math.inf  # when it last moved (or nobody waited)
         self._active_at = -math.inf  # when a request was last in flight
@@ -158,8 +161,11 @@ class Supervised(Generic[In, Out]):
 
     @property
     def waiting(self) -> int:
-        """Requests waiting on the engine's next output now."""
-        return self._waiting
+        """Requests waiting on the engine's next output now: their stream (a generator of
+        ours) is suspended in its wait for the engine (``ag_await``), not at its ``yield``
+        with an output its consumer has not asked past. Asked of the generators when
+        judged, so that an output costs nothing but a count."""
+        return sum(1 for stream in list(self._inflight.values()) if stream.ag_await is not None)
 
     def on_change(self, listener: Callable[[Supervised[In, Out]], None]) -> Callable[[], None]:
         """Call ``listener(self)`` at every change of state (be quick: it runs in the
@@ -182,8 +188,9 @@ class Supervised(Generic[In, Out]):
 
     # ------------------------------------------------------------------------ requests
 
-    async def generate(self, ctx: Context[In], /) -> Stream[Out]:
-        """Stream ``ctx`` from the engine, counting what it waits for and gets.
+    def generate(self, ctx: Context[In], /) -> Stream[Out]:
+        """Stream ``ctx`` from the engine, counting what it waits for and gets (one hop
+        per output while the engine is ready).
 
         Raises:
             EngineUnavailable: the engine is stalled, failing or dead (or restarting after
@@ -192,25 +199,24 @@ class Supervised(Generic[In, Out]):
                 (from the driver: :meth:`pipeline.Context.fail`).
         """
         engine = self._engine
-        if self._state != "ready" or engine is None:
-            engine = await self._admit(ctx)
-        async for item in self._stream(engine, ctx):
+        if self._state == "ready" and engine is not None:
+            return self._open(engine, ctx)
+        return self._admitted(ctx)
+
+    async def _admitted(self, ctx: Context[In]) -> Stream[Out]:
+        engine = await self._admit(ctx)
+        async for item in self._open(engine, ctx):
             yield item
 
-    async def _stream(self, engine: Engine[In, Out], ctx: Context[In]) -> Stream[Out]:
-        inflight = self._inflight
-        inflight.add(ctx)
-        stream = engine.generate(ctx)
-        next_item = stream.__anext__
+    def _open(self, engine: Engine[In, Out], ctx: Context[In]) -> Stream[Out]:
+        stream = self._stream(engine, ctx)
+        self._inflight[ctx] = stream
+        return stream
+
+    async def _stream(self, engine: Engine[In, Out], ctx: Context[In]) -> AsyncGenerator[Out]:
+        inner = engine.generate(ctx)
         try:
-            while True:
-                self._waiting += 1
-                try:
-                    item = await next_item()
-                except StopAsyncIteration:
-                    return
-                finally:
-                    self._waiting -= 1
+            async for item in inner:
                 self._outputs += 1
                 yield item
         except EngineDead as exc:
@@ -218,8 +224,8 @@ class Supervised(Generic[In, Out]):
             self._died(engine, exc.message)
             raise
         finally:
-            inflight.discard(ctx)
-            aclose = getattr(stream, "aclose", None)
+            self._inflight.pop(ctx, None)
+            aclose = getattr(inner, "aclose", None)
             if aclose is not None:
                 await aclose()
 
@@ -263,9 +269,10 @@ class Supervised(Generic[In, Out]):
             return
         progress = getattr(engine, "progress", 0)
         moved = self._outputs + (progress if isinstance(progress, int) else 0)
-        if self._inflight or self._waiting:
+        if self._inflight:
             self._active_at = now
-        if moved != self._seen or not self._waiting:
+        waiting = self.waiting
+        if moved != self._seen or not waiting:
             if moved != self._seen and self._seen >= 0 and self._probe is None:
                 if self._state in ("stalled", "failing"):
                     self._set("ready", None)  # no probe to ask: progress is the answer
@@ -276,7 +283,7 @@ class Supervised(Generic[In, Out]):
             and self._state != "stalled"  # (its probe waits for it as long as it takes)
             and now - self._progress_at >= self.stall_timeout
         ):
-            self._stall(now)
+            self._stall(now, waiting)
         if self._busy or self._probe is None:
             return
         if self._state in ("stalled", "failing"):
@@ -286,11 +293,11 @@ class Supervised(Generic[In, Out]):
             if now - max(self._active_at, self._next_probe) >= self.canary_interval:
                 self._start_probe(tg, canary=True)
 
-    def _stall(self, now: float) -> None:
+    def _stall(self, now: float, waiting: int) -> None:
         """No progress for the stall timeout with requests waiting: fail what is in flight
         (Migration finishes each elsewhere, or it ends with a 503) and take no more."""
         silent = now - self._progress_at
-        why = f"engine stalled: no output for {silent:.1f} s with {self._waiting} requests waiting"
+        why = f"engine stalled: no output for {silent:.1f} s with {waiting} requests waiting"
         self._progress_at = now  # the next stall is judged from now
         if self._state == "ready":
             self.stalls += 1
@@ -470,7 +477,7 @@ class _Bypass(Generic[In, Out]):
         self._engine = engine
 
     def generate(self, ctx: Context[In], /) -> Stream[Out]:
-        return self._owner._stream(self._engine, ctx)
+        return self._owner._open(self._engine, ctx)
 
 
 async def _close(engine: object, name: str) -> None:
