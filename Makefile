@@ -15,8 +15,15 @@ VLLM_STAMP := $(VENV)/.installed-vllm
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF -DGGML_LLAMAFILE=OFF
 WHEELS ?= $(HOME)/.cache/llm-pipeline/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-portable-nollamafile
+# llama.cpp's own server, built from that same llama.cpp with the same flags (so its greedy
+# output is ours, token for token): an upstream for `serve --engine remote` and its tests.
+# Built once into a folder outside the clone, like the wheel (../shared/bench/llama-server.md).
+LLAMA_SERVER_DIR ?= $(HOME)/.cache/llm-pipeline/llama-server-$(LLAMA_CPP_VERSION)-portable
+LLAMA_SERVER := $(LLAMA_SERVER_DIR)/build/bin/llama-server
+LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CMAKE_ARGS) -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_OPENSSL=OFF
 
-.PHONY: run test lint bench
+.PHONY: run test lint bench llama-server
 
 run: $(STAMP)  ## serve SmolLM2-135M-Instruct (llama.cpp) over the OpenAI API
 	$(BIN)/llm-pipeline serve --engine llama $(ARGS)
@@ -36,6 +43,18 @@ bench: $(STAMP)  ## the in-process benchmarks (the HTTP ones need a server: see 
 	$(BIN)/python benchmarks/bench_graph.py
 	$(BIN)/python benchmarks/bench_tracing.py
 	$(BIN)/python benchmarks/bench_llama.py
+
+llama-server: $(LLAMA_SERVER)  ## build llama.cpp's server once (for --engine remote's tests)
+
+$(LLAMA_SERVER): | $(BIN)/python
+	@echo "== building llama-server from llama-cpp-python $(LLAMA_CPP_VERSION)'s llama.cpp, once: about 8 minutes on 2 cores"
+	rm -rf $(LLAMA_SERVER_DIR) && mkdir -p $(LLAMA_SERVER_DIR)
+	$(BIN)/python -m pip download --quiet --no-deps --no-binary :all: \
+		"llama-cpp-python==$(LLAMA_CPP_VERSION)" -d $(LLAMA_SERVER_DIR)
+	tar xzf $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_SERVER_DIR)
+	cmake -S $(LLAMA_SERVER_DIR)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp \
+		-B $(LLAMA_SERVER_DIR)/build -DCMAKE_BUILD_TYPE=Release $(LLAMA_SERVER_CMAKE_ARGS) > /dev/null
+	cmake --build $(LLAMA_SERVER_DIR)/build --target llama-server -j2 > /dev/null
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

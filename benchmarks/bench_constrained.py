@@ -37,13 +37,11 @@ import numpy as np
 from operators.contracts.llm import (
     Constraint,
     EngineOutput,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.engines.llama._constraint import Matcher, lark_grammar
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
 
@@ -90,22 +88,21 @@ PROMPTS = (
 )
 
 
-def request(
+def chat_request(
     tokenizer: Tokenizer,
     prompt: str,
     constraint: Constraint | None,
     max_tokens: int,
     logprobs: int | None = None,
 ) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode(CHAT.format(prompt)),
-        stop=StopConditions(
-            max_tokens=max_tokens,
-            eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
-            ignore_eos=constraint is None,
-        ),
-        sampling=SamplingOptions(temperature=0.0),
-        output=OutputOptions(logprobs=logprobs),
+    """``prompt`` as a one-turn chat, greedy; an unconstrained one runs to ``max_tokens``."""
+    return make_request(
+        tokenizer.encode(CHAT.format(prompt)),
+        max_tokens=max_tokens,
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        ignore_eos=constraint is None,
+        temperature=0.0,
+        logprobs=logprobs,
         constraint=constraint,
     )
 
@@ -141,7 +138,7 @@ async def end_to_end(
         masked = total = 0
         outputs[name] = []
         for prompt in PROMPTS:
-            probe = await timed(engine, request(tokenizer, prompt, constraint, max_tokens, 1))
+            probe = await timed(engine, chat_request(tokenizer, prompt, constraint, max_tokens, 1))
             for out in probe[0]:
                 assert out.top_logprobs is not None
                 for token, top in zip(out.token_ids, out.top_logprobs, strict=True):
@@ -150,10 +147,10 @@ async def end_to_end(
             tokens = tokens_of(probe[0])
             outputs[name].append(tokens)
             for _ in range(repeats):
-                free = request(tokenizer, prompt, None, len(tokens))
+                free = chat_request(tokenizer, prompt, None, len(tokens))
                 _, plain = await timed(engine, free)
                 _, constrained = await timed(
-                    engine, request(tokenizer, prompt, constraint, max_tokens)
+                    engine, chat_request(tokenizer, prompt, constraint, max_tokens)
                 )
                 ratios.append(constrained / plain)
                 rates.append(constrained)
@@ -172,15 +169,15 @@ async def batched(engine: LlamaEngine, tokenizer: Tokenizer, repeats: int, max_t
     prompt is in the prefix cache first (an untimed round), and the order alternates."""
     constraint = CONSTRAINTS["json_schema"]
     lengths = [
-        len(tokens_of((await timed(engine, request(tokenizer, p, constraint, max_tokens)))[0]))
+        len(tokens_of((await timed(engine, chat_request(tokenizer, p, constraint, max_tokens)))[0]))
         for p in PROMPTS
     ]
 
     async def together(constrained: bool) -> float:
         reqs = [
-            request(tokenizer, p, constraint, max_tokens)
+            chat_request(tokenizer, p, constraint, max_tokens)
             if constrained
-            else request(tokenizer, p, None, n)
+            else chat_request(tokenizer, p, None, n)
             for p, n in zip(PROMPTS, lengths, strict=True)
         ]
         start = time.perf_counter()
@@ -375,7 +372,7 @@ async def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     tokenizer = Tokenizer.default()
-    engine = LlamaEngine(n_threads=args.threads)
+    engine = LlamaEngine(options=LlamaOptions(n_threads=args.threads))
     print(f"lark grammar of the tool calls:\n{lark_grammar(CONSTRAINTS['tool calls'])}")
     print(f"1. end to end (threads={args.threads}, greedy, decode tokens/s):")
     outputs = await end_to_end(engine, tokenizer, args.repeats, args.max_tokens)

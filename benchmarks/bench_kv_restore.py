@@ -35,6 +35,7 @@ import numpy as np
 
 from operators.engines._transfer_handle import PROCESS_SECRET
 from operators.engines.llama._kv_cells import KvCells
+from operators.engines.llama._probes import kv_layout
 from operators.engines.llama._runtime import Feed, Runtime
 from operators.engines.llama._transfer import TransferServer, TransferStore, pull
 from operators.routing.kv_blocks import block_hashes
@@ -68,7 +69,7 @@ def main() -> None:
     runtime = Runtime(
         model, n_ctx=longest + 64, n_threads=args.threads, parallel=2, n_batch=args.step_tokens
     )
-    if not runtime.kv_portable():
+    if kv_layout(runtime) is None:
         raise SystemExit("this build's KV cells do not survive an export and a load")
     print(
         f"SmolLM2-135M Q4_1, {args.threads} threads, step {args.step_tokens} tokens, "

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import anyio
 
 from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
-from operators.engines.llama import LlamaEngine, NgramSpeculation
+from operators.engines.llama import LlamaEngine, LlamaOptions, NgramSpeculation
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, open_stream
 
@@ -111,7 +111,7 @@ async def bench_batching(
 ) -> None:
     """c requests at once, ``repeats`` times; each prompt is new (no prefix beyond the chat
     template is cached)."""
-    engine = LlamaEngine(n_threads=threads, parallel=parallel)
+    engine = LlamaEngine(options=LlamaOptions(n_threads=threads, parallel=parallel))
     topic = (
         "Write a detailed report about the history of request number {i}, its travels "
         "through the pipeline, the operators it met and what each one did to it, "
@@ -148,7 +148,7 @@ def bench_load(repeats: int, threads: int | None) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        engine = LlamaEngine(n_threads=threads)
+        engine = LlamaEngine(options=LlamaOptions(n_threads=threads))
         best = min(best, time.perf_counter() - start)
         engine.close()
     return best
@@ -197,11 +197,11 @@ async def bench_speculation(
     machine's noise); the speed-up is the median of the pairs' ratios."""
     ids = tokenizer.encode(CHAT.format(f"Repeat this passage exactly:\n\n{PASSAGE}"))
     request = greedy(ids, max_tokens)
-    plain_engine = LlamaEngine(n_threads=threads)
+    plain_engine = LlamaEngine(options=LlamaOptions(n_threads=threads))
     reference = await timed(plain_engine, request)
     print(f"  {len(ids)} prompt tokens, {len(reference.tokens)} generated")
     for config in configs:
-        engine = LlamaEngine(n_threads=threads, speculative=config)
+        engine = LlamaEngine(options=LlamaOptions(n_threads=threads, speculative=config))
         plain_runs: list[Run] = []
         fast_runs: list[Run] = []
         for _ in range(repeats):
@@ -252,7 +252,7 @@ async def main() -> None:
         return
 
     print(f"load: {bench_load(args.repeats, args.threads) * 1000:.0f} ms")
-    engine = LlamaEngine(n_threads=args.threads)
+    engine = LlamaEngine(options=LlamaOptions(n_threads=args.threads))
     print(f"prompt: {await bench_prompt(engine, tokenizer, args.repeats):.0f} tokens/s")
     for concurrency in (1, 4):
         results = [

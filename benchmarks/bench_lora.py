@@ -36,7 +36,7 @@ from pathlib import Path
 import anyio
 
 from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.engines.llama.lora_file import write_lora_adapter
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import open_stream
@@ -126,9 +126,8 @@ async def main() -> None:
             name: write_lora_adapter(model, Path(folder) / f"{name}.gguf", seed=seed)
             for seed, name in enumerate(("a", "b"))
         }
-        engine = await anyio.to_thread.run_sync(
-            lambda: LlamaEngine(model, n_threads=args.threads, parallel=args.parallel, loras=loras)
-        )
+        options = LlamaOptions(n_threads=args.threads, parallel=args.parallel, loras=loras)
+        engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(model, options=options))
     tokenizer = Tokenizer.default()
     print(
         f"llama engine, --parallel {args.parallel}, {args.threads} threads, "

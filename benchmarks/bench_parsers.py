@@ -26,7 +26,7 @@ import anyio
 
 from operators.backend import Backend
 from operators.cli.tuning import tune_gc
-from operators.contracts.llm import PreprocessedRequest, StopConditions, Tool
+from operators.contracts.llm import PreprocessedRequest, Tool
 from operators.engines import EchoEngine
 from operators.parsers import (
     HERMES,
@@ -39,6 +39,7 @@ from operators.parsers import (
     ReasoningFormat,
     ToolCallFormat,
 )
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, link, open_stream
 
@@ -74,12 +75,6 @@ PARSERS: dict[str, tuple[ToolCallFormat | None, ReasoningFormat | None]] = {
 ROUNDS = 7
 
 
-def request(tokenizer: Tokenizer, text: str) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode(text), stop=StopConditions(max_tokens=TOKENS), tools=TOOLS
-    )
-
-
 async def run_once(graph: Any, request: PreprocessedRequest) -> tuple[float, dict[str, int]]:
     """CPU seconds for one request, and what the client got (to check the parse)."""
     seen = {"tokens": 0, "content": 0, "reasoning": 0, "calls": 0}
@@ -103,7 +98,7 @@ async def compare(
     engine = EchoEngine.from_tokenizer(tokenizer, cycle=True)
     with_parsers = link(parsers, Backend(tokenizer), engine)
     without = link(OutputParsers(), Backend(tokenizer), engine)
-    req = request(tokenizer, text)
+    req = make_request(tokenizer.encode(text), max_tokens=TOKENS, tools=TOOLS)
     best, base = float("inf"), float("inf")
     seen: dict[str, int] = {}
     for _ in range(ROUNDS):

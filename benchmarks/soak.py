@@ -181,7 +181,9 @@ async def one(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None
             return
         if kind == "bad":
             path = rng.choice(["/v1/chat/completions", "/v1/completions"])
-            response = await http.post(path, content=rng.choice(BAD_BODIES))
+            response = await http.post(
+                path, content=rng.choice(BAD_BODIES), headers={"content-type": "application/json"}
+            )
             tally.statuses[response.status_code] += 1
             ok = 400 <= response.status_code < 500 and "error" in response.json()
             tally.outcomes["bad body refused" if ok else "bad body NOT refused"] += 1

@@ -1,10 +1,12 @@
-"""An API edge of your own: ``POST /v1/plain`` takes a bare prompt, streams the answer's text.
+"""An API edge of your own: ``POST /v1/plain`` takes ``{"prompt": ...}``, streams the answer's text.
 
-An edge is two halves and nothing else: how its request becomes what the graph takes
-(here a chat request), and how the graph's typed events become its wire format (here one
-``data: {"text": ...}`` event per piece of text, then ``event: done``). Admission,
-deadlines, request ids, disconnects, the drain, metrics, migration, the stop jail and the
-parsers come from the app and the graph, as for every built-in edge. Run it:
+An edge is two halves and nothing else: a parser (its body, through the shared schema, as
+every built-in edge parses: a wrong type is a 400 naming the field, a large body is parsed
+off the event loop) that says what the graph takes (here a chat request), and a renderer
+(how the graph's typed events become its wire format: here one ``data: {"text": ...}``
+event per piece of text, then ``event: done``). Admission, deadlines, request ids,
+disconnects, the drain, metrics, migration, the stop jail and the parsers come from the
+app and the graph, as for every built-in edge. Run it:
 
     python examples/custom_edge.py
 """
@@ -19,11 +21,11 @@ import httpx
 import orjson
 
 from operators.edges.http.failures import ApiError
-from operators.edges.http.generation import Exchange
-from operators.edges.http.routes import Call, Host, Route
+from operators.edges.http.routes import Call, Exchange, Host, Route
+from operators.edges.http.schema import Bool, Model, parse_body
 from operators.edges.openai.errors import OPENAI_ERRORS
 from operators.edges.openai.events import ChoiceDelta, OpenAIEvent, Usage
-from operators.edges.openai.protocol import parse_chat_request
+from operators.edges.openai.protocol import ChatCompletionRequest, parse_chat_request
 from operators.engines import EchoEngine
 from operators.serving import build_app
 from operators.text.tokenizer import Tokenizer
@@ -60,19 +62,30 @@ class PlainReply:
         return orjson.dumps({"text": text})
 
 
+class PlainRequest(Model):
+    """The body: a prompt, and whether to stream."""
+
+    prompt: str
+    stream: Bool = False
+
+
+def parse_plain(body: bytes) -> tuple[PlainRequest, ChatCompletionRequest]:
+    """The parsing half: the body, and the one-message chat it becomes."""
+    request = parse_body(PlainRequest, body)
+    chat = {"messages": [{"role": "user", "content": request.prompt}]}
+    return request, parse_chat_request(chat)
+
+
 class PlainEdge:
-    """The request half and the route: a bare prompt becomes a one-message chat."""
+    """The route: the parser, the renderer, and the host that runs the rest."""
 
     def routes(self, host: Host) -> list[Route]:
         async def answer(call: Call) -> int:
             async def prepare(body: bytes) -> Exchange:
-                stream = call.query == b"stream=true"
-                chat = {"messages": [{"role": "user", "content": body.decode()}]}
-                return Exchange(parse_chat_request(chat), stream, PlainReply())
+                request, chat = await host.offload(len(body), parse_plain, body)
+                return Exchange(chat, request.stream, PlainReply())
 
-            return await host.generations.run(
-                call.scope, call.receive, call.send, OPENAI_ERRORS, prepare
-            )
+            return await host.generate(call, prepare, OPENAI_ERRORS)
 
         return [Route("/v1/plain", frozenset({"POST"}), answer, OPENAI_ERRORS)]
 
@@ -86,9 +99,9 @@ async def main() -> None:
     )
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://app") as http:
-        whole = await http.post("/v1/plain", content=b"Hello, plain world")
+        whole = await http.post("/v1/plain", json={"prompt": "Hello, plain world"})
         print("whole:", whole.json())
-        streamed = await http.post("/v1/plain?stream=true", content=b"Hi there")
+        streamed = await http.post("/v1/plain", json={"prompt": "Hi there", "stream": True})
         print("streamed:", streamed.text.replace("\n\n", " | ").replace("\n", " ").strip(" |"))
         metrics = (await http.get("/metrics")).text
     served = [line for line in metrics.splitlines() if 'endpoint="/v1/plain"' in line]

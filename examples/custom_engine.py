@@ -1,61 +1,47 @@
-"""Writing your own engine: the contract in docs/engines.md, checked by check_engine.
+"""Writing your own engine: a function that yields token ids, made an engine by token_engine.
 
 An engine deals in token ids only: the default graph in front of it renders the chat
-template, tokenizes, detokenizes, enforces stop strings and retries lost workers. This one
-answers every prompt with the same canned reply, one token per step, and keeps the whole
-contract: ``n`` choices, a ``finish_reason`` on each, ``max_tokens``, stop and kill, and
-continuing after ``replayed_tokens`` when Migration moves a request to it.
+template, tokenizes, detokenizes, enforces stop strings and retries lost workers.
+``token_engine`` does an engine's own bookkeeping around a function: ``n`` choices, a
+``finish_reason`` on each, ``max_tokens``, stop token ids, stop and kill, and continuing
+after ``replayed_tokens`` when Migration moves a request to it (docs/engines.md has the
+contract, which ``check_engine`` checks). This one answers every prompt with the same
+canned reply.
 
 Run it: ``python examples/custom_engine.py``.
 """
 
 from __future__ import annotations
 
-import anyio
-from anyio.lowlevel import checkpoint
+from collections.abc import AsyncIterator
 
-from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest
+import anyio
+
+from operators.contracts.llm import PreprocessedRequest
+from operators.engines import TokenEngine, token_engine
 from operators.serving import build_app
 from operators.testing import check_engine, openai_client
 from operators.text.tokenizer import Tokenizer
-from pipeline import Context, InvalidRequest, Stream
 
 
-class CannedEngine:
-    """Replies ``answer`` (token ids) to every prompt."""
+def canned_engine(answer: list[int]) -> TokenEngine:
+    """An engine that replies ``answer`` (token ids) to every prompt."""
 
-    def __init__(self, answer: list[int]) -> None:
-        self.answer = answer
+    @token_engine
+    async def reply(request: PreprocessedRequest) -> AsyncIterator[int]:
+        for token_id in answer:  # a model would read request.token_ids and request.sampling
+            yield token_id
 
-    async def generate(self, ctx: Context[PreprocessedRequest], /) -> Stream[EngineOutput]:
-        request = ctx.data
-        if request.prompt_tokens == 0:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        start = request.replayed_tokens  # after a migration: the reply so far is replayed
-        rest = self.answer[start:]
-        limit = request.stop.max_tokens
-        finish: FinishReason = "stop"
-        if limit is not None and limit < len(rest):
-            rest, finish = rest[:limit], "length"
-        for step, token_id in enumerate(rest):
-            for index in range(request.n):
-                if ctx.is_stopped:  # a stop string matched, or the server drains
-                    return
-                last = step == len(rest) - 1
-                yield EngineOutput([token_id], finish_reason=finish if last else None, index=index)
-            await checkpoint()  # let the other requests on this loop run
-        if not rest:
-            for index in range(request.n):
-                yield EngineOutput([], finish_reason=finish, index=index)
+    return reply
 
 
 async def main() -> None:
     tokenizer = Tokenizer.default()
     answer = tokenizer.encode("Hello from my own engine!")
-    await check_engine(lambda: CannedEngine(answer))
-    print("CannedEngine passes check_engine")
+    await check_engine(lambda: canned_engine(answer))
+    print("canned_engine passes check_engine")
 
-    app = build_app(CannedEngine(answer), tokenizer, model_name="canned")
+    app = build_app(canned_engine(answer), tokenizer, model_name="canned")
     async with openai_client(app) as client:
         reply = await client.chat.completions.create(
             model="canned", messages=[{"role": "user", "content": "Hi!"}], n=2, stop=["!"]

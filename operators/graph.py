@@ -41,6 +41,12 @@ before ``encoder_router`` / ``prefill_router``
 An operator between Migration and the Backend is inside the retry loop: a lost worker
 restarts it with a child context, so whatever it keeps per request belongs in
 ``ctx.state`` (as the Backend's does), not in locals.
+
+mypy checks those types where it sees the code; a ``Stages`` value checks them again when
+it is made, from each operator's ``generate`` annotations (:mod:`operators.placement`), so
+an operator in the wrong place (a text operator before the engine, from a
+``--insert-before`` flag or untyped code) is a :class:`~pipeline.LinkError` naming the
+stage and the operator, not a 500 on the first request. Unannotated operators pass.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, get_args, overload
 
-from pipeline import Engine, Operator, chain, link, named
+from pipeline import Engine, LinkError, Operator, chain, link, named
 
 from .backend import Backend
 from .contracts.constraint_guard import ConstraintGuard, engine_name
@@ -67,6 +73,7 @@ from .migration import Migration, MigrationEvent
 from .parsers import OutputParsers, ReasoningFormat, ToolCallFormat
 from .parsers import reasoning_parser as registered_reasoning
 from .parsers import tool_parser as registered_tools
+from .placement import mismatches
 from .routing.encoder_router import EncoderRouter
 from .routing.prefill_router import PrefillRouter
 
@@ -86,6 +93,7 @@ __all__ = (
     "Stages",
     "TextOperator",
     "TokenOperator",
+    "check_insertion",
     "default_graph",
     "default_stages",
 )
@@ -109,6 +117,21 @@ TokenOperator = Operator[PreprocessedRequest, EngineOutput, PreprocessedRequest,
 """An operator between the Backend and the engine: token requests, raw engine output."""
 
 _AnyOperator = Operator[Any, Any, Any, Any]
+
+_OPENAI: Final = (OpenAIRequest, OpenAIEvent)
+_TEXT: Final = (PreprocessedRequest, BackendOutput)
+_TOKENS: Final = (PreprocessedRequest, EngineOutput)
+#: what flows at each point: the requests an operator there gets and the outputs it yields
+#: (the types of :data:`OpenAIOperator`, :data:`TextOperator`, :data:`TokenOperator`)
+_FLOWS: Final[Mapping[Point, tuple[Any, Any]]] = {
+    "preprocessor": _OPENAI,
+    "parser": _TEXT,
+    "migration": _TEXT,
+    "backend": _TEXT,
+    "encoder_router": _TOKENS,
+    "prefill_router": _TOKENS,
+    "engine": _TOKENS,
+}
 
 
 class GraphOptions(TypedDict, total=False):
@@ -160,6 +183,26 @@ class Stages:
     #: without constrained decoding a ConstraintGuard refuses constrained requests
     engine_features: frozenset[str] | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse an operator whose ``generate`` annotations do not fit its place.
+
+        Raises:
+            LinkError: naming the stage (or point) and the operator, what does not fit,
+                and for an inserted operator the points where it would.
+            ValueError: a key of ``before`` is not one of :data:`POINTS`.
+        """
+        for position, name in enumerate(STAGES):
+            stage = getattr(self, name)
+            problems = mismatches(stage, *_FLOWS[name], *_FLOWS[POINTS[position + 1]])
+            if problems:
+                raise LinkError(
+                    f"{type(stage).__name__} cannot be the {name!r} stage: its generate "
+                    + "; ".join(problems)
+                )
+        for point, ops in self.before.items():
+            for op in ops:
+                check_insertion(point, op)
+
     @overload
     def insert_before(self, name: Literal["preprocessor"], *ops: OpenAIOperator) -> Stages: ...
     @overload
@@ -176,6 +219,8 @@ class Stages:
 
         Raises:
             ValueError: ``name`` is not one of :data:`POINTS`.
+            LinkError: an operator's ``generate`` annotations do not fit there
+                (:func:`check_insertion`).
         """
         _check_point(name, POINTS, "before")
         before = dict(self.before)
@@ -196,6 +241,7 @@ class Stages:
 
         Raises:
             ValueError: ``name`` is not one of :data:`STAGES`.
+            LinkError: an operator's ``generate`` annotations do not fit there.
         """
         _check_point(name, STAGES, "after")
         following = POINTS[STAGES.index(name) + 1]
@@ -263,6 +309,27 @@ class Stages:
             named("backend", self.backend),
             routers,
         )
+
+
+def check_insertion(point: Point, op: object) -> None:
+    """Check that ``op`` fits just before ``point``, as far as its ``generate``
+    annotations tell (:mod:`operators.placement`; an unannotated operator fits).
+
+    Raises:
+        ValueError: ``point`` is not one of :data:`POINTS`.
+        LinkError: it does not fit; the message names the operator, the point, what does
+            not fit and the points where it would.
+    """
+    _check_point(point, POINTS, "before")
+    problems = mismatches(op, *_FLOWS[point], *_FLOWS[point])
+    if not problems:
+        return
+    message = f"{type(op).__name__} cannot go before {point!r}: its generate "
+    message += "; ".join(problems)
+    fitting = [other for other in POINTS if not mismatches(op, *_FLOWS[other], *_FLOWS[other])]
+    if fitting:
+        message += " (it fits before " + ", ".join(repr(other) for other in fitting) + ")"
+    raise LinkError(message)
 
 
 def default_stages(
@@ -348,6 +415,8 @@ def default_graph(
 
     Raises:
         ValueError: a key of ``before`` is not one of :data:`POINTS`.
+        LinkError: an inserted operator's ``generate`` annotations do not fit its place
+            (:func:`check_insertion`).
     """
     stages = default_stages(tokenizer, model_name=model_name, **options)
     return stages.insert(before or {}).link(engine)

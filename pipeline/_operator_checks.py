@@ -253,7 +253,8 @@ async def _retry(s: Scenario) -> None:
                 f"downstream was lost after {lost_after} output(s) and the request retried: "
                 f"the caller got {_repr(got)} instead of {_repr(reference)}; keep what a "
                 "retry must resume in ctx.state (a StateKey), not in generate()'s locals or "
-                "on the operator",
+                "on the operator (this holds below a retrying operator, e.g. below Migration; "
+                "an operator above it is never retried: check it without retry=True)",
             )
 
 

@@ -118,6 +118,15 @@ async def check_operator(
     do what the retrying operator upstream does (for the Backend behind Migration:
     ``ctx.state.set(RESUMABLE, True)``).
 
+    ``retry=True`` is for operators that sit *below* a retrying operator, which calls them
+    again for each attempt: in the LLM layer's default graph, below Migration (the Backend,
+    the routers, and operators inserted before ``backend``, a router or the engine). An
+    operator *above* it (the preprocessor, the parsers, operators inserted before
+    ``parser`` or ``migration``, such as a redactor holding outputs while it decides)
+    never sees a retry: its ``generate`` keeps running while the retrier retries below, so
+    its locals survive and it may keep state there. Check such an operator without
+    ``retry=True``; with it, it fails for a retry that cannot reach it.
+
     Raises:
         ConformanceError: an ``AssertionError`` naming the first rule broken (``.rule``).
         CheckTimeout: also a ``TimeoutError``, when the checks together take longer than

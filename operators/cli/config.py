@@ -4,7 +4,8 @@ argparse gives a ``Namespace`` of untyped attributes; everything after parsing t
 frozen dataclasses instead, so the graph, engine and lifecycle code is type-checked and
 can be driven from Python without building a command line. ``from_args`` is the one
 place that reads a ``Namespace`` and the environment (API keys, the transfer secret);
-the defaults here are the parser's (a test keeps them equal).
+the defaults here are the parser's (a test keeps them equal). The llama engine's own
+options are one :class:`~operators.engines.llama.LlamaOptions` (:func:`llama_options`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from operators.engines.llama import LlamaOptions, NgramSpeculation
+
 from .defaults import (
     API_KEY_ENV,
     DEFAULT_DRAIN_TIMEOUT,
     DEFAULT_LLAMA_MODEL_NAME,
-    DEFAULT_LLAMA_PARALLEL,
-    DEFAULT_LLAMA_STEP_MS,
-    DEFAULT_LLAMA_STEP_TOKENS,
-    DEFAULT_MODEL_NAME,
+    DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
+    DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
+    EchoMode,
     EngineName,
     Role,
     RouterName,
@@ -44,7 +47,14 @@ from .observability import LogFormat
 if TYPE_CHECKING:
     from operators.graph import Point
 
-__all__ = ("EngineConfig", "LogLevel", "ServeConfig", "WorkerConfig", "key_priorities")
+__all__ = (
+    "EngineConfig",
+    "LogLevel",
+    "ServeConfig",
+    "WorkerConfig",
+    "key_priorities",
+    "llama_options",
+)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -74,6 +84,33 @@ def key_priorities(keys: Sequence[str]) -> dict[str, int]:
     return found
 
 
+def llama_options(args: argparse.Namespace) -> LlamaOptions:
+    """The llama engine's options its flags give in ``args`` (the others are its defaults,
+    set when an engine is loaded: :func:`operators.cli.engines.load_llama`).
+
+    Raises:
+        LlamaOptionError: a value out of range (``check_args`` makes it a usage error).
+    """
+    speculative = None
+    if args.speculative == "ngram":
+        speculative = NgramSpeculation(
+            ngram_size=args.ngram_size, num_draft_tokens=args.draft_tokens
+        )
+    return LlamaOptions(
+        n_ctx=args.n_ctx,
+        n_threads=args.threads,
+        parallel=args.parallel,
+        step_tokens=args.step_tokens,
+        step_ms=args.step_ms,
+        speculative=speculative,
+        kv_host_cache_mb=args.kv_host_cache_mb,
+        kv_disk_cache=args.kv_disk_cache,
+        kv_disk_cache_mb=args.kv_disk_cache_mb,
+        transfer_host=args.kv_transfer_host,
+        transfer_timeout=args.kv_transfer_timeout,
+    )
+
+
 def _fields_from(cls: type[Any], args: argparse.Namespace, **given: Any) -> dict[str, Any]:
     """``cls``'s fields from ``args`` (by name), except those ``given``."""
     names = (f.name for f in dataclasses.fields(cls) if f.init and f.name not in given)
@@ -85,7 +122,8 @@ class EngineConfig:
     """The engine options ``serve`` and ``worker`` share (``--engine`` and its groups)."""
 
     engine: EngineName = "echo"
-    #: the served name; None: 'echo', or for llama the default model's or --model's name
+    #: the served name; None: the engine's name for echo and mocker, or for llama and vllm
+    #: the default model's or --model's name
     model_name: str | None = None
     tokenizer: Path | None = None
     fail_after_tokens: int | None = None
@@ -94,19 +132,10 @@ class EngineConfig:
     echo_delay_ms: float = 0.0
     echo_cycle: bool = False
     model: Path | None = None
-    n_ctx: int = 2048
-    parallel: int = DEFAULT_LLAMA_PARALLEL
-    step_tokens: int = DEFAULT_LLAMA_STEP_TOKENS
-    step_ms: float = DEFAULT_LLAMA_STEP_MS
-    threads: int | None = None
-    speculative: Literal["ngram"] | None = None
-    ngram_size: int = 3
-    draft_tokens: int = 8
-    kv_host_cache_mb: int = 0
-    kv_disk_cache: Path | None = None
-    kv_disk_cache_mb: int = 1024
-    kv_transfer_host: str = "127.0.0.1"
-    kv_transfer_timeout: float = 10.0
+    #: the llama engine's options from its flags (--parallel, --step-tokens, ...); its
+    #: block size, adapters and transfer secret are this config's (``kv_block_size``,
+    #: ``lora``, ``transfer_secret``: other engines take them too), set when it is loaded
+    llama: LlamaOptions = field(default_factory=LlamaOptions)
     mocker_prefill_ms_per_token: float = 0.05
     mocker_decode_ms_per_step: float = 5.0
     mocker_max_batch: int = 64
@@ -127,23 +156,33 @@ class EngineConfig:
     transfer_secret: str | None = None
     #: adapters (LoRA) to load: (served name, file or folder)
     lora: tuple[tuple[str, Path], ...] = ()
+    #: --engine remote: the upstream servers, as given (``URL[,kv=tcp://HOST:PORT]``)
+    upstream: tuple[str, ...] = ()
+    #: what the upstreams are (None: each is asked)
+    upstream_kind: Literal["vllm", "llama-server"] | None = None
+    upstream_poll_ms: float = DEFAULT_UPSTREAM_POLL_MS
+    #: the longest silence of an upstream's stream before it counts as lost
+    upstream_timeout: float = DEFAULT_UPSTREAM_TIMEOUT
 
     @property
     def served_name(self) -> str:
         """The model name clients ask for and responses report."""
         if self.model_name is not None:
             return self.model_name
+        if self.engine == "remote":
+            return ""  # the upstream's: known once connected (``serve`` and ``worker`` ask it)
         if self.engine == "vllm":
             return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.name
-        if self.engine != "llama":
-            return DEFAULT_MODEL_NAME
-        return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        if self.engine == "llama":
+            return DEFAULT_LLAMA_MODEL_NAME if self.model is None else self.model.stem
+        return self.engine  # echo and mocker have no model: they are served as themselves
 
     @property
     def tokenizer_path(self) -> Path | None:
         """The tokenizer to load (None: SmolLM2's, shipped): llama's and vllm's are the
-        model's own (the GGUF's, the folder's tokenizer.json)."""
-        if self.tokenizer is None and self.engine in ("llama", "vllm"):
+        model's own (the GGUF's, the folder's tokenizer.json), and so is remote's when it
+        is given one (``--model``: the upstream's model, here)."""
+        if self.tokenizer is None and self.engine in ("llama", "vllm", "remote"):
             return self.model
         return self.tokenizer
 
@@ -156,7 +195,12 @@ class EngineConfig:
             secret = os.environ.get(TRANSFER_SECRET_ENV) or None
         return cls(
             **_fields_from(
-                cls, args, transfer_secret=secret, lora=tuple(getattr(args, "lora", None) or ())
+                cls,
+                args,
+                llama=llama_options(args),
+                transfer_secret=secret,
+                lora=tuple(getattr(args, "lora", None) or ()),
+                upstream=tuple(getattr(args, "upstream", None) or ()),
             )
         )
 
@@ -187,6 +231,11 @@ class ServeConfig:
     #: as given: ``KEY``, or ``KEY:PRIORITY`` for the key's default priority
     #: (:func:`key_priorities`)
     api_keys: tuple[str, ...] = ()
+    #: keys that may also see every key's requests in the status view (API keys too)
+    admin_api_key: tuple[str, ...] = ()
+    #: web origins whose pages may call the server from a browser (CORS; ``*``: any)
+    allowed_origins: tuple[str, ...] = ()
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_inflight: int | None = None
     request_timeout: float | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
@@ -195,6 +244,8 @@ class ServeConfig:
     insert_before: tuple[tuple[Point, str], ...] = ()
     #: a Jinja chat template file replacing the model's
     chat_template: Path | None = None
+    #: the echo engine's answer: the rendered prompt, or the last message's text alone
+    echo: EchoMode = "prompt"
     #: the tool-call format: a registered name or ``MODULE:NAME`` (None: no tool calls)
     tool_call_parser: str | None = "hermes"
     #: the reasoning format: a registered name or ``MODULE:NAME`` (None: none)
@@ -247,6 +298,8 @@ class ServeConfig:
                 engine=EngineConfig.from_args(args),
                 allowed_image_hosts=hosts,
                 api_keys=tuple(keys),
+                admin_api_key=tuple(getattr(args, "admin_api_key", None) or ()),
+                allowed_origins=tuple(getattr(args, "allowed_origins", None) or ()),
                 insert_before=tuple(getattr(args, "insert_before", None) or ()),
                 tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                 models=tuple(cls.from_args(model) for model in models),

@@ -2,13 +2,17 @@
 
 Echo and mocker engines are cheap and built per worker; the llama engine loads a model, so
 it is loaded once, in a thread (loading blocks), and its statistics feed the server's
-metrics.
+metrics. The remote engine connects to its upstream servers (:func:`open_remote`), whose
+``llm_pipeline_upstream_*`` series are registered like the vLLM engine's
+(:func:`watch_upstreams`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,19 +30,25 @@ from pipeline import WorkerSet
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
+    from operators.engines.llama import LlamaOptions
+    from operators.engines.remote import UpstreamFleet
+
     from .config import EngineConfig
 
 __all__ = (
     "Supervise",
+    "llama_engine_options",
     "load_engine",
     "load_llama",
     "load_llama_workers",
     "load_tokenizer",
     "load_vllm",
     "make_engine",
+    "open_remote",
     "watch_engine",
     "watch_engines",
     "watch_llama",
+    "watch_upstreams",
     "watch_vllm",
     "worker_set",
 )
@@ -112,6 +122,29 @@ def worker_set(
     )
 
 
+def llama_engine_options(
+    config: EngineConfig,
+    role: Any = "aggregated",
+    worker_id: str = "llama",
+    *,
+    disk_cache: Path | None = None,
+) -> LlamaOptions:
+    """The options of the llama engine ``config`` describes, in ``role`` as ``worker_id``:
+    ``config.llama`` (the llama flags') with the options other engines share (block size,
+    transfer secret, adapters); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``).
+    """
+    secret = config.transfer_secret
+    return dataclasses.replace(
+        config.llama,
+        block_size=config.kv_block_size,
+        role=role,
+        worker_id=worker_id,
+        transfer_secret=None if secret is None else secret.encode(),
+        kv_disk_cache=config.llama.kv_disk_cache if disk_cache is None else disk_cache,
+        loras={name: str(path) for name, path in config.lora},
+    )
+
+
 async def load_llama(
     config: EngineConfig,
     role: Any = "aggregated",
@@ -119,37 +152,13 @@ async def load_llama(
     *,
     disk_cache: Path | None = None,
 ) -> Any:
-    """The llama.cpp engine ``config`` describes, in ``role``, loaded in a thread (loading
-    blocks); its disk tier in ``disk_cache`` (None: ``--kv-disk-cache``)."""
-    from operators.engines.llama import LlamaEngine, NgramSpeculation
+    """The llama.cpp engine ``config`` describes (:func:`llama_engine_options`), loaded in
+    a thread (loading blocks)."""
+    from operators.engines.llama import LlamaEngine
 
-    speculative = (
-        NgramSpeculation(ngram_size=config.ngram_size, num_draft_tokens=config.draft_tokens)
-        if config.speculative == "ngram"
-        else None
-    )
-    secret = config.transfer_secret
+    options = llama_engine_options(config, role, worker_id, disk_cache=disk_cache)
     return await anyio.to_thread.run_sync(
-        functools.partial(
-            LlamaEngine,
-            config.model,
-            n_ctx=config.n_ctx,
-            n_threads=config.threads,
-            parallel=config.parallel,
-            step_tokens=config.step_tokens,
-            step_ms=config.step_ms,
-            speculative=speculative,
-            block_size=config.kv_block_size,
-            role=role,
-            worker_id=worker_id,
-            transfer_secret=None if secret is None else secret.encode(),
-            transfer_host=config.kv_transfer_host,
-            transfer_timeout=config.kv_transfer_timeout,
-            kv_host_cache_mb=config.kv_host_cache_mb,
-            kv_disk_cache=config.kv_disk_cache if disk_cache is None else disk_cache,
-            kv_disk_cache_mb=config.kv_disk_cache_mb,
-            loras={name: str(path) for name, path in config.lora},
-        )
+        functools.partial(LlamaEngine, config.model, options=options)
     )
 
 
@@ -172,10 +181,9 @@ async def load_llama_workers(
     try:
         for i in range(count):
             name = f"{role}-{i}"
-            disk = config.kv_disk_cache
-            if disk is not None and (shared or count > 1):
-                disk = disk / name
-            factory = functools.partial(load_llama, config, role, name, disk_cache=disk)
+            disk = config.llama.kv_disk_cache
+            folder = None if disk is None or not (shared or count > 1) else Path(disk) / name
+            factory = functools.partial(load_llama, config, role, name, disk_cache=folder)
             engines[name] = await factory()
             if supervise is not None:
                 engines[name] = supervise(engines[name], name, factory)
@@ -232,6 +240,42 @@ async def load_engine(
     if config.engine == "vllm":
         return await load_vllm(config, log_level=log_level)
     return await load_llama(config, role, worker_id)
+
+
+@asynccontextmanager
+async def open_remote(
+    config: EngineConfig, tokenizer: Tokenizer | None, role: str = "aggregated"
+) -> AsyncIterator[UpstreamFleet]:
+    """The upstream servers ``--upstream`` names, connected and watched while the context
+    is open (:func:`operators.engines.remote.open_upstreams`).
+
+    Raises:
+        ConnectionError: none answered; ValueError: one is neither vLLM nor llama-server;
+        ImportError: ``kv=`` without pyzmq and msgspec.
+    """
+    from operators.engines.remote import open_upstreams, parse_upstream
+
+    upstreams = [parse_upstream(text, config.upstream_kind) for text in config.upstream]
+    async with open_upstreams(
+        upstreams,
+        tokenizer=tokenizer,
+        block_size=config.kv_block_size,
+        poll_interval=config.upstream_poll_ms / 1000,
+        stall_timeout=config.upstream_timeout,
+        role=role,
+    ) as fleet:
+        yield fleet
+
+
+def watch_upstreams(registry: CollectorRegistry, fleets: Sequence[UpstreamFleet]) -> None:
+    """Export the upstreams' ``llm_pipeline_upstream_*`` series in ``registry``, every
+    model's in one collector (read at each scrape: upstreams that join later are
+    included)."""
+    from operators.engines.remote import UpstreamCollector
+
+    registry.register(
+        UpstreamCollector(lambda: [engine for fleet in fleets for engine in fleet.engines])
+    )
 
 
 def watch_engines(

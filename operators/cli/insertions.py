@@ -13,7 +13,8 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from operators.graph import POINTS, Point
+from operators.graph import POINTS, Point, check_insertion
+from pipeline import LinkError
 
 __all__ = ("insertion", "load_insertions", "load_operator")
 
@@ -56,8 +57,19 @@ def load_operator(spec: str) -> _AnyOperator:
 
 
 def load_insertions(pairs: Iterable[tuple[Point, str]]) -> dict[Point, list[_AnyOperator]]:
-    """``before=`` for the graph: each point's operators, in command-line order."""
+    """``before=`` for the graph: each point's operators, in command-line order.
+
+    Raises:
+        ValueError: as :func:`load_operator`, or an operator's ``generate`` annotations do
+            not fit its point (:func:`operators.graph.check_insertion`, said before the
+            server starts, not as a 500 on the first request).
+    """
     before: dict[Point, list[_AnyOperator]] = {}
     for point, spec in pairs:
-        before.setdefault(point, []).append(load_operator(spec))
+        operator = load_operator(spec)
+        try:
+            check_insertion(point, operator)
+        except LinkError as exc:
+            raise ValueError(f"{spec}: {exc}") from exc
+        before.setdefault(point, []).append(operator)
     return before

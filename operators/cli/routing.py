@@ -16,6 +16,7 @@ Its retries avoid the workers a request already tried, as the round-robin one do
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from operators.routing.kv_blocks import request_block_ids
@@ -27,6 +28,7 @@ from pipeline import (
     PrefixIndex,
     Random,
     RoundRobin,
+    Worker,
     WorkerSet,
 )
 
@@ -36,14 +38,19 @@ if TYPE_CHECKING:
 
     from .config import ServeConfig
 
-__all__ = ("remote_kv_policy", "routing_policy")
+__all__ = ("remote_kv_policy", "routing_policy", "upstream_policy")
 
 
 def routing_policy(
-    config: ServeConfig, workers: WorkerSet[Any, Any], metrics: ServerMetrics | None = None
+    config: ServeConfig,
+    workers: WorkerSet[Any, Any],
+    metrics: ServerMetrics | None = None,
+    *,
+    load: Callable[[Worker[Any, Any]], float] | None = None,
 ) -> RoutingPolicy:
     """The policy ``config.router`` names over ``workers``; ``kv`` decisions are counted in
-    ``metrics`` (hit and miss blocks, decisions per worker)."""
+    ``metrics`` (hit and miss blocks, decisions per worker) and weigh each worker's
+    ``load`` (None: its requests in flight)."""
     name = config.router
     if name == "round-robin":
         return RoundRobin()
@@ -58,7 +65,20 @@ def routing_policy(
             if hasattr(worker.engine, "kv_events"):
                 worker.engine.kv_events = None
             index.remove_worker(worker.id)
-    return _kv_router(config, index, metrics, approximate=not reporting)
+    else:  # members that join later (an upstream that came up) report too
+        workers.listen(_joiner(index, workers))
+    return _kv_router(config, index, metrics, approximate=not reporting, load=load)
+
+
+def upstream_policy(
+    config: ServeConfig, workers: WorkerSet[Any, Any], metrics: ServerMetrics | None = None
+) -> RoutingPolicy:
+    """The policy over ``--engine remote``'s upstreams: ``config.router``'s, weighing each
+    upstream's load as its server reports it (``reported_load``), retrying elsewhere."""
+    from operators.contracts.retry_elsewhere import RetryElsewhere
+    from operators.engines.remote import reported_load
+
+    return RetryElsewhere(routing_policy(config, workers, metrics, load=reported_load))
 
 
 def remote_kv_policy(
@@ -66,13 +86,18 @@ def remote_kv_policy(
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
     workers' KV events over NATS) among the workers a request has not tried yet."""
-    from operators.contracts.transport import RetryElsewhere  # (needs nats-py, as --nats does)
+    from operators.contracts.retry_elsewhere import RetryElsewhere
 
     return RetryElsewhere(_kv_router(config, index, metrics, approximate=False))
 
 
 def _kv_router(
-    config: ServeConfig, index: PrefixIndex, metrics: ServerMetrics | None, *, approximate: bool
+    config: ServeConfig,
+    index: PrefixIndex,
+    metrics: ServerMetrics | None,
+    *,
+    approximate: bool,
+    load: Callable[[Worker[Any, Any]], float] | None = None,
 ) -> KvRouter:
     return KvRouter(
         index,
@@ -82,7 +107,24 @@ def _kv_router(
         temperature=config.router_temperature,
         approximate=approximate,
         on_decision=None if metrics is None else metrics.count_kv_decision,
+        load=_in_flight if load is None else load,
     )
+
+
+def _in_flight(worker: Worker[Any, Any]) -> float:
+    """The KV router's default load: the requests this router has in flight there."""
+    return worker.in_flight
+
+
+def _joiner(index: PrefixIndex, workers: WorkerSet[Any, Any]) -> Callable[[str, bool], None]:
+    """A membership listener that feeds a joining worker's KV events into ``index``."""
+
+    def joined(worker_id: str, joined: bool) -> None:
+        worker = workers.get(worker_id)
+        if joined and worker is not None:
+            _listen(index, worker_id, worker.engine)
+
+    return joined
 
 
 def _listen(index: PrefixIndex, worker_id: str, engine: Any) -> bool:

@@ -36,7 +36,14 @@ from pipeline import Engine, EngineDead, PrefixIndex, WorkerSet
 from .config import ServeConfig, key_priorities
 from .defaults import MODEL_ENGINES
 from .discovered import DiscoveredModels
-from .engines import load_engine, load_llama_workers, load_tokenizer, watch_engines
+from .engines import (
+    load_engine,
+    load_llama_workers,
+    load_tokenizer,
+    open_remote,
+    watch_engines,
+    watch_upstreams,
+)
 from .health import supervise
 from .insertions import load_insertions
 from .model_graph import engine_and_options
@@ -52,6 +59,7 @@ if TYPE_CHECKING:
     from operators.edges.openai.events import OpenAIEvent
     from operators.edges.openai.preprocessor import OpenAIRequest
     from operators.edges.responses import ResponseStore
+    from operators.engines.remote import UpstreamFleet
     from operators.text.tokenizer import Tokenizer
     from operators.ui import WorkerGroups
 
@@ -93,6 +101,8 @@ def guard(config: ServeConfig) -> Guard:
         api_keys=key_priorities(config.api_keys),
         max_inflight=config.max_inflight,
         request_timeout=config.request_timeout,
+        admin_keys=config.admin_api_key,
+        allowed_origins=config.allowed_origins,
     )
 
 
@@ -263,6 +273,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 on_ready=announce,
                 log_level=config.log_level,
                 drain_timeout=config.drain_timeout,
+                max_header_bytes=config.max_header_bytes,
             )
         except CannotListen as exc:
             print(f"llm-pipeline: {exc.strerror}", file=sys.stderr)
@@ -308,6 +319,7 @@ async def _served_models(
     groups: dict[str, WorkerGroups] = {}
     engines: list[Any] = []
     prefill_engines: list[Any] = []
+    fleets: list[UpstreamFleet] = []
     engine_name = "engine"
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
@@ -347,6 +359,15 @@ async def _served_models(
                 workers_of = [*decode.members, *(prefill.members if prefill else ())]
                 each: list[Any] = [worker.engine for worker in workers_of]
                 lora = EveryWorker(each)  # (llama engines: each takes adapters)
+        elif model.engine.engine == "remote":
+            try:
+                fleet = await stack.enter_async_context(open_remote(model.engine, tokenizer))
+            except (ConnectionError, ValueError, ImportError) as exc:
+                what = repr(name) if name else "the model"
+                raise _Unavailable(f"cannot serve the upstreams of {what}: {exc}") from exc
+            fleets.append(fleet)
+            name = name or fleet.model  # (the upstream's, unless --model-name says)
+            local = (fleet.workers, None)
         elif model.engine.engine in MODEL_ENGINES:
             factory = functools.partial(load_engine, model.engine, log_level=config.log_level)
             try:
@@ -374,6 +395,8 @@ async def _served_models(
             groups[name] = found
     if engines:
         watch_engines(metrics.registry, engines, prefill=prefill_engines)
+    if fleets:
+        watch_upstreams(metrics.registry, fleets)
     return specs, groups, engine_name
 
 

@@ -55,6 +55,16 @@ async def _worker_engine(config: WorkerConfig, tokenizer: Tokenizer | None) -> A
         return await load_llama(config.engine, config.role, config.id)
     if config.engine.engine in MODEL_ENGINES:
         return await load_engine(config.engine, log_level=config.log_level)
+    if config.engine.engine == "remote":  # one upstream server, fronted as it is
+        from operators.engines.remote import RemoteEngine, parse_upstream
+
+        [upstream] = config.engine.upstream
+        return await RemoteEngine.connect(
+            parse_upstream(upstream, config.engine.upstream_kind),
+            tokenizer=tokenizer,
+            block_size=config.engine.kv_block_size,
+            stall_timeout=config.engine.upstream_timeout,
+        )
     assert tokenizer is not None
     return make_engine(config.engine, tokenizer, config.role, config.id)
 
@@ -114,19 +124,21 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     except Exception as exc:  # a missing model file, llama.cpp failing
                         print(f"llm-pipeline: cannot load the engine: {exc}", file=sys.stderr)
                         return 1
+                    # (an upstream's model unless --model-name says)
+                    model = config.model_name or engine.info.display_model
                     rebuilt = config.engine.engine in MODEL_ENGINES  # (echo, mocker: no need)
                     factory = functools.partial(_worker_engine, config, tokenizer)
                     engine = supervise(
                         engine, config, name=worker_id, factory=factory if rebuilt else None
                     )
-                    health.watch(config.model_name, engine)
+                    health.watch(model, engine)
                     nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
                     if nc is None:
                         return 1
                     served = serve_engine(
                         link(RequestLog(worker_id), guarded(engine)),
                         nc=nc,
-                        model=config.model_name,
+                        model=model,
                         role=config.role,
                         worker_id=worker_id,
                         codec=llm_codec(),
@@ -156,16 +168,14 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     await tg.start(health.run)
                     tg.start_soon(stop_when_dead)
                     try:
-                        await publish_kv_events(
-                            tg, nc, engine, model=config.model_name, worker_id=worker_id
-                        )
+                        await publish_kv_events(tg, nc, engine, model=model, worker_id=worker_id)
                         if embedder_of(engine) is not None:
-                            await serve_embeddings(nc, engine, model=config.model_name)
+                            await serve_embeddings(nc, engine, model=model)
                         async with served:
                             worker = served
                             print(
                                 f"llm-pipeline worker {worker_id} serving model "
-                                f"{config.model_name!r} as {config.role} via {config.nats}",
+                                f"{model!r} as {config.role} via {config.nats}",
                                 flush=True,
                             )
                             await served.serve_forever()

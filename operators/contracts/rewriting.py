@@ -22,6 +22,13 @@ Migration replays exactly the tokens that passed it, so held tokens would be gen
 again on the next worker (the Backend therefore withholds *text* but passes every token id
 up at once, with ``delivered_tokens`` saying which have been shown).
 
+**Testing it**: ``check_operator(Redact, request, outputs)``, *without* ``retry=True``.
+That option plays what Migration does to the operators below it (a new operator per
+attempt, whose state must come back from ``ctx.state``); above Migration no retry reaches
+the operator, so its locals are the right place for what it holds, and ``retry=True``
+would fail it for a retry that never happens. To see it survive a lost worker, put it
+above a real Migration, as ``tests/operators/contracts/test_rewriting.py`` does.
+
 Both helpers return new outputs and never mutate their arguments.
 """
 

@@ -29,13 +29,13 @@ frontend, in front of the routers, because a Context's state store does not trav
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import anyio
 
-from pipeline import Context, Engine, RoundRobin, RoutingPolicy, StateKey, Stream, Worker, WorkerSet
+from pipeline import Context, Engine, Stream, WorkerSet
 from pipeline.transports.codec import DataclassCodec
 from pipeline.transports.nats import NatsDiscovery, NatsTimeouts
 
@@ -51,6 +51,7 @@ from .llm import (
     Tool,
     ToolCallDelta,
 )
+from .retry_elsewhere import RetryElsewhere as RetryElsewhere
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -135,42 +136,6 @@ class RequestLog:
 
     def __repr__(self) -> str:
         return f"RequestLog({self._name!r}, in_flight={self.in_flight})"
-
-
-@final
-class RetryElsewhere:
-    """Routing policy: ``policy`` (round-robin by default), but a request's retry goes to a
-    worker it has not tried.
-
-    The workers a request was sent to are kept in its Context state, which Migration's
-    attempts (child contexts) share; a later attempt lets ``policy`` choose among the
-    members not tried yet, or among all of them once every member was tried. So a retry
-    never goes back to the worker that was just lost while another one is there, even when
-    the loss was a timeout that discovery cannot act on (it evicts on "no responders").
-    """
-
-    __slots__ = ("_tried", "policy")
-
-    def __init__(self, policy: RoutingPolicy | None = None) -> None:
-        #: what picks among the untried workers
-        self.policy: RoutingPolicy = RoundRobin() if policy is None else policy
-        # One key per policy: the decode and prefill routers of one request keep apart.
-        self._tried: StateKey[set[str]] = StateKey("workers tried by a RetryElsewhere router")
-
-    def choose(self, workers: Sequence[Worker[Any, Any]], ctx: Context[Any], /) -> Worker[Any, Any]:
-        """``policy``'s choice among the members ``ctx`` has not tried (or all)."""
-        tried = ctx.state.get(self._tried, None)
-        if tried is None:
-            tried = set()
-            ctx.state.set(self._tried, tried)
-        elif fresh := [worker for worker in workers if worker.id not in tried]:
-            workers = fresh
-        worker = self.policy.choose(workers, ctx)
-        tried.add(worker.id)
-        return worker
-
-    def __repr__(self) -> str:
-        return f"RetryElsewhere({self.policy!r})"
 
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]

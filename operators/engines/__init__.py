@@ -9,7 +9,9 @@
   re-exported here, so that importing this package never loads llama.cpp or numpy.
 
 A user's own engine plugs in the same way: any object with
-``generate(ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]``.
+``generate(ctx: Context[PreprocessedRequest]) -> Stream[EngineOutput]``, or a function that
+yields token ids wrapped by :func:`token_engine` (:mod:`operators.engines.token_engine`),
+which keeps the rest of the engine contract for it.
 """
 
 from __future__ import annotations
@@ -17,5 +19,15 @@ from __future__ import annotations
 from .echo import DEFAULT_CYCLE_TOKENS as DEFAULT_CYCLE_TOKENS
 from .echo import EchoEngine as EchoEngine
 from .echo import echo_logprob as echo_logprob
+from .token_engine import TokenEngine as TokenEngine
+from .token_engine import TokenFunction as TokenFunction
+from .token_engine import token_engine as token_engine
 
-__all__ = ("DEFAULT_CYCLE_TOKENS", "EchoEngine", "echo_logprob")
+__all__ = (
+    "DEFAULT_CYCLE_TOKENS",
+    "EchoEngine",
+    "TokenEngine",
+    "TokenFunction",
+    "echo_logprob",
+    "token_engine",
+)

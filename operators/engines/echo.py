@@ -9,6 +9,12 @@ benchmark measures the graph and the HTTP edge, not a model. What it emits for a
                                   --> finish_reason "stop" on the last id, or "length" when
                                       ``max_tokens`` runs out first
 
+The prompt is what the preprocessor made of the request: for a chat, the whole conversation
+as the chat template renders it (system prompt, role names, the tools preamble; role
+markers are special ids and skipped). To answer with the last message alone, render with
+:func:`operators.edges.openai.chat_template.last_message_template` (``serve --echo
+last-message``): the engine sees token ids only, so what it echoes is chosen there.
+
 Options make it useful beyond plain echo: a per-token delay (long streams for disconnect
 tests), cycling (repeat the prompt until ``max_tokens``, for load tests), deterministic
 logprobs, and an injected :class:`pipeline.StreamDisconnected` on the first attempt of every

@@ -5,7 +5,8 @@
     GET /               index.html   (open: the page holds nothing protected)
     GET /ui/app.js      the script
     GET /ui/app.css     the styles
-    GET /status         the status document (JSON; with API keys, only with one)
+    GET /status         the status document (JSON; with API keys, only with one, and its
+                        recent requests only the key's own unless it is an admin key)
 
 The files are read from the package once, when the UI is built, and served from memory
 with a Content-Security-Policy that lets the page load only from this server (no inline
@@ -66,12 +67,16 @@ class WebUI:
     """The ``pages`` of an :class:`~operators.edges.openai.server.OpenAIApp`: answers the
     UI's paths (None for any other), ``status()`` giving the status document.
 
-    ``guard`` is the app's: with API keys the status document needs one, as ``/v1/*`` does.
+    ``guard`` is the app's: with API keys the status document needs one, as ``/v1/*`` does,
+    and lists the requests of that key only (``status(owner)``; an admin key, or a server
+    without keys: ``status(None)``, every request).
     """
 
     __slots__ = ("_files", "_guard", "_status")
 
-    def __init__(self, status: Callable[[], Mapping[str, Any]], guard: Guard | None = None):
+    def __init__(
+        self, status: Callable[[str | None], Mapping[str, Any]], guard: Guard | None = None
+    ):
         self._files = _load()
         self._status = status
         self._guard = guard if guard is not None else Guard()
@@ -87,7 +92,9 @@ class WebUI:
                     send, 401, unauthorized_body(presented), ((b"www-authenticate", b"Bearer"),)
                 )
                 return 401
-            body = orjson.dumps(self._status())
+            guard = self._guard
+            viewer = None if guard.is_admin(scope) else guard.owner(scope)
+            body = orjson.dumps(self._status(viewer))
             await _send(send, body, b"application/json", head)
             return 200
         found = self._files.get(path if path != "/index.html" else "/")

@@ -8,6 +8,8 @@ counted for it beyond what the metrics and the span buffer already hold. ::
      "requests_total": 40, "output_tokens_total": 5120,
      "kv": {"hit_blocks": 10, "miss_blocks": 30, "hit_rate": 0.25, "source": "router"},
      "workers": [{"id": "decode-0", "role": "aggregated", "in_flight": 1, "where": "in-process"}],
+     (an upstream's row: "where": "vllm at http://10.0.0.5:8000",
+      "load": {"running": 3, "waiting": 0}, as the server last reported)
      "tracing": {"recording": true, "exporting": "http://collector:4318/v1/traces"},
      "recent": [ ... RecentRequest.as_dict() ... ]}
 
@@ -21,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, final
 
+from operators.edges.http.request_span import REQUEST_OWNER
 from pipeline import WorkerSet
 
 if TYPE_CHECKING:
@@ -35,15 +38,26 @@ WorkerGroups: TypeAlias = Mapping[str, "WorkerSet[Any, Any] | None"]
 
 
 def worker_rows(groups: WorkerGroups, where: str) -> list[dict[str, Any]]:
-    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs."""
+    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs
+    (an engine that says where it is, an upstream server, says it instead: its ``where``),
+    and the load it last reported (``load``), when it reports one."""
     rows: list[dict[str, Any]] = []
     for role, workers in groups.items():
         if workers is None:
             continue
-        rows.extend(
-            {"id": w.id, "role": role, "in_flight": w.in_flight, "where": where}
-            for w in workers.members
-        )
+        for w in workers.members:
+            own = getattr(w.engine, "where", None)
+            row = {
+                "id": w.id,
+                "role": role,
+                "in_flight": w.in_flight,
+                "where": own if isinstance(own, str) else where,
+            }
+            load = getattr(w.engine, "load_report", None)
+            report = load() if callable(load) else None
+            if report is not None:
+                row["load"] = {"running": report.running, "waiting": report.waiting}
+            rows.append(row)
     return rows
 
 
@@ -81,8 +95,8 @@ class StatusReport:
         self._exporting = exporting
         self._started = time.monotonic()
 
-    def __call__(self) -> dict[str, Any]:
-        """The status document, now."""
+    def __call__(self, owner: str | None = None) -> dict[str, Any]:
+        """The status document, now; its recent requests only ``owner``'s (None: all)."""
         app = self._app
         totals, requests = _totals(app)
         sample = totals.get
@@ -110,8 +124,17 @@ class StatusReport:
             "kv": _kv(sample),
             "workers": rows,
             "tracing": {"recording": buffer is not None, "exporting": self._exporting},
-            "recent": [] if buffer is None else [r.as_dict() for r in buffer.recent()],
+            "recent": [] if buffer is None else _recent(buffer, owner),
         }
+
+
+def _recent(buffer: SpanBuffer, owner: str | None) -> list[dict[str, Any]]:
+    """The last requests (all, or those ``owner`` made: a key sees only its own)."""
+    return [
+        request.as_dict()
+        for request in buffer.recent()
+        if owner is None or request.root.attributes.get(REQUEST_OWNER) == owner
+    ]
 
 
 def _totals(app: OpenAIApp) -> tuple[dict[str, float], float]:

@@ -22,12 +22,16 @@ def _entries(content: Any) -> list[Any]:
 
 
 async def chat_stream(
-    api: openai.AsyncOpenAI, *, started: anyio.Event | None = None, **request: Any
+    api: openai.AsyncOpenAI,
+    *,
+    started: anyio.Event | None = None,
+    model: str = "echo",
+    **request: Any,
 ) -> dict[str, Any]:
     """A streamed chat (with usage) as the client sees it; ``started`` is set at its first
     chunk."""
     stream = await api.chat.completions.create(
-        model="echo", stream=True, stream_options={"include_usage": True}, **request
+        model=model, stream=True, stream_options={"include_usage": True}, **request
     )
     text, finishes, tokens, usage = "", [], [], None
     async for chunk in stream:
@@ -44,9 +48,11 @@ async def chat_stream(
     return {"text": text, "finishes": finishes, "usage": usage, "logprobs": tokens}
 
 
-async def chat_once(api: openai.AsyncOpenAI, **request: Any) -> dict[str, Any]:
+async def chat_once(
+    api: openai.AsyncOpenAI, *, model: str = "echo", **request: Any
+) -> dict[str, Any]:
     """A non-streamed chat as the client sees it (the same fields as :func:`chat_stream`)."""
-    response = await api.chat.completions.create(model="echo", **request)
+    response = await api.chat.completions.create(model=model, **request)
     choice = response.choices[0]
     return {
         "text": choice.message.content,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -12,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from operators.backend import RESUMABLE, Backend
-from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
+from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest
+from operators.testing import make_request
 from operators.text.stop_jail import find_stop
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, EngineError, FunctionEngine, StreamDisconnected, link
@@ -21,29 +23,8 @@ from pipeline.testing import ScriptedEngine, check_operator, collect, make_conte
 EOS = ByteTokenizer.EOS
 
 
-def request(
-    *,
-    stop: tuple[str, ...] = (),
-    max_tokens: int | None = None,
-    min_tokens: int = 0,
-    include: bool = False,
-    n: int = 1,
-    stop_token_ids: tuple[int, ...] = (),
-    ignore_eos: bool = False,
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=[7, 8, 9],
-        n=n,
-        stop=StopConditions(
-            stop=stop,
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            include_stop_str_in_output=include,
-            stop_token_ids=stop_token_ids,
-            eos_token_ids=(EOS,),
-            ignore_eos=ignore_eos,
-        ),
-    )
+#: every request here: a three-token prompt, EOS as the tokenizer's end
+request = functools.partial(make_request, token_ids=[7, 8, 9], eos_token_ids=(EOS,))
 
 
 def outputs_for(ids: list[int], *, finish: str | None = None, index: int = 0) -> list[EngineOutput]:
@@ -388,7 +369,9 @@ async def test_any_split_any_stops_any_terminal_path(case: Case) -> None:
         script.append(EngineOutput(token_ids=[EOS], logprobs=[-0.0]))
     if case.path == "error":
         then = EngineError("engine failed")
-    req = request(stop=case.stops, include=case.include, max_tokens=case.max_tokens)
+    req = request(
+        stop=case.stops, include_stop_str_in_output=case.include, max_tokens=case.max_tokens
+    )
     outputs: list[BackendOutput] = []
     raised = False
     try:

@@ -13,7 +13,7 @@ from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.engines import EchoEngine
 from operators.engines.mocker import MockerEngine
 from operators.testing import check_engine
-from pipeline import Context, FunctionEngine
+from pipeline import Context, FunctionEngine, InvalidRequest
 
 
 async def test_the_echo_engine_passes() -> None:
@@ -88,6 +88,18 @@ async def test_a_correct_engine_passes() -> None:
     await check_engine(engine_of(counting))
 
 
+async def without_logprobs(ctx: Context[PreprocessedRequest]) -> AsyncIterator[EngineOutput]:
+    """``counting`` for an engine that has no logprobs, and says so by name."""
+    if ctx.data.output.logprobs is not None:
+        raise InvalidRequest("no logprobs here", param="logprobs")
+    async for output in counting(ctx):
+        yield output
+
+
+async def test_an_engine_may_refuse_logprobs_by_name() -> None:
+    await check_engine(engine_of(without_logprobs))
+
+
 @pytest.mark.parametrize(
     ("fn", "message"),
     [
@@ -115,8 +127,6 @@ class Embedding(FunctionEngine[PreprocessedRequest, EngineOutput]):
     async def embed(self, token_ids: Any, /) -> list[list[float]]:
         self.calls += 1
         if any(not tokens for tokens in token_ids) and self.broken != "empty":
-            from pipeline import InvalidRequest
-
             raise InvalidRequest("an input is empty", param="input.0")
         vectors = [[float(sum(tokens)), float(len(tokens))] for tokens in token_ids]
         if self.broken == "count":

@@ -1,5 +1,5 @@
-"""``llm-pipeline`` options that need no server: the llama engine's batching flags, and the
-typed config the arguments become."""
+"""``llm-pipeline`` options that need no server: the llama engine's flags (the engine's own
+``LlamaOptions``), and the typed config the arguments become."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 
 from operators import cli
 from operators.cli.defaults import ROLES
+from operators.cli.engines import llama_engine_options
 from operators.cli.insertions import load_operator
+from operators.cli.options import LLAMA_FLAGS
 from operators.cli.serve import run_serve
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
-from operators.engines.llama import DEFAULT_PARALLEL, DEFAULT_STEP_MS, DEFAULT_STEP_TOKENS
+from operators.engines.llama import LlamaOptions, NgramSpeculation
 from operators.testing import openai_client
 from operators.text.tokenizer import Tokenizer
 
@@ -29,37 +31,69 @@ def parse(*argv: str) -> argparse.Namespace:
     return args
 
 
-def test_parallel_and_step_tokens_default_to_the_engine_defaults() -> None:
+def test_the_llama_flags_default_to_the_engines_options() -> None:
     args = parse("serve", "--engine", "llama")
-    assert args.parallel == DEFAULT_PARALLEL == cli.DEFAULT_LLAMA_PARALLEL
-    assert args.step_tokens == DEFAULT_STEP_TOKENS == cli.DEFAULT_LLAMA_STEP_TOKENS
-    assert args.step_ms == DEFAULT_STEP_MS == cli.DEFAULT_LLAMA_STEP_MS
+    assert cli.EngineConfig.from_args(args).llama == LlamaOptions()
     args = parse("serve", "--engine", "llama", "--parallel", "8", "--step-tokens", "256")
     assert (args.parallel, args.step_tokens) == (8, 256)
-    assert (
-        parse(
-            "worker", "--nats", "nats://127.0.0.1:4222", "--engine", "llama", "--parallel", "2"
-        ).parallel
-        == 2
-    )
+    worker = ("worker", "--nats", "nats://127.0.0.1:4222", "--engine", "llama", "--parallel", "2")
+    assert cli.WorkerConfig.from_args(parse(*worker)).engine.llama.parallel == 2
+
+
+def test_every_llama_option_is_a_flag_or_set_when_the_engine_loads() -> None:
+    fields = set(LlamaOptions.__dataclass_fields__)
+    at_load = {"speculative", "block_size", "role", "worker_id", "transfer_secret", "loras"}
+    assert set(LLAMA_FLAGS) == fields - at_load
+    for flag in LLAMA_FLAGS.values():
+        for command in (("serve",), ("worker", "--nats", "n")):
+            assert not cli.build_parser().parse_known_args([*command, flag, "17"])[1]
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "message"),
     [
-        ("--parallel", "0"),
-        ("--parallel", "-1"),
-        ("--step-tokens", "8"),  # under 16
-        ("--parallel", "64", "--step-tokens", "32"),  # fewer than one token per sequence
+        (("--parallel", "0"), "argument --parallel: must be >= 1, got 0"),
+        (("--parallel", "-1"), "argument --parallel: must be >= 1"),
+        (("--step-tokens", "8"), "argument --step-tokens: must be >= parallel (4) and >= 16"),
+        (("--parallel", "64", "--step-tokens", "32"), "--step-tokens: must be >= parallel (64)"),
+        (("--n-ctx", "8"), "argument --n-ctx: must be >= 16, got 8"),
+        (("--threads", "0"), "argument --threads: must be >= 1, got 0"),
+        (("--step-ms", "nan"), "argument --step-ms: must be >= 0, got nan"),
+        (("--kv-disk-cache-mb", "-2"), "argument --kv-disk-cache-mb: must be >= 0"),
+        (("--kv-transfer-timeout", "0"), "argument --kv-transfer-timeout: must be a number"),
     ],
 )
-def test_bad_batching_options_are_rejected(
-    argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+def test_bad_llama_options_are_usage_errors_naming_the_flag(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:
         parse("serve", "--engine", "llama", *argv)
     assert caught.value.code == 2
-    assert "--parallel" in capsys.readouterr().err or "--step-tokens" in argv
+    assert message in capsys.readouterr().err
+
+
+def test_a_llama_engine_gets_the_shared_options_and_its_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(cli.TRANSFER_SECRET_ENV, raising=False)
+    argv = (
+        "serve", "--engine", "llama", "--parallel", "2", "--speculative", "ngram",
+        "--ngram-size", "2", "--kv-block-size", "32", "--transfer-secret", "s",
+        "--lora", "tiny=/a/tiny.gguf", "--kv-disk-cache", "/tmp/kv",
+    )  # fmt: skip
+    config = cli.ServeConfig.from_args(parse(*argv)).engine
+    options = llama_engine_options(config, "prefill", "prefill-0", disk_cache=Path("/tmp/kv/p"))
+    assert options == LlamaOptions(
+        parallel=2,
+        speculative=NgramSpeculation(ngram_size=2),
+        block_size=32,
+        role="prefill",
+        worker_id="prefill-0",
+        transfer_secret=b"s",
+        kv_disk_cache=Path("/tmp/kv/p"),
+        loras={"tiny": "/a/tiny.gguf"},
+    )
+    assert llama_engine_options(config).kv_disk_cache == Path("/tmp/kv")
 
 
 # -- the typed config ---------------------------------------------------------------------
@@ -95,6 +129,8 @@ def test_from_args_converts_and_reads_the_environment(monkeypatch: pytest.Monkey
     ("argv", "name"),
     [
         (("serve",), cli.DEFAULT_MODEL_NAME),
+        (("serve", "--engine", "echo"), "echo"),
+        (("serve", "--engine", "mocker"), "mocker"),
         (("serve", "--engine", "mocker", "--model-name", "m"), "m"),
         (("serve", "--engine", "llama"), cli.DEFAULT_LLAMA_MODEL_NAME),
         (("serve", "--engine", "llama", "--model", "/models/tiny-q4.gguf"), "tiny-q4"),
@@ -184,6 +220,16 @@ async def test_an_operator_that_cannot_be_loaded_stops_serve_with_code_2(
     assert message in capsys.readouterr().err
 
 
+async def test_a_misplaced_operator_stops_serve_with_code_2_naming_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = cli.ServeConfig(insert_before=(("engine", "shout:Shout"),))  # a text operator
+    assert await run_serve(config, TOKENIZER) == 2  # before loading or listening
+    error = capsys.readouterr().err
+    assert "shout:Shout: Shout cannot go before 'engine'" in error
+    assert "yields BackendOutput, not EngineOutput" in error
+
+
 # -- KV that moves (issue 26) -------------------------------------------------------------------
 
 
@@ -200,17 +246,13 @@ def test_llama_workers_take_the_disaggregation_roles_and_kv_options() -> None:
     )  # fmt: skip
     config = cli.ServeConfig.from_args(parse(*argv))
     assert (config.prefill_workers, config.decode_workers, config.kv_restore_cost) == (1, 2, 0.25)
-    engine = config.engine
-    assert (engine.kv_host_cache_mb, engine.kv_disk_cache, engine.kv_disk_cache_mb) == (
+    llama = config.engine.llama
+    assert (llama.kv_host_cache_mb, llama.kv_disk_cache, llama.kv_disk_cache_mb) == (
         256,
         Path("/tmp/kv"),
         64,
     )
-    assert (engine.step_ms, engine.kv_transfer_host, engine.kv_transfer_timeout) == (
-        50.0,
-        "10.0.0.5",
-        3.0,
-    )
+    assert (llama.step_ms, llama.transfer_host, llama.transfer_timeout) == (50.0, "10.0.0.5", 3.0)
 
 
 @pytest.mark.parametrize(
@@ -222,9 +264,13 @@ def test_llama_workers_take_the_disaggregation_roles_and_kv_options() -> None:
         (("serve", "--engine", "llama", "--encode-workers", "1"), "--engine mocker"),
         (("serve", "--router", "kv", "--kv-restore-cost", "1.5"), "between 0 and 1"),
         (("serve", "--engine", "llama", "--kv-host-cache-mb", "-1"), "must be >= 0"),
+        (("serve", "--engine", "mocker", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--nats", "nats://h:4222", "--echo", "last-message"), "needs --engine echo"),
+        (("serve", "--echo", "last-message", "--chat-template", "t.jinja"), "--chat-template"),
+        (("worker", "--nats", "n", "--echo", "last-message"), "--echo"),  # (serve's alone)
     ],
 )
-def test_kv_options_out_of_place_are_usage_errors(
+def test_options_out_of_place_are_usage_errors(
     argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as caught:

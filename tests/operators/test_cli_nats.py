@@ -503,6 +503,7 @@ async def test_disaggregated_roles_across_processes_answer_like_one_aggregated_s
         {"messages": [{"role": "user", "content": "a longer one"}], "max_tokens": 24},
         {"messages": [{"role": "user", "content": "just one"}], "max_tokens": 1},
     ]
+    bodies = [{**body, "model": "mocker"} for body in bodies]  # (the mocker's served name)
     async with client(local_mocker) as local_api, client(deployment.server) as remote_api:
         for body in bodies:
             want = await chat_stream(local_api, **body)
@@ -532,6 +533,7 @@ async def test_killed_prefill_and_encode_workers_are_evicted_at_the_first_no_res
         {"messages": [{"role": "user", "content": picture}], "max_tokens": 12},
         {"messages": [{"role": "user", "content": "a longer one"}], "max_tokens": 16},
     ] * 4
+    bodies = [{**body, "model": "mocker"} for body in bodies]
     async with client(local_mocker) as api:
         want = [await chat_stream(api, **body) for body in bodies]
     for worker_id in ("prefill-a", "encode-a"):  # kill -9: their keys outlive the test

@@ -106,7 +106,9 @@ async def test_a_conversations_next_turn_lands_on_its_first_turns_worker(
                 {"role": "user", "content": f"Tell me about {topic}, in detail, please. " * 6},
             ]
             before = await scrape(server)
-            first = await api.chat.completions.create(model="echo", messages=messages, max_tokens=8)
+            first = await api.chat.completions.create(
+                model="mocker", messages=messages, max_tokens=8
+            )
             middle = await scrape(server)
             [first_worker] = increase(before, middle, decisions)
 
@@ -114,7 +116,7 @@ async def test_a_conversations_next_turn_lands_on_its_first_turns_worker(
                 {"role": "assistant", "content": first.choices[0].message.content or ""},
                 {"role": "user", "content": f"And what else about {topic}?"},
             ]
-            await api.chat.completions.create(model="echo", messages=messages, max_tokens=8)
+            await api.chat.completions.create(model="mocker", messages=messages, max_tokens=8)
             after = await scrape(server)
             assert increase(middle, after, decisions) == {first_worker: 1.0}, topic
             # Its first turn's blocks, seen through the KV events the worker published.

@@ -180,9 +180,9 @@ def _engine(**options: Any) -> Any:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    from operators.engines.llama import LlamaEngine
+    from operators.engines.llama import LlamaEngine, LlamaOptions
 
-    engine = LlamaEngine(n_ctx=512, n_threads=1, **options)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=512, n_threads=1, **options))
     # The first constrained request builds the grammar library's view of the vocabulary
     # (~0.5 s): here, outside every test's time limit.
     warm = PreprocessedRequest(

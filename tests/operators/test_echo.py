@@ -7,30 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from operators.contracts.llm import EngineOutput, OutputOptions, PreprocessedRequest, StopConditions
+from operators.contracts.llm import EngineOutput, PreprocessedRequest
+from operators.contracts.resumption import continuation
 from operators.engines import DEFAULT_CYCLE_TOKENS, EchoEngine, echo_logprob
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import StreamDisconnected, open_stream
 from pipeline.testing import collect, make_context
 
 SPECIAL = (1, 2)
-
-
-def request(
-    token_ids: list[int],
-    *,
-    max_tokens: int | None = None,
-    n: int = 1,
-    logprobs: int | None = None,
-    replayed: int = 0,
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=token_ids,
-        stop=StopConditions(max_tokens=max_tokens),
-        output=OutputOptions(logprobs=logprobs),
-        n=n,
-        replayed_tokens=replayed,
-    )
 
 
 async def run(engine: EchoEngine, req: PreprocessedRequest) -> list[EngineOutput]:
@@ -47,7 +32,7 @@ def finishes(outputs: list[EngineOutput]) -> list[tuple[int, str]]:
 
 
 async def test_echoes_prompt_ids_skipping_specials_then_stops() -> None:
-    outputs = await run(EchoEngine(SPECIAL), request([1, 10, 11, 2, 12, 2]))
+    outputs = await run(EchoEngine(SPECIAL), make_request([1, 10, 11, 2, 12, 2]))
     assert [out.token_ids for out in outputs] == [[10], [11], [12]]
     # the finish reason rides on the last token: no extra (EOS) token
     assert [out.finish_reason for out in outputs] == [None, None, "stop"]
@@ -55,13 +40,13 @@ async def test_echoes_prompt_ids_skipping_specials_then_stops() -> None:
 
 
 async def test_max_tokens_first_finishes_with_length() -> None:
-    outputs = await run(EchoEngine(SPECIAL), request([10, 11, 12], max_tokens=2))
+    outputs = await run(EchoEngine(SPECIAL), make_request([10, 11, 12], max_tokens=2))
     assert ids(outputs) == [10, 11]
     assert finishes(outputs) == [(0, "length")]
 
 
 async def test_max_tokens_equal_to_echo_is_length() -> None:
-    outputs = await run(EchoEngine(), request([10, 11], max_tokens=2))
+    outputs = await run(EchoEngine(), make_request([10, 11], max_tokens=2))
     assert finishes(outputs) == [(0, "length")]
 
 
@@ -72,7 +57,7 @@ async def test_max_tokens_equal_to_echo_is_length() -> None:
 async def test_nothing_to_echo_finishes_at_once(
     prompt: list[int], max_tokens: int | None, reason: str
 ) -> None:
-    outputs = await run(EchoEngine(SPECIAL), request(prompt, max_tokens=max_tokens, n=2))
+    outputs = await run(EchoEngine(SPECIAL), make_request(prompt, max_tokens=max_tokens, n=2))
     assert [(out.token_ids, out.index, out.finish_reason) for out in outputs] == [
         ([], 0, reason),
         ([], 1, reason),
@@ -80,7 +65,7 @@ async def test_nothing_to_echo_finishes_at_once(
 
 
 async def test_n_choices_are_interleaved_with_the_same_tokens() -> None:
-    outputs = await run(EchoEngine(), request([10, 11], n=3))
+    outputs = await run(EchoEngine(), make_request([10, 11], n=3))
     assert [(out.index, out.token_ids) for out in outputs] == [
         (0, [10]),
         (1, [10]),
@@ -95,8 +80,8 @@ async def test_n_choices_are_interleaved_with_the_same_tokens() -> None:
 @pytest.mark.parametrize("k", [0, 1, 5])
 async def test_logprobs_are_deterministic_and_sampled_first(k: int) -> None:
     engine = EchoEngine(vocab_size=50)
-    outputs = await run(engine, request([10, 49, 3], logprobs=k))
-    assert outputs == await run(engine, request([10, 49, 3], logprobs=k))
+    outputs = await run(engine, make_request([10, 49, 3], logprobs=k))
+    assert outputs == await run(engine, make_request([10, 49, 3], logprobs=k))
     for out in outputs:
         (token_id,) = out.token_ids
         assert out.logprobs == [echo_logprob(token_id)]
@@ -110,26 +95,17 @@ async def test_logprobs_are_deterministic_and_sampled_first(k: int) -> None:
 
 
 async def test_cycle_repeats_until_max_tokens() -> None:
-    outputs = await run(EchoEngine(SPECIAL, cycle=True), request([1, 10, 11, 12, 2], max_tokens=7))
+    outputs = await run(
+        EchoEngine(SPECIAL, cycle=True), make_request([1, 10, 11, 12, 2], max_tokens=7)
+    )
     assert ids(outputs) == [10, 11, 12, 10, 11, 12, 10]
     assert finishes(outputs) == [(0, "length")]
 
 
 async def test_cycle_without_max_tokens_is_capped() -> None:
-    outputs = await run(EchoEngine(cycle=True), request([10, 11]))
+    outputs = await run(EchoEngine(cycle=True), make_request([10, 11]))
     assert len(ids(outputs)) == DEFAULT_CYCLE_TOKENS
     assert finishes(outputs) == [(0, "length")]
-
-
-def retry_request(first: PreprocessedRequest, delivered: list[int]) -> PreprocessedRequest:
-    """What Migration sends after ``delivered`` tokens: prompt + output, budget reduced."""
-    max_tokens = first.stop.max_tokens
-    return request(
-        first.token_ids + delivered,
-        max_tokens=None if max_tokens is None else max_tokens - len(delivered),
-        n=first.n,
-        replayed=len(delivered),
-    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,18 +119,18 @@ def test_a_retry_continues_the_original_echo(
     prompt: list[int], max_tokens: int | None, cycle: bool, data: st.DataObject
 ) -> None:
     engine = EchoEngine(SPECIAL, cycle=cycle)
-    first = request(prompt, max_tokens=max_tokens)
+    first = make_request(prompt, max_tokens=max_tokens)
     full = anyio.run(run, engine, first)
     full_ids = ids(full)
     k = data.draw(st.integers(0, len(full_ids)))
-    resumed = anyio.run(run, engine, retry_request(first, full_ids[:k]))
+    resumed = anyio.run(run, engine, continuation(first, full_ids[:k]))
     assert full_ids[:k] + ids(resumed) == full_ids
     assert finishes(resumed) == finishes(full)
 
 
 async def test_fail_after_tokens_fails_the_first_attempt_only() -> None:
     engine = EchoEngine(fail_after_tokens=2)
-    first = request([10, 11, 12, 13])
+    first = make_request([10, 11, 12, 13])
     seen: list[EngineOutput] = []
     with anyio.fail_after(5), pytest.raises(StreamDisconnected) as raised:
         async with open_stream(engine, make_context(first, id="req-1")) as stream:
@@ -162,25 +138,25 @@ async def test_fail_after_tokens_fails_the_first_attempt_only() -> None:
                 seen.append(out)
     assert ids(seen) == [10, 11]
     assert raised.value.request_id == "req-1"
-    resumed = await run(engine, retry_request(first, [10, 11]))
+    resumed = await run(engine, continuation(first, [10, 11]))
     assert ids(resumed) == [12, 13]
     assert finishes(resumed) == [(0, "stop")]
 
 
 async def test_fail_after_zero_fails_before_any_token() -> None:
     with pytest.raises(StreamDisconnected):
-        await run(EchoEngine(fail_after_tokens=0), request([10]))
+        await run(EchoEngine(fail_after_tokens=0), make_request([10]))
     with pytest.raises(StreamDisconnected):
-        await run(EchoEngine(fail_after_tokens=0), request([]))
+        await run(EchoEngine(fail_after_tokens=0), make_request([]))
 
 
 async def test_fail_after_beyond_the_stream_never_fires() -> None:
-    outputs = await run(EchoEngine(fail_after_tokens=2), request([10, 11]))
+    outputs = await run(EchoEngine(fail_after_tokens=2), make_request([10, 11]))
     assert finishes(outputs) == [(0, "stop")]
 
 
 async def test_stop_generating_ends_the_stream_cleanly() -> None:
-    ctx = make_context(request([10, 11, 12, 13]))
+    ctx = make_context(make_request([10, 11, 12, 13]))
     seen: list[EngineOutput] = []
     with anyio.fail_after(5):
         async with open_stream(EchoEngine(), ctx) as stream:
@@ -192,7 +168,7 @@ async def test_stop_generating_ends_the_stream_cleanly() -> None:
 
 
 async def test_kill_interrupts_a_delayed_stream() -> None:
-    ctx = make_context(request([10, 11, 12]))
+    ctx = make_context(make_request([10, 11, 12]))
     seen: list[EngineOutput] = []
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
@@ -209,7 +185,7 @@ async def test_kill_interrupts_a_delayed_stream() -> None:
 
 async def test_delay_is_per_step() -> None:
     start = anyio.current_time()
-    outputs = await run(EchoEngine(delay_ms=20), request([10, 11, 12], n=2))
+    outputs = await run(EchoEngine(delay_ms=20), make_request([10, 11, 12], n=2))
     assert anyio.current_time() - start >= 0.055
     assert len(outputs) == 6
 
@@ -217,7 +193,7 @@ async def test_delay_is_per_step() -> None:
 async def test_from_tokenizer_echoes_a_chat_prompt_without_its_markers() -> None:
     tokenizer = Tokenizer.default()
     prompt = tokenizer.encode("<|im_start|>user\nhello 😀 日本語<|im_end|>\n")
-    outputs = await run(EchoEngine.from_tokenizer(tokenizer), request(prompt))
+    outputs = await run(EchoEngine.from_tokenizer(tokenizer), make_request(prompt))
     assert tokenizer.decode(ids(outputs)) == "user\nhello 😀 日本語\n"
     assert finishes(outputs) == [(0, "stop")]
 

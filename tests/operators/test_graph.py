@@ -3,30 +3,41 @@ over HTTP (``build_app(before=...)``) exactly like the default graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
 from operators.backend import Backend
 from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest
 from operators.contracts.rewriting import rewritten
-from operators.edges.openai.events import ChoiceDelta, ChoiceStart, ResponseHead, Usage
+from operators.edges.openai.events import (
+    ChoiceDelta,
+    ChoiceStart,
+    OpenAIEvent,
+    ResponseHead,
+    Usage,
+)
 from operators.edges.openai.preprocessor import OpenAIPreprocessor, OpenAIRequest
 from operators.engines import EchoEngine
 from operators.graph import POINTS, STAGES, Stages, default_graph, default_stages
 from operators.migration import Migration
 from operators.parsers import OutputParsers
+from operators.placement import fits
 from operators.routing.encoder_router import EncoderRouter
 from operators.routing.prefill_router import PrefillRouter
 from operators.serving import build_app
 from operators.testing import openai_client
 from operators.text.tokenizer import Tokenizer
-from pipeline import Context, Engine, Stream
+from pipeline import Context, Engine, LinkError, Stream
+
+if TYPE_CHECKING:
+    from operators.contracts.llm import Tool
 
 TOKENIZER = Tokenizer.default()
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,16 +190,19 @@ async def test_an_inserted_operator_sees_what_its_point_carries_and_survives_a_m
         assert second.token_ids[: len(first.token_ids)] == first.token_ids
 
 
-async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> None:
-    class Shout:
-        async def generate(
-            self,
-            ctx: Context[PreprocessedRequest],
-            downstream: Engine[PreprocessedRequest, BackendOutput],
-        ) -> Stream[BackendOutput]:
-            async for output in downstream.generate(ctx):
-                yield rewritten(output, output.text.upper())
+class Shout:
+    """A text operator: before the Backend it fits, before the engine it does not."""
 
+    async def generate(
+        self,
+        ctx: Context[PreprocessedRequest],
+        downstream: Engine[PreprocessedRequest, BackendOutput],
+    ) -> Stream[BackendOutput]:
+        async for output in downstream.generate(ctx):
+            yield rewritten(output, output.text.upper())
+
+
+async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> None:
     engine = EchoEngine.from_tokenizer(TOKENIZER, fail_after_tokens=1)
     app = build_app(engine, TOKENIZER, model_name="echo", before={"backend": [Shout()]})
     async with openai_client(app) as client:
@@ -199,6 +213,63 @@ async def test_an_operator_before_the_backend_changes_what_the_client_gets() -> 
     assert reply.choices[0].text == PROMPT.upper()
     assert chat.choices[0].message.content is not None
     assert "HI THERE" in chat.choices[0].message.content
+
+
+class Unannotated:
+    async def generate(self, ctx, downstream):  # type: ignore[no-untyped-def]
+        async for item in downstream.generate(ctx):
+            yield item
+
+
+class OnlyForMypy:
+    """Annotated with a type imported for mypy only: nothing to read at run time (read, the
+    annotations would fit nowhere)."""
+
+    async def generate(
+        self, ctx: Context[Tool], downstream: Engine[Tool, Tool]
+    ) -> AsyncIterator[Tool]:
+        async for item in downstream.generate(ctx):
+            yield item
+
+
+@pytest.mark.parametrize("point", ["engine", "prefill_router", "preprocessor"])
+def test_an_operator_that_does_not_fit_its_point_is_refused_naming_both(point: Any) -> None:
+    stages = default_stages(TOKENIZER, model_name="m")
+    with pytest.raises(LinkError) as refused:
+        stages.insert_before(point, Shout())
+    message = str(refused.value)
+    assert message.startswith(f"Shout cannot go before {point!r}: its generate")
+    assert "yields BackendOutput, not " in message
+    assert message.endswith("(it fits before 'parser', 'migration', 'backend')")
+    with pytest.raises(LinkError, match="Shout cannot go before 'engine'"):
+        default_graph(EchoEngine(), TOKENIZER, model_name="m", before={"engine": [Shout()]})
+    with pytest.raises(LinkError, match="Shout cannot go before 'encoder_router'"):
+        stages.insert_after("backend", Shout())
+
+
+def test_a_stage_replaced_by_one_that_does_not_fit_is_refused() -> None:
+    stages = default_stages(TOKENIZER, model_name="m")
+    with pytest.raises(LinkError, match="Migration cannot be the 'backend' stage: its generate "
+                       "expects from downstream BackendOutput, not EngineOutput"):  # fmt: skip
+        dataclasses.replace(stages, backend=Migration())
+    assert isinstance(dataclasses.replace(stages, backend=Backend(TOKENIZER)).backend, Backend)
+
+
+@pytest.mark.parametrize("operator", [Unannotated(), OnlyForMypy(), Recorder()])
+def test_an_operator_whose_types_cannot_be_told_fits_anywhere(operator: Any) -> None:
+    stages = default_stages(TOKENIZER, model_name="m")
+    for point in POINTS:
+        stages = stages.insert_before(point, operator)
+    assert len(list(stages)) == len(STAGES) + len(POINTS)
+
+
+def test_only_classes_that_cannot_meet_are_a_mismatch() -> None:
+    assert not fits(BackendOutput, EngineOutput)
+    assert not fits(str, PreprocessedRequest)
+    assert fits(ChoiceDelta, OpenAIEvent)  # a member of the union
+    assert fits(object, EngineOutput)  # a base
+    for unknown in (None, Any, list[int], TypeVar("T")):
+        assert fits(unknown, EngineOutput)
 
 
 MYPY_SNIPPET = """

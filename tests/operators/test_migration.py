@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import AsyncIterator
 
@@ -15,9 +16,9 @@ from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
-    StopConditions,
 )
 from operators.migration import Migration
+from operators.testing import make_request
 from pipeline import (
     ConnectFailed,
     Context,
@@ -35,16 +36,8 @@ from pipeline.testing import ScriptedEngine, check_operator, collect, make_conte
 PROMPT = [900, 901, 902]
 
 
-def request(
-    stop: tuple[str, ...] = (), max_tokens: int | None = None, n: int = 1, min_tokens: int = 0
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=list(PROMPT),
-        n=n,
-        stop=StopConditions(
-            stop=stop, max_tokens=max_tokens, min_tokens=min_tokens, eos_token_ids=(0,)
-        ),
-    )
+#: every request here: PROMPT, EOS id 0
+request = functools.partial(make_request, token_ids=PROMPT, eos_token_ids=(0,))
 
 
 class Continuing:

@@ -13,11 +13,10 @@ import pytest
 from operators.contracts.llm import (
     EngineOutput,
     MultimodalItem,
-    OutputOptions,
     PreprocessedRequest,
-    StopConditions,
 )
 from operators.engines.mocker import DEFAULT_MAX_TOKENS, MockerEngine, MockerStatistics
+from operators.testing import make_request
 from pipeline import Context, EngineError, StreamDisconnected, open_stream
 from pipeline.testing import collect, make_context
 
@@ -28,25 +27,6 @@ IMAGE = MultimodalItem(kind="image", data=b"\x89PNG fake", mime_type="image/png"
 def fast(**options: Any) -> MockerEngine:
     """A mocker whose steps take no time."""
     return MockerEngine(prefill_ms_per_token=0.0, decode_ms_per_step=0.0, **options)
-
-
-def request(
-    token_ids: list[int] | None = None,
-    *,
-    max_tokens: int | None = None,
-    replayed: int = 0,
-    logprobs: int | None = None,
-    n: int = 1,
-    multimodal: tuple[MultimodalItem, ...] = (),
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=list(PROMPT if token_ids is None else token_ids),
-        stop=StopConditions(max_tokens=max_tokens),
-        output=OutputOptions(logprobs=logprobs),
-        replayed_tokens=replayed,
-        n=n,
-        multimodal=multimodal,
-    )
 
 
 def ids(outputs: list[EngineOutput]) -> list[int]:
@@ -72,7 +52,7 @@ async def handoff(
 
 
 async def test_echo_cycles_the_prompt_and_finishes_with_length() -> None:
-    outputs = await run(fast(), request(max_tokens=5))
+    outputs = await run(fast(), make_request(PROMPT, max_tokens=5))
     assert [out.token_ids for out in outputs] == [[10], [11], [12], [10], [11]]
     assert [out.finish_reason for out in outputs] == [None] * 4 + ["length"]
     assert all(out.logprobs is None and out.prefill_result is None for out in outputs)
@@ -80,16 +60,16 @@ async def test_echo_cycles_the_prompt_and_finishes_with_length() -> None:
 
 async def test_default_max_tokens_is_16_and_special_ids_are_skipped() -> None:
     engine = fast(special_ids=(1, 2))
-    outputs = await run(engine, request([1, 10, 2, 11]))
+    outputs = await run(engine, make_request([1, 10, 2, 11]))
     assert len(outputs) == DEFAULT_MAX_TOKENS == 16
     assert set(ids(outputs)) == {10, 11}
 
 
 async def test_random_tokens_are_a_function_of_seed_and_prompt() -> None:
-    a = ids(await run(fast(tokens="random", seed=1), request(max_tokens=20)))
-    b = ids(await run(fast(tokens="random", seed=1), request(max_tokens=20)))
-    c = ids(await run(fast(tokens="random", seed=2), request(max_tokens=20)))
-    d = ids(await run(fast(tokens="random", seed=1), request([7], max_tokens=20)))
+    a = ids(await run(fast(tokens="random", seed=1), make_request(PROMPT, max_tokens=20)))
+    b = ids(await run(fast(tokens="random", seed=1), make_request(PROMPT, max_tokens=20)))
+    c = ids(await run(fast(tokens="random", seed=2), make_request(PROMPT, max_tokens=20)))
+    d = ids(await run(fast(tokens="random", seed=1), make_request([7], max_tokens=20)))
     assert a == b
     assert a != c
     assert a != d
@@ -97,7 +77,7 @@ async def test_random_tokens_are_a_function_of_seed_and_prompt() -> None:
 
 
 async def test_logprobs_when_asked() -> None:
-    outputs = await run(fast(), request(max_tokens=2, logprobs=2))
+    outputs = await run(fast(), make_request(PROMPT, max_tokens=2, logprobs=2))
     for out in outputs:
         assert out.logprobs is not None
         assert out.top_logprobs is not None
@@ -107,13 +87,13 @@ async def test_logprobs_when_asked() -> None:
 
 
 async def test_n_choices_step_together() -> None:
-    outputs = await run(fast(), request(max_tokens=2, n=2))
+    outputs = await run(fast(), make_request(PROMPT, max_tokens=2, n=2))
     steps = [(out.index, out.token_ids) for out in outputs]
     assert steps == [(0, [10]), (1, [10]), (0, [11]), (1, [11])]
 
 
 async def test_max_tokens_zero_is_an_empty_terminal() -> None:
-    outputs = await run(fast(), request(max_tokens=0))
+    outputs = await run(fast(), make_request(PROMPT, max_tokens=0))
     assert outputs == [EngineOutput(token_ids=[], finish_reason="length")]
 
 
@@ -131,7 +111,7 @@ def test_rejects_bad_options() -> None:
 
 async def test_prefill_returns_one_token_and_a_signed_handle() -> None:
     prefill = fast(role="prefill", worker_id="p1")
-    outputs = await run(prefill, request(max_tokens=8), "req-1")
+    outputs = await run(prefill, make_request(PROMPT, max_tokens=8), "req-1")
     assert len(outputs) == 1
     [out] = outputs
     assert out.token_ids == [10]
@@ -148,8 +128,8 @@ async def test_prefill_returns_one_token_and_a_signed_handle() -> None:
 async def test_decode_with_a_valid_handle_continues_after_the_first_token() -> None:
     prefill = fast(role="prefill")
     decode = fast(role="decode")
-    aggregated = ids(await run(fast(), request(max_tokens=6)))
-    first, decode_request = await handoff(prefill, request(max_tokens=6))
+    aggregated = ids(await run(fast(), make_request(PROMPT, max_tokens=6)))
+    first, decode_request = await handoff(prefill, make_request(PROMPT, max_tokens=6))
     rest = await run(decode, decode_request)
     assert first.token_ids + ids(rest) == aggregated
     assert len(rest) == 5
@@ -157,17 +137,17 @@ async def test_decode_with_a_valid_handle_continues_after_the_first_token() -> N
 
 
 async def test_decode_handle_with_random_tokens_matches_aggregated() -> None:
-    aggregated = ids(await run(fast(tokens="random", seed=3), request(max_tokens=9)))
+    aggregated = ids(await run(fast(tokens="random", seed=3), make_request(PROMPT, max_tokens=9)))
     first, decode_request = await handoff(
         fast(role="prefill", tokens="random", seed=3),
-        request(max_tokens=9),
+        make_request(PROMPT, max_tokens=9),
     )
     rest = await run(fast(role="decode", tokens="random", seed=3), decode_request)
     assert first.token_ids + ids(rest) == aggregated
 
 
 async def test_decode_without_prefill_result_serves_aggregated() -> None:
-    outputs = await run(fast(role="decode"), request(max_tokens=4))
+    outputs = await run(fast(role="decode"), make_request(PROMPT, max_tokens=4))
     assert ids(outputs) == [10, 11, 12, 10]
 
 
@@ -182,7 +162,7 @@ async def test_decode_without_prefill_result_serves_aggregated() -> None:
     ],
 )
 async def test_decode_rejects_a_forged_or_missing_handle(tamper: object) -> None:
-    _, decode_request = await handoff(fast(role="prefill"), request(max_tokens=4))
+    _, decode_request = await handoff(fast(role="prefill"), make_request(PROMPT, max_tokens=4))
     forged = tamper(decode_request.prefill_result)  # type: ignore[operator]
     bad = dataclasses.replace(decode_request, prefill_result=forged)
     with pytest.raises(EngineError, match="invalid or missing transfer handle"):
@@ -191,7 +171,7 @@ async def test_decode_rejects_a_forged_or_missing_handle(tamper: object) -> None
 
 async def test_decode_rejects_a_handle_for_another_request_or_prompt() -> None:
     decode = fast(role="decode")
-    _, decode_request = await handoff(fast(role="prefill"), request(max_tokens=4))
+    _, decode_request = await handoff(fast(role="prefill"), make_request(PROMPT, max_tokens=4))
     with pytest.raises(EngineError, match="issued for request 'req'"):
         await run(decode, decode_request, ctx_id="someone-else")
     longer = dataclasses.replace(decode_request, token_ids=[*PROMPT, 13])
@@ -204,7 +184,7 @@ async def test_decode_rejects_a_handle_for_another_request_or_prompt() -> None:
 
 async def test_handles_from_another_secret_are_rejected() -> None:
     prefill = fast(role="prefill", transfer_secret=b"a")
-    _, decode_request = await handoff(prefill, request(max_tokens=4))
+    _, decode_request = await handoff(prefill, make_request(PROMPT, max_tokens=4))
     with pytest.raises(EngineError, match="signature"):
         await run(fast(role="decode", transfer_secret=b"b"), decode_request)
     rest = await run(fast(role="decode", transfer_secret=b"a"), decode_request)
@@ -213,7 +193,7 @@ async def test_handles_from_another_secret_are_rejected() -> None:
 
 async def test_encode_returns_an_object_shaped_encoder_result() -> None:
     encoder = fast(role="encode", worker_id="e1")
-    outputs = await run(encoder, request(multimodal=(IMAGE, IMAGE)))
+    outputs = await run(encoder, make_request(PROMPT, multimodal=(IMAGE, IMAGE)))
     assert len(outputs) == 1
     [out] = outputs
     assert out.token_ids == []
@@ -232,9 +212,9 @@ async def test_encode_returns_an_object_shaped_encoder_result() -> None:
 
 
 async def test_an_encoder_result_must_describe_the_requests_images() -> None:
-    [encoded] = await run(fast(role="encode"), request(multimodal=(IMAGE,)))
-    good = dataclasses.replace(
-        request(max_tokens=2, multimodal=(IMAGE,)), encoder_result=encoded.encoder_result
+    [encoded] = await run(fast(role="encode"), make_request(PROMPT, multimodal=(IMAGE,)))
+    good = make_request(
+        PROMPT, max_tokens=2, multimodal=(IMAGE,), encoder_result=encoded.encoder_result
     )
     assert ids(await run(fast(), good)) == [10, 11]
     bad = dataclasses.replace(good, encoder_result={"embeddings": []})
@@ -251,31 +231,31 @@ async def test_an_encoder_result_must_describe_the_requests_images() -> None:
 async def test_fail_after_tokens_on_the_first_attempt_only() -> None:
     engine = fast(fail_after_tokens=2)
     seen: list[EngineOutput] = []
-    ctx = make_context(request(max_tokens=6))
+    ctx = make_context(make_request(PROMPT, max_tokens=6))
     with pytest.raises(StreamDisconnected):
         async with open_stream(engine, ctx) as stream:
             async for out in stream:
                 seen.append(out)
     assert ids(seen) == [10, 11]
     # the retry (replayed_tokens > 0) continues the original sequence and does not fail
-    retry = request([*PROMPT, 10, 11], max_tokens=4, replayed=2)
+    retry = make_request([*PROMPT, 10, 11], max_tokens=4, replayed_tokens=2)
     assert ids(await run(engine, retry)) == [12, 10, 11, 12]
     assert engine.statistics().active == 0
 
 
 async def test_fail_after_zero_tokens_fails_before_the_first() -> None:
     with pytest.raises(StreamDisconnected, match="before the first token"):
-        await run(fast(fail_after_tokens=0), request(max_tokens=3))
+        await run(fast(fail_after_tokens=0), make_request(PROMPT, max_tokens=3))
 
 
 async def test_replayed_tokens_continue_the_sequence() -> None:
-    whole = ids(await run(fast(tokens="random"), request(max_tokens=10)))
-    resumed = request([*PROMPT, *whole[:4]], max_tokens=6, replayed=4)
+    whole = ids(await run(fast(tokens="random"), make_request(PROMPT, max_tokens=10)))
+    resumed = make_request([*PROMPT, *whole[:4]], max_tokens=6, replayed_tokens=4)
     assert ids(await run(fast(tokens="random"), resumed)) == whole[4:]
 
 
 async def test_prefill_of_a_replayed_request_emits_the_next_position() -> None:
-    resumed = request([*PROMPT, 10, 11], max_tokens=1, replayed=2)
+    resumed = make_request([*PROMPT, 10, 11], max_tokens=1, replayed_tokens=2)
     [out] = await run(fast(role="prefill"), resumed)
     assert out.token_ids == [12]
     assert out.prefill_result is not None
@@ -284,7 +264,7 @@ async def test_prefill_of_a_replayed_request_emits_the_next_position() -> None:
 
 async def test_stop_generating_ends_cleanly_between_steps() -> None:
     engine = MockerEngine(prefill_ms_per_token=0.0, decode_ms_per_step=1.0)
-    ctx: Context[PreprocessedRequest] = make_context(request(max_tokens=1000))
+    ctx: Context[PreprocessedRequest] = make_context(make_request(PROMPT, max_tokens=1000))
     seen: list[EngineOutput] = []
     async with open_stream(engine, ctx) as stream:
         async for out in stream:
@@ -298,7 +278,7 @@ async def test_stop_generating_ends_cleanly_between_steps() -> None:
 
 async def test_kill_ends_a_long_prefill_at_once() -> None:
     engine = MockerEngine(prefill_ms_per_token=1000.0, decode_ms_per_step=0.0)
-    ctx = make_context(request(max_tokens=4))  # a 3 s prefill
+    ctx = make_context(make_request(PROMPT, max_tokens=4))  # a 3 s prefill
     async with anyio.create_task_group() as tg:
         tg.start_soon(collect, engine, ctx)
         await anyio.wait_all_tasks_blocked()
@@ -307,7 +287,7 @@ async def test_kill_ends_a_long_prefill_at_once() -> None:
     assert engine.statistics().active == 0
     # the killed request's prefill step is abandoned: the next request does not wait for it
     with anyio.fail_after(1):
-        assert len(await run(engine, request([], max_tokens=2))) == 2
+        assert len(await run(engine, make_request([], max_tokens=2))) == 2
 
 
 # ------------------------------------------------------------------------- timing
@@ -324,7 +304,7 @@ def test_concurrent_sequences_share_one_step_clock() -> None:
         start = anyio.current_time()
         async with anyio.create_task_group() as tg:
             for i in range(8):
-                tg.start_soon(run, engine, request(max_tokens=10), f"r{i}")
+                tg.start_soon(run, engine, make_request(PROMPT, max_tokens=10), f"r{i}")
         return anyio.current_time() - start, engine.statistics().steps
 
     clock = MockClock(autojump_threshold=0)
@@ -339,7 +319,9 @@ async def test_requests_beyond_max_batch_wait_for_a_slot() -> None:
     seen: list[MockerStatistics] = []
 
     async def watched(i: int) -> None:
-        async with open_stream(engine, make_context(request(max_tokens=5), id=f"r{i}")) as s:
+        async with open_stream(
+            engine, make_context(make_request(PROMPT, max_tokens=5), id=f"r{i}")
+        ) as s:
             async for _ in s:
                 seen.append(engine.statistics())
 
@@ -357,7 +339,7 @@ async def test_requests_beyond_max_batch_wait_for_a_slot() -> None:
 async def test_prefill_costs_time_per_prompt_token_and_stalls_decoding() -> None:
     engine = MockerEngine(prefill_ms_per_token=1.0, decode_ms_per_step=1.0)
     start = anyio.current_time()
-    [first, *_] = await run(engine, request(list(range(100, 180)), max_tokens=2))
+    [first, *_] = await run(engine, make_request(list(range(100, 180)), max_tokens=2))
     assert first.token_ids == [100]
     assert anyio.current_time() - start >= 0.08  # 80 prompt tokens x 1 ms
 
@@ -367,7 +349,7 @@ async def test_prefill_costs_time_per_prompt_token_and_stalls_decoding() -> None
     decoding = anyio.Event()
 
     async def decode_long() -> None:
-        ctx = make_context(request([5], max_tokens=30))
+        ctx = make_context(make_request([5], max_tokens=30))
         async with open_stream(engine, ctx) as stream:
             async for _ in stream:
                 times.append(anyio.current_time())
@@ -377,7 +359,7 @@ async def test_prefill_costs_time_per_prompt_token_and_stalls_decoding() -> None
     async with anyio.create_task_group() as tg:
         tg.start_soon(decode_long)
         await decoding.wait()
-        tg.start_soon(run, engine, request(list(range(100, 180)), max_tokens=1), "long")
+        tg.start_soon(run, engine, make_request(list(range(100, 180)), max_tokens=1), "long")
     gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) >= 0.07
     assert sorted(gaps)[len(gaps) // 2] < 0.02

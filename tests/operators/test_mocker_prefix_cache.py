@@ -9,18 +9,14 @@ from typing import Any
 import anyio
 import pytest
 
-from operators.contracts.llm import PreprocessedRequest, StopConditions
 from operators.engines._prefix_cache import PrefixCache
 from operators.engines.mocker import MockerEngine
 from operators.routing.kv_blocks import block_hashes
+from operators.testing import make_request
 from pipeline.prefix_index import KvCleared, KvEvent, KvRemoved, KvStored, PrefixIndex
 from pipeline.testing import collect, make_context
 
 BS = 4  # tokens per block in these tests
-
-
-def request(token_ids: list[int], max_tokens: int = 2) -> PreprocessedRequest:
-    return PreprocessedRequest(token_ids=token_ids, stop=StopConditions(max_tokens=max_tokens))
 
 
 def mocker(**options: Any) -> MockerEngine:
@@ -122,18 +118,20 @@ def test_events_and_snapshots_match_the_caches_content(seed: int) -> None:
 async def test_a_cached_prompt_computes_only_its_uncached_tokens() -> None:
     engine = mocker(cache_blocks=64)
     first = prompt(1, 10 * BS + 2)
-    await collect(engine, make_context(request(first)))
+    await collect(engine, make_context(make_request(first, max_tokens=2)))
     stats = engine.statistics()
     assert (stats.prefill_tokens, stats.cached_prompt_tokens) == (len(first), 0)
     second = first + prompt(2, 3 * BS)  # the next turn of the conversation
-    await collect(engine, make_context(request(second)))
+    await collect(engine, make_context(make_request(second, max_tokens=2)))
     stats = engine.statistics()
     assert stats.cached_prompt_tokens == 10 * BS  # the full blocks of the first turn
     assert stats.prefill_tokens == len(first) + len(second) - 10 * BS
     exact = prompt(3, 4 * BS)
-    await collect(engine, make_context(request(exact)))
+    await collect(engine, make_context(make_request(exact, max_tokens=2)))
     before = engine.statistics()
-    await collect(engine, make_context(request(exact)))  # fully cached: nothing to compute
+    await collect(
+        engine, make_context(make_request(exact, max_tokens=2))
+    )  # fully cached: nothing to compute
     after = engine.statistics()
     assert after.prefill_tokens == before.prefill_tokens
     assert after.cached_prompt_tokens == before.cached_prompt_tokens + 4 * BS
@@ -148,7 +146,7 @@ def test_a_cached_prefill_is_shorter_on_the_step_clock() -> None:
         took = []
         for _ in range(2):
             start = anyio.current_time()
-            await collect(engine, make_context(request(tokens, max_tokens=1)))
+            await collect(engine, make_context(make_request(tokens, max_tokens=1)))
             took.append(anyio.current_time() - start)
         return took
 
@@ -160,13 +158,13 @@ def test_a_cached_prefill_is_shorter_on_the_step_clock() -> None:
 
 async def test_the_engine_reports_events_to_a_sink_set_later() -> None:
     engine = mocker(cache_blocks=64)
-    await collect(engine, make_context(request(prompt(1, 3 * BS))))
+    await collect(engine, make_context(make_request(prompt(1, 3 * BS), max_tokens=2)))
     index = PrefixIndex()
     events: list[KvEvent] = []
     engine.kv_events = events.append
     assert index.apply("w", engine.kv_snapshot())  # start from what it holds
     second = prompt(2, 2 * BS)
-    await collect(engine, make_context(request(second)))
+    await collect(engine, make_context(make_request(second, max_tokens=2)))
     assert all(index.apply("w", event) for event in events)
     assert index.overlaps(block_hashes(second, BS)) == {"w": 2}
     assert index.blocks("w") == 5 == len(engine.kv_snapshot().block_ids)
@@ -178,7 +176,7 @@ async def test_without_a_cache_every_prompt_is_prefilled_and_nothing_is_reported
     engine.kv_events = reported.append
     tokens = prompt(1, 4 * BS)
     for _ in range(2):
-        await collect(engine, make_context(request(tokens)))
+        await collect(engine, make_context(make_request(tokens, max_tokens=2)))
     assert engine.kv_snapshot().block_ids == ()
     assert reported == []
     assert engine.kv_events is None  # nothing to report to

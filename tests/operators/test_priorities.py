@@ -13,7 +13,7 @@ from operators.cli.config import key_priorities
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.contracts.transport import llm_codec
 from operators.edges.http.guard import Guard
-from operators.edges.openai.protocol.base import MAX_INT
+from operators.edges.http.schema import MAX_INT
 from operators.serving import build_app
 from operators.testing import anthropic_client, openai_client
 from operators.text.tokenizer import Tokenizer

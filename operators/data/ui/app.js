@@ -393,7 +393,11 @@ function renderWorkers(workers) {
       row.append(name);
       cell(row, worker.role);
       cell(row, String(worker.in_flight));
-      cell(row, worker.where);
+      const load = worker.load; // an upstream server's own report
+      cell(
+        row,
+        load ? `${worker.where} (${load.running} running, ${load.waiting} waiting)` : worker.where,
+      );
       return row;
     }),
   );

@@ -23,17 +23,22 @@ import orjson
 
 from operators.edges.http.asgi import send_json
 from operators.edges.http.failures import ApiError, Refusal, describe_failure, unknown_path
-from operators.edges.http.generation import Exchange, KeepAlive
-from operators.edges.http.routes import Call, Host, Route, resolve_model
+from operators.edges.http.routes import Call, Exchange, Host, KeepAlive, Route, resolve_model
 
 from .conversation import chat_request
 from .errors import ANTHROPIC_ERRORS
-from .protocol import parse_count_tokens_request, parse_messages_request
+from .protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
 from .render import PING, MessageRenderer
 from .reply import AnthropicReply
 
 if TYPE_CHECKING:
     from operators.edges.openai.preprocessor import OpenAIPreprocessor
+    from operators.edges.openai.protocol import ChatCompletionRequest
 
 __all__ = ("COUNT_TOKENS", "MESSAGES", "PING_INTERVAL", "AnthropicEdge")
 
@@ -84,7 +89,7 @@ class AnthropicEdge:
         async def create(call: Call) -> int:
             async def prepare(body: bytes) -> Exchange:
                 _check_version(call)
-                request = parse_messages_request(body)
+                request, chat = await host.offload(len(body), _parse_messages, body)
                 model = resolve_model(call, request.model, host)
                 renderer = MessageRenderer(
                     f"msg_{uuid.uuid4().hex}",
@@ -93,7 +98,7 @@ class AnthropicEdge:
                     stream=request.stream,
                 )
                 return Exchange(
-                    chat_request(request, stream=request.stream),
+                    chat,
                     request.stream,
                     AnthropicReply(renderer),
                     keep_alive=self._keep_alive if request.stream else None,
@@ -102,20 +107,18 @@ class AnthropicEdge:
                     model=model.name,
                 )
 
-            return await host.generations.run(
-                call.scope, call.receive, call.send, ANTHROPIC_ERRORS, prepare, route=MESSAGES
-            )
+            return await host.generate(call, prepare, ANTHROPIC_ERRORS, route=MESSAGES)
 
         async def count_tokens(call: Call) -> int:
             try:
-                body = await _read(call, host)
+                body = await host.read_body(call)
                 _check_version(call)
-                request = parse_count_tokens_request(body)
+                request, chat = await host.offload(len(body), _parse_count_tokens, body)
                 model = resolve_model(call, request.model, host)
                 preprocessor = model.preprocessor or self._preprocessor
                 if preprocessor is None:
                     raise Refusal(unknown_path(COUNT_TOKENS))
-                legs = await preprocessor.prepare(chat_request(request))
+                legs = await preprocessor.prepare(chat)
             except Refusal as exc:
                 error = exc.error
             except Exception as exc:  # InvalidRequest: the template, the context length
@@ -134,20 +137,14 @@ class AnthropicEdge:
         ]
 
 
-async def _read(call: Call, host: Host) -> bytes:
-    """The request body (bounded as every body is).
+def _parse_messages(body: bytes) -> tuple[MessagesRequest, ChatCompletionRequest]:
+    """A Messages body and the chat request it becomes (linear in the turns: the edge runs
+    it off the event loop for a large body)."""
+    request = parse_messages_request(body)
+    return request, chat_request(request, stream=request.stream)
 
-    Raises:
-        Refusal: too large, or the client left.
-    """
-    from operators.edges.http.asgi import BodyTooLarge, read_body
-    from operators.edges.http.failures import body_too_large
 
-    limit = host.generations.max_body_bytes
-    try:
-        body = await read_body(call.receive, limit)
-    except BodyTooLarge:
-        raise Refusal(body_too_large(limit)) from None
-    if body is None:
-        raise Refusal(ApiError("invalid_request", "the client went away"))
-    return body
+def _parse_count_tokens(body: bytes) -> tuple[CountTokensRequest, ChatCompletionRequest]:
+    """A count_tokens body and the chat request whose prompt it counts."""
+    request = parse_count_tokens_request(body)
+    return request, chat_request(request)

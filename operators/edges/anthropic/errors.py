@@ -11,6 +11,7 @@ Anthropic's (its SDK maps each to its error class: ``BadRequestError``,
     not_found            404 not_found_error
     method_not_allowed   405 invalid_request_error
     too_large            413 request_too_large
+    unsupported_media_type / headers_too_large   415 / 431 invalid_request_error
     overloaded           529 overloaded_error (max_inflight; with retry-after)
     unavailable          529 overloaded_error (no worker now, shutting down)
     timeout              504 timeout_error
@@ -38,6 +39,8 @@ _STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
     "not_found": (404, "not_found_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "too_large": (413, "request_too_large"),
+    "unsupported_media_type": (415, "invalid_request_error"),
+    "headers_too_large": (431, "invalid_request_error"),
     "overloaded": (529, "overloaded_error"),
     "unavailable": (529, "overloaded_error"),
     "timeout": (504, "timeout_error"),

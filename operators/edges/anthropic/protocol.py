@@ -16,24 +16,32 @@ edge (:data:`~operators.edges.openai.protocol.base.MAX_INT`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
-import orjson
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from operators.edges.openai.protocol.base import (
+from operators.edges.http.schema import (
+    ARRAY,
     MAX_INT,
+    NOTHING,
+    STRING,
     Bool,
     Count,
     Float,
+    JsonObject,
     Model,
     Priority,
+    StopList,
+    Unsupported,
+    by_shape,
+    by_type,
     invalid,
+    kind,
+    parse_body,
+    unique_names,
 )
-from operators.edges.openai.protocol.parsing import from_validation_error
-from operators.edges.openai.protocol.requests import MAX_STOP_STRINGS
-from pipeline import InvalidRequest
 
 __all__ = (
     "Base64Source",
@@ -49,8 +57,9 @@ __all__ = (
     "ToolUseBlock",
     "UrlSource",
     "parse_count_tokens_request",
+    "UNSUPPORTED",
+    "invalid_tool",
     "parse_messages_request",
-    "refuse_unsupported",
 )
 
 #: OpenAI's rule for function names, which Anthropic's tool names also follow
@@ -80,17 +89,12 @@ class UrlSource(Model):
     url: str
 
 
-def _kind_of_source(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    return f"{kind}_source" if kind in ("base64", "url") else None
-
-
 _Source = Annotated[
-    Annotated[Base64Source, Tag("base64_source")] | Annotated[UrlSource, Tag("url_source")],
-    Discriminator(
-        _kind_of_source,
-        custom_error_type="invalid_source",
-        custom_error_message="an image source must be base64 or url (files are not supported)",
+    Annotated[Base64Source, kind("base64")] | Annotated[UrlSource, kind("url")],
+    by_type(
+        "an image source must be base64 or url (files are not supported)",
+        ("base64", "url"),
+        error="invalid_source",
     ),
 ]
 
@@ -116,30 +120,17 @@ class ToolUseBlock(Model):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str
-    input: dict[str, Any]
-
-
-def _kind_of_result_block(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    return f"{kind}_block" if kind in ("text", "image") else None
+    input: JsonObject
 
 
 _ResultBlock = Annotated[
-    Annotated[TextBlock, Tag("text_block")] | Annotated[ImageBlock, Tag("image_block")],
-    Discriminator(
-        _kind_of_result_block,
-        custom_error_type="invalid_block",
-        custom_error_message="a tool_result's content blocks must be text or image",
+    Annotated[TextBlock, kind("text")] | Annotated[ImageBlock, kind("image")],
+    by_type(
+        "a tool_result's content blocks must be text or image",
+        ("text", "image"),
+        error="invalid_block",
     ),
 ]
-
-
-def _kind_of_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "blocks"
-    return None
 
 
 class ToolResultBlock(Model):
@@ -149,11 +140,12 @@ class ToolResultBlock(Model):
     tool_use_id: str = Field(min_length=1)
     content: (
         Annotated[
-            Annotated[str, Tag("string")] | Annotated[list[_ResultBlock], Tag("blocks")],
-            Discriminator(
-                _kind_of_text,
-                custom_error_type="invalid_content",
-                custom_error_message="content must be a string or an array of blocks",
+            Annotated[str, kind(STRING)] | Annotated[list[_ResultBlock], kind(ARRAY)],
+            by_shape(
+                "content must be a string or an array of blocks",
+                STRING,
+                ARRAY,
+                error="invalid_content",
             ),
         ]
         | None
@@ -170,28 +162,24 @@ class ThinkingBlock(Model):
     data: str | None = None
 
 
-def _kind_of_block(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind in ("text", "image", "tool_use", "tool_result"):
-        return f"{kind}_block"
-    if kind in ("thinking", "redacted_thinking"):
-        return "thinking_block"
-    return None
-
-
 ContentBlock = Annotated[
-    Annotated[TextBlock, Tag("text_block")]
-    | Annotated[ImageBlock, Tag("image_block")]
-    | Annotated[ToolUseBlock, Tag("tool_use_block")]
-    | Annotated[ToolResultBlock, Tag("tool_result_block")]
-    | Annotated[ThinkingBlock, Tag("thinking_block")],
-    Discriminator(
-        _kind_of_block,
-        custom_error_type="invalid_block",
-        custom_error_message=(
-            "a content block must be text, image, tool_use, tool_result or thinking "
-            "(documents and server tool blocks are not supported)"
-        ),
+    Annotated[TextBlock, kind("text")]
+    | Annotated[ImageBlock, kind("image")]
+    | Annotated[ToolUseBlock, kind("tool_use")]
+    | Annotated[ToolResultBlock, kind("tool_result")]
+    | Annotated[ThinkingBlock, kind("thinking")],
+    by_type(
+        "a content block must be text, image, tool_use, tool_result or thinking "
+        "(documents and server tool blocks are not supported)",
+        {
+            "text": "text",
+            "image": "image",
+            "tool_use": "tool_use",
+            "tool_result": "tool_result",
+            "thinking": "thinking",
+            "redacted_thinking": "thinking",
+        },
+        error="invalid_block",
     ),
 ]
 
@@ -201,11 +189,12 @@ class MessageParam(Model):
 
     role: Literal["user", "assistant"]
     content: Annotated[
-        Annotated[str, Tag("string")] | Annotated[list[ContentBlock], Tag("blocks")],
-        Discriminator(
-            _kind_of_text,
-            custom_error_type="invalid_content",
-            custom_error_message="content must be a string or an array of content blocks",
+        Annotated[str, kind(STRING)] | Annotated[list[ContentBlock], kind(ARRAY)],
+        by_shape(
+            "content must be a string or an array of content blocks",
+            STRING,
+            ARRAY,
+            error="invalid_content",
         ),
     ]
 
@@ -216,7 +205,15 @@ class Tool(Model):
     type: Literal["custom"] | None = None
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonObject
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_client_tool(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind not in (None, "custom"):
+            raise invalid_tool(kind)
+        return data
 
 
 class ToolChoice(Model):
@@ -233,20 +230,10 @@ class ToolChoice(Model):
         return self
 
 
-def _kind_of_system(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "blocks"
-    return None
-
-
 _System = Annotated[
-    Annotated[str, Tag("string")] | Annotated[list[TextBlock], Tag("blocks")],
-    Discriminator(
-        _kind_of_system,
-        custom_error_type="invalid_system",
-        custom_error_message="system must be a string or an array of text blocks",
+    Annotated[str, kind(STRING)] | Annotated[list[TextBlock], kind(ARRAY)],
+    by_shape(
+        "system must be a string or an array of text blocks", STRING, ARRAY, error="invalid_system"
     ),
 ]
 
@@ -261,24 +248,15 @@ class CountTokensRequest(Model):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and None in data.values():
-            return {key: value for key, value in data.items() if value is not None}
-        return data
-
     @model_validator(mode="after")
     def _fits_together(self) -> CountTokensRequest:
         names = [tool.name for tool in self.tools or ()]
-        for position, name in enumerate(names):
-            if name in names[:position]:
-                raise invalid(f"tools.{position}", f"two tools are named '{name}'")
+        unique_names(names, "tools")
         choice = self.tool_choice
         if choice is not None and choice.type in ("any", "tool"):
             if not names:
                 raise invalid("tool_choice", f"tool_choice '{choice.type}' needs 'tools'")
-            if choice.type == "tool" and choice.name not in names:
+            if choice.type == "tool" and choice.name not in set(names):
                 raise invalid(
                     "tool_choice.name",
                     f"tool_choice names the tool '{choice.name}', which is not one of 'tools' "
@@ -305,26 +283,15 @@ class MessagesRequest(CountTokensRequest):
     """The body of ``POST /v1/messages``."""
 
     max_tokens: Count
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopList | None = None
     temperature: Float | None = Field(default=None, ge=0, le=1)
     top_p: Float | None = Field(default=None, ge=0, le=1)
     top_k: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT)
     stream: Bool = False
-    metadata: dict[str, Any] | None = None
+    metadata: JsonObject | None = None
     #: lower runs earlier (None: the API key's default priority, else 0); not Anthropic's
     #: own field: the clients send it in ``extra_body``
     priority: Priority | None = None
-
-    @field_validator("stop_sequences")
-    @classmethod
-    def _stop_sequences(cls, stops: list[str] | None) -> list[str] | None:
-        if stops is None:
-            return None
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed")
-        if "" in stops:
-            raise ValueError("stop sequences must not be empty")
-        return stops
 
     @property
     def user(self) -> str | None:
@@ -336,101 +303,44 @@ class MessagesRequest(CountTokensRequest):
 # ------------------------------------------------------------------ the unsupported fields
 
 
-def _truthy(value: Any) -> bool:
-    return value not in (None, False, [], {}, "")
+def invalid_tool(kind: object) -> PydanticCustomError:
+    """A server tool (web search...), which this server does not run."""
+    return PydanticCustomError(
+        "server_tool",
+        "a {kind} server tool: only client tools (name, description, input_schema) are supported",
+        {"kind": repr(kind)},
+    )
 
 
-def _thinking(value: Any) -> bool:
-    return _truthy(value) and not (isinstance(value, dict) and value.get("type") == "disabled")
-
-
-def _not(*accepted: Any) -> Callable[[Any], bool]:
-    return lambda value: value is not None and value not in accepted
-
-
-#: field -> (does this value ask for something we do not do?, what to tell the client)
-UNSUPPORTED: Final[Mapping[str, tuple[Callable[[Any], bool], str]]] = {
-    "thinking": (
-        _thinking,
+#: field -> the rule: what the API has and this server cannot do
+UNSUPPORTED: Final[Mapping[str, Unsupported]] = {
+    "thinking": Unsupported(
         "extended thinking with a budget is not supported (a model that reasons shows its "
         "thinking blocks anyway)",
+        (*NOTHING, {"type": "disabled"}),
     ),
-    "container": (_truthy, "containers are not supported"),
-    "mcp_servers": (_truthy, "MCP servers are not supported"),
-    "context_management": (_truthy, "context management is not supported"),
-    "service_tier": (_not("auto", "standard_only"), "only service_tier 'auto' is supported"),
+    "container": Unsupported("containers are not supported", NOTHING),
+    "mcp_servers": Unsupported("MCP servers are not supported", NOTHING),
+    "context_management": Unsupported("context management is not supported", NOTHING),
+    "service_tier": Unsupported(
+        "only service_tier 'auto' is supported", (None, "auto", "standard_only")
+    ),
 }
 
 
-def refuse_unsupported(data: Mapping[str, Any]) -> None:
-    """Raise for the first field that asks for what this server cannot do.
-
-    Raises:
-        InvalidRequest: ``param`` names the field.
-    """
-    for name, (asks, message) in UNSUPPORTED.items():
-        if name in data and asks(data[name]):
-            raise InvalidRequest(message, param=name)
-    for position, tool in enumerate(data.get("tools") or ()):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind not in (None, "custom"):
-            raise InvalidRequest(
-                f"tools.{position} is a {kind!r} server tool: only client tools (name, "
-                "description, input_schema) are supported",
-                param=f"tools.{position}.type",
-            )
-
-
-def _parse(model: type[CountTokensRequest], body: bytes | str | dict[str, Any]) -> Any:
-    data: Any = body
-    if not isinstance(body, dict):
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    refuse_unsupported(data)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc, _FIELDS) from exc
-
-
-def parse_messages_request(body: bytes | str | dict[str, Any]) -> MessagesRequest:
+def parse_messages_request(body: bytes | str | Mapping[str, Any]) -> MessagesRequest:
     """Validate a ``/v1/messages`` body.
 
     Raises:
         InvalidRequest: malformed JSON, an unsupported or invalid field (``param``).
     """
-    request: MessagesRequest = _parse(MessagesRequest, body)
-    return request
+    return parse_body(MessagesRequest, body, unsupported=UNSUPPORTED)
 
 
-def parse_count_tokens_request(body: bytes | str | dict[str, Any]) -> CountTokensRequest:
+def parse_count_tokens_request(body: bytes | str | Mapping[str, Any]) -> CountTokensRequest:
     """Validate a ``/v1/messages/count_tokens`` body.
 
     Raises:
         InvalidRequest: malformed JSON, an unsupported or invalid field (``param``).
     """
-    request: CountTokensRequest = _parse(CountTokensRequest, body)
-    return request
-
-
-_FIELDS: Final = frozenset(
-    name
-    for model in (
-        MessagesRequest,
-        MessageParam,
-        TextBlock,
-        ImageBlock,
-        Base64Source,
-        UrlSource,
-        ToolUseBlock,
-        ToolResultBlock,
-        ThinkingBlock,
-        Tool,
-        ToolChoice,
-    )
-    for name in model.model_fields
-)
+    return parse_body(CountTokensRequest, body, unsupported=UNSUPPORTED)

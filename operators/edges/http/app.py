@@ -2,7 +2,9 @@
 
 ::
 
-    request --> route (exact path, else a {name} template) --> API key (guarded routes)
+    request --> CORS (an allowed Origin: its headers; a preflight: 204)
+            --> route (exact path, else a {name} template) --> API key (guarded routes)
+            --> a JSON route's body must say content-type: application/json (else 415)
             --> the edge's handler --> its model (app.models) --> that model's graph
             --> llm_pipeline_requests_total{endpoint, status, model}
     GET /live, /ready, /health, /metrics: the app's own, never guarded (:mod:`.probes`)
@@ -23,18 +25,30 @@ bytes once, buffer it, write" (:mod:`.sse_writer`); dispatch is one dict lookup.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, TypeVarTuple
+
+import anyio
+import anyio.to_thread
 
 from pipeline.health import Health
 
-from .asgi import Receive, Scope, Send, send_json
-from .failures import ErrorStyle, method_not_allowed, unauthorized, unknown_path
+from .asgi import Message, Receive, Scope, Send, send_json
+from .failures import (
+    ClientGone,
+    ErrorStyle,
+    method_not_allowed,
+    not_json,
+    unauthorized,
+    unknown_path,
+)
 from .generation import Generations
 from .guard import Guard
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
 from .probes import PROBES, HealthMetrics, health_answer, live_answer, ready_answer
-from .routes import Call, Edge, Route
+from .routes import Call, Edge, Prepare, Route
+from .schema import OFF_LOOP_BYTES
+from .sse_writer import CLIENT_GONE
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -42,10 +56,19 @@ if TYPE_CHECKING:
 
 __all__ = ("MAX_BODY_BYTES", "EdgeApp", "Pages")
 
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
+
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 #: the app's own paths, never guarded
 _OWN_PATHS: Final = PROBES | {"/metrics"}
+#: methods whose body a JSON route reads
+_WITH_BODY: Final = frozenset({"POST", "PUT", "PATCH"})
+#: what a CORS preflight is told (the headers a browser may send: the SDKs' own too)
+_CORS_METHODS: Final = b"GET, POST, DELETE, OPTIONS"
+_CORS_EXPOSED: Final = b"x-request-id, retry-after"
+_CORS_MAX_AGE: Final = b"600"
 
 Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
 """A handler of the GET paths no edge serves (the web UI): the status it answered with, or
@@ -116,6 +139,8 @@ class EdgeApp:
             self.metrics.registry.register(HealthMetrics(self.health))
         except ValueError:  # (metrics shared with an app that registered its health first)
             pass
+        #: large bodies are parsed off the event loop, one at a time (created on first use)
+        self._limiter: anyio.CapacityLimiter | None = None
         self._exact: dict[str, _Methods] = {}
         self._templates: list[tuple[tuple[str, ...], _Methods]] = []
         for edge in edges:
@@ -160,9 +185,34 @@ class EdgeApp:
         return "" if default is None else default.name
 
     @property
+    def errors(self) -> ErrorStyle:
+        """How the app itself says what went wrong (unknown paths, a 431)."""
+        return self._errors
+
+    @property
     def generations(self) -> Generations:
         """The generation requests in flight and the rules they run under."""
         return self._generations
+
+    async def generate(
+        self, call: Call, prepare: Prepare, errors: ErrorStyle, *, route: str | None = None
+    ) -> int:
+        """Serve ``call`` as a generation request (:meth:`.generation.Generations.run`)."""
+        return await self._generations.run(call, errors, prepare, route=route)
+
+    async def read_body(self, call: Call) -> bytes:
+        """The request's body, bounded (:meth:`.generation.Generations.read_body`)."""
+        return await self._generations.read_body(call)
+
+    async def offload(self, size: int, work: Callable[[*Ts], T], *args: *Ts) -> T:
+        """``work(*args)``: in a worker thread, one at a time, when ``size`` is over
+        :data:`~.schema.OFF_LOOP_BYTES` (parsing 250k items takes a second of one core,
+        which must not stall the other requests), else here."""
+        if size <= OFF_LOOP_BYTES:
+            return work(*args)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(1)
+        return await anyio.to_thread.run_sync(work, *args, limiter=self._limiter)
 
     @property
     def guard(self) -> Guard:
@@ -228,6 +278,13 @@ class EdgeApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
+        origin, content_type, preflight = _headers(scope)
+        if origin is not None and self._guard.cors and self._guard.origin_allowed(origin):
+            if method == "OPTIONS" and preflight is not None:
+                await _preflight(send, origin, scope)
+                self.metrics.count_request("other", 204)
+                return
+            send = _with_cors(send, origin)
         if path in _OWN_PATHS:
             await self._own(path, method, send)
             return
@@ -258,9 +315,17 @@ class EdgeApp:
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             self.metrics.count_request(any_route.endpoint, rendered.status)
             return
+        if route.json and method in _WITH_BODY and not _is_json(content_type):
+            rendered = route.errors.render(not_json(_text(content_type)))
+            await send_json(send, rendered.status, rendered.body, rendered.headers)
+            self.metrics.count_request(route.endpoint, rendered.status)
+            return
         owner = self._guard.owner(scope) if self._guard.requires_key else ""
         call = Call(scope, receive, send, params, owner)
-        status = await route.handler(call)
+        try:
+            status = await route.handler(call)
+        except ClientGone:
+            status = CLIENT_GONE
         self.metrics.count_request(route.endpoint, status, call.model)
 
     async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> bool:
@@ -301,6 +366,68 @@ class EdgeApp:
             await send({"type": "http.response.body", "body": body, "more_body": False})
             status = 200
         self.metrics.count_request(path, status)
+
+
+def _headers(scope: Scope) -> tuple[bytes | None, bytes | None, bytes | None]:
+    """The request's ``Origin``, ``Content-Type`` and ``Access-Control-Request-Method``."""
+    origin = content_type = preflight = None
+    for name, value in scope.get("headers", ()):
+        if name == b"origin":
+            origin = value
+        elif name == b"content-type":
+            content_type = value
+        elif name == b"access-control-request-method":
+            preflight = value
+    return origin, content_type, preflight
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """``application/json``, with or without parameters (``; charset=utf-8``)."""
+    if content_type is None:
+        return False
+    return content_type.partition(b";")[0].strip().lower() == b"application/json"
+
+
+def _text(value: bytes | None) -> str | None:
+    return None if value is None else value.decode("latin-1")[:100]
+
+
+def _cors_headers(origin: bytes) -> list[tuple[bytes, bytes]]:
+    return [
+        (b"access-control-allow-origin", origin),
+        (b"vary", b"origin"),
+        (b"access-control-expose-headers", _CORS_EXPOSED),
+    ]
+
+
+def _with_cors(send: Send, origin: bytes) -> Send:
+    """``send``, adding the CORS headers to the response's head (only the head: nothing
+    is done per token)."""
+
+    async def send_with_cors(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *_cors_headers(origin)]}
+        await send(message)
+
+    return send_with_cors
+
+
+async def _preflight(send: Send, origin: bytes, scope: Scope) -> None:
+    """A CORS preflight from an allowed origin: the methods, and the headers it asked for."""
+    asked = b""
+    for name, value in scope.get("headers", ()):
+        if name == b"access-control-request-headers":
+            asked = value
+    headers = [
+        *_cors_headers(origin),
+        (b"access-control-allow-methods", _CORS_METHODS),
+        (b"access-control-max-age", _CORS_MAX_AGE),
+        (b"content-length", b"0"),
+    ]
+    if asked:
+        headers.append((b"access-control-allow-headers", asked))
+    await send({"type": "http.response.start", "status": 204, "headers": headers})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _models(

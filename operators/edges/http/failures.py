@@ -43,6 +43,7 @@ from pipeline.health import RETRY_AFTER
 __all__ = (
     "INTERNAL_MESSAGE",
     "ApiError",
+    "ClientGone",
     "ErrorKind",
     "ErrorStyle",
     "Refusal",
@@ -55,6 +56,8 @@ __all__ = (
     "method_not_allowed",
     "shut_down",
     "timed_out",
+    "headers_too_large",
+    "not_json",
     "unauthorized",
     "unknown_model",
     "unknown_path",
@@ -70,6 +73,8 @@ ErrorKind = Literal[
     "not_found",  # an unknown path, model or stored object (404)
     "method_not_allowed",  # the path answers other methods (405)
     "too_large",  # the body is over the limit (413)
+    "unsupported_media_type",  # a body that is not of the content type the route takes (415)
+    "headers_too_large",  # the request's headers are over the limit (431)
     "overloaded",  # admission control: too many requests in flight
     "unavailable",  # no worker now, a worker lost, the server shutting down
     "timeout",  # the request ran past its deadline
@@ -101,6 +106,11 @@ class Refusal(Exception):
     def __init__(self, error: ApiError) -> None:
         super().__init__(error.message)
         self.error = error
+
+
+@final
+class ClientGone(Exception):
+    """The client left before its request was read (nothing is answered: a 499)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +176,25 @@ def unauthorized(presented: bool) -> ApiError:
 def body_too_large(limit: int) -> ApiError:
     """The request body is over ``limit`` bytes."""
     return ApiError("too_large", f"The request body exceeds {limit} bytes.")
+
+
+def not_json(content_type: str | None) -> ApiError:
+    """A JSON route sent a body of another content type (or of none): what a web page can
+    make a browser send to any server without a CORS preflight, so it is never acted on."""
+    sent = "no content-type" if content_type is None else f"content-type {content_type!r}"
+    return ApiError(
+        "unsupported_media_type",
+        f"The request body must be JSON, sent with content-type 'application/json' ({sent} "
+        "was sent).",
+        param="content-type",
+    )
+
+
+def headers_too_large(limit: int) -> ApiError:
+    """The request's line and headers are over ``limit`` bytes."""
+    return ApiError(
+        "headers_too_large", f"The request's headers exceed {limit} bytes.", param="headers"
+    )
 
 
 def method_not_allowed(path: str, allowed: str) -> ApiError:

@@ -1,8 +1,9 @@
 """A generation request's life, the same for every edge: :class:`Generations`.
 
 An edge only says how its API's body becomes a graph request and how the graph's events
-become its API's response (an :class:`Exchange` carrying a :class:`Reply`). Everything
-else happens here, once, for chat completions, Responses, Messages and a user's own edge::
+become its API's response (an :class:`~.routes.Exchange` carrying a
+:class:`~.routes.Reply`). Everything else happens here, once, for chat completions,
+Responses, Messages and a user's own edge (``host.generate(call, prepare, errors)``)::
 
     read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
                                            (its model resolved: its graph, :mod:`.models`)
@@ -28,10 +29,8 @@ that the graph's stages hang under.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, final
+from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
@@ -39,9 +38,6 @@ from pipeline import Context, InvalidRequest, open_stream
 
 from .asgi import (
     BodyTooLarge,
-    Receive,
-    Scope,
-    Send,
     id_header,
     kill_on_disconnect,
     read_body,
@@ -50,6 +46,7 @@ from .asgi import (
 )
 from .failures import (
     ApiError,
+    ClientGone,
     ErrorStyle,
     Refusal,
     at_capacity,
@@ -66,91 +63,19 @@ from .request_span import (
     record_usage,
     start_request,
 )
-from .routes import MODEL_SCOPE_KEY
+from .running import Running
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 
 if TYPE_CHECKING:
-    from pipeline import Engine
     from pipeline.health import Health
     from pipeline.tracing import Span, Tracer
 
     from .guard import Guard
-    from .metrics import ModelMetrics, ServerMetrics
+    from .metrics import ServerMetrics
     from .models import Models
+    from .routes import Call, Prepare
 
-__all__ = ("Exchange", "Generations", "KeepAlive", "Prepare", "Reply")
-
-E_contra = TypeVar("E_contra", contravariant=True)
-
-
-class Reply(Protocol[E_contra]):
-    """How one request's events become its API's response: the edge's rendering half.
-
-    A stream calls :meth:`start` with the graph's first event, then the renderer it
-    returns for every event (that first one too); :meth:`visible` tells which event is
-    the first worth committing the response for, :meth:`end` gives the stream's last bytes
-    once the graph ended well, :meth:`failure` the last event of a stream that failed. A
-    whole response calls :meth:`body` with every event instead.
-
-    A reply may also have a ``usage`` attribute: the graph's ``Usage`` event once it went
-    by, which a traced request's span records.
-    """
-
-    def start(self, first: E_contra, /) -> Callable[[E_contra], bytes]:
-        """The renderer of this response's events (bytes, or b"" to write nothing)."""
-        ...
-
-    def visible(self, event: E_contra, /) -> bool:
-        """Whether ``event`` shows the client something (the first one commits)."""
-        ...
-
-    async def end(self) -> bytes:
-        """The stream's last bytes, after its last event (may store state first)."""
-        ...
-
-    def failure(self, error: ApiError, /) -> bytes:
-        """A failed stream's last event."""
-        ...
-
-    async def body(self, events: list[Any], /) -> bytes:
-        """The whole (non-streamed) response's JSON body."""
-        ...
-
-    @property
-    def output_tokens(self) -> int:
-        """Tokens generated so far (the response's usage, once seen), for the metrics."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class KeepAlive:
-    """What a quiet stream writes to show it is alive, and after how long."""
-
-    data: bytes
-    interval: float
-
-
-@dataclass(slots=True)
-class Exchange:
-    """A parsed request, ready for the graph: what an edge's ``prepare`` returns."""
-
-    #: what the graph takes (for the default graph: an OpenAI chat or completions request)
-    request: Any
-    stream: bool
-    reply: Reply[Any]
-    #: the graph to run (None: the graph of ``model``)
-    graph: Engine[Any, Any] | None = None
-    keep_alive: KeepAlive | None = None
-    #: the id the response is named by (for traces; None: OpenAI's, from the request id)
-    response_id: str | None = None
-    #: the served model it runs on, as :meth:`~.models.Models.resolve` named it (None: the
-    #: default model); labels its metrics and its span
-    model: str | None = None
-
-
-Prepare = Callable[[bytes], Awaitable[Exchange]]
-"""An edge's parser: the body -> an :class:`Exchange`; raises ``InvalidRequest`` or
-:class:`~.failures.Refusal` to refuse it."""
+__all__ = ("Generations",)
 
 
 @final
@@ -158,7 +83,7 @@ class Generations:
     """The generation requests in flight, and the rules they all run under.
 
     Args:
-        models: the models served: an :class:`Exchange` runs on its model's graph (unless
+        models: the models served: an exchange runs on its model's graph (unless
             it brings its own), the default model's when it names none.
         guard: admission control, deadlines, and the API keys' default priorities (keys
             are checked before dispatch).
@@ -211,63 +136,67 @@ class Generations:
             self._aborted.add(ctx)
             ctx.kill()
 
+    async def read_body(self, call: Call) -> bytes:
+        """The request's body, at most ``max_body_bytes``.
+
+        Raises:
+            Refusal: a larger body (413).
+            ClientGone: the client left before it was read.
+        """
+        try:
+            body = await read_body(call.receive, self.max_body_bytes)
+        except BodyTooLarge:
+            raise Refusal(body_too_large(self.max_body_bytes)) from None
+        if body is None:
+            raise ClientGone
+        return body
+
     async def run(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        errors: ErrorStyle,
-        prepare: Prepare,
-        *,
-        route: str | None = None,
+        self, call: Call, errors: ErrorStyle, prepare: Prepare, *, route: str | None = None
     ) -> int:
         """Serve one generation request; the status it ended with (499: the client left).
 
         ``errors`` says what went wrong before the response started; ``prepare`` turns the
-        body into the :class:`Exchange` to run; ``route`` names the endpoint in its span
-        (the path if None).
+        body into the :class:`~.routes.Exchange` to run; ``route`` names the endpoint in
+        its span (the path if None). ``call.model`` is set to the model it runs on.
         """
         started = perf_counter()
         metrics = self.metrics
         metrics.inflight.inc()
         tracer = self.tracer
-        span = None if tracer is None else start_request(tracer, scope, route or scope["path"])
+        scope = call.scope
+        span = None
+        if tracer is not None:
+            span = start_request(tracer, scope, route or scope["path"], owner=call.owner)
         status = 500
         error: BaseException | None = None
-        served = [""]  # the model it ran on, once known
         try:
-            status = await self._serve(scope, receive, send, errors, prepare, started, span, served)
+            status = await self._serve(call, errors, prepare, started, span)
             return status
         except BaseException as exc:
             error = exc
             raise
         finally:
             metrics.inflight.dec()
-            metrics.for_model(served[0]).request_duration.observe(perf_counter() - started)
+            metrics.for_model(call.model).request_duration.observe(perf_counter() - started)
             if span is not None:
                 finish_request(span, status, error)
 
     async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        errors: ErrorStyle,
-        prepare: Prepare,
-        started: float,
-        span: Span | None,
-        served: list[str],
+        self, call: Call, errors: ErrorStyle, prepare: Prepare, started: float, span: Span | None
     ) -> int:
+        scope, receive, send = call.scope, call.receive, call.send
+
         async def refuse(error: ApiError, request_id: str | None = None) -> int:
             rendered = errors.render(error, request_id)
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             return rendered.status
 
         try:
-            body = await read_body(receive, self.max_body_bytes)
-        except BodyTooLarge:
-            return await refuse(body_too_large(self.max_body_bytes))
-        if body is None:
+            body = await self.read_body(call)
+        except Refusal as exc:
+            return await refuse(exc.error)
+        except ClientGone:
             return CLIENT_GONE
         try:
             exchange = await prepare(body)
@@ -284,7 +213,7 @@ class Generations:
                 return await refuse(exc.error)
             model_name = model.name
             graph = model.graph if graph is None else graph
-        served[0] = scope[MODEL_SCOPE_KEY] = model_name
+        call.model = model_name
         metrics = self.metrics.for_model(model_name)
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
@@ -327,6 +256,17 @@ class Generations:
         def ended_by_server(ctx: Context[Any]) -> ApiError | None:
             return self._ended_by_server(ctx, time_limit)
 
+        run = Running(
+            graph=graph,
+            ctx=ctx,
+            send=send,
+            reply=exchange.reply,
+            errors=errors,
+            started=started,
+            metrics=metrics,
+            ended_by_server=ended_by_server,
+            span=span,
+        )
         try:
             async with anyio.create_task_group() as watcher:
                 watcher.start_soon(kill_on_disconnect, receive, ctx)
@@ -342,30 +282,9 @@ class Generations:
                                 exchange.keep_alive.data,
                                 exchange.keep_alive.interval,
                             )
-                        status = await stream_response(
-                            graph,
-                            ctx,
-                            send,
-                            exchange.reply,
-                            errors=errors,
-                            started=started,
-                            metrics=metrics,
-                            ended_by_server=ended_by_server,
-                            state=state,
-                            span=span,
-                        )
+                        status = await stream_response(run, state)
                     else:
-                        status = await self._complete(
-                            graph,
-                            ctx,
-                            send,
-                            exchange.reply,
-                            errors,
-                            ended_by_server,
-                            span,
-                            started,
-                            metrics,
-                        )
+                        status = await self._complete(run)
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
@@ -391,22 +310,12 @@ class Generations:
             return timed_out(time_limit)
         return None
 
-    async def _complete(
-        self,
-        graph: Engine[Any, Any],
-        ctx: Context[Any],
-        send: Send,
-        reply: Reply[Any],
-        errors: ErrorStyle,
-        ended_by_server: Callable[[Context[Any]], ApiError | None],
-        span: Span | None,
-        started: float,
-        metrics: ModelMetrics,
-    ) -> int:
+    async def _complete(self, run: Running) -> int:
         """Run the graph to the end and send the folded response as one JSON body."""
+        ctx, send, reply, span = run.ctx, run.send, run.reply, run.span
         error: ApiError | None = None
         try:
-            async with open_stream(graph, ctx) as stream:
+            async with open_stream(run.graph, ctx) as stream:
                 if span is None:
                     events = [event async for event in stream]
                 else:  # (noting on the span when the first text came)
@@ -416,22 +325,22 @@ class Generations:
                         events.append(event)
                         if not seen and reply.visible(event):
                             seen = True
-                            record_first_token(span, started)
+                            record_first_token(span, run.started)
             if not ctx.is_killed:
                 body = await reply.body(events)
         except Exception as exc:
             if not ctx.is_killed:
                 error = describe_failure(exc, ctx.id)
         if ctx.is_killed:
-            error = ended_by_server(ctx)
+            error = run.ended_by_server(ctx)
             if error is None:
                 return CLIENT_GONE
         if error is not None:
-            rendered = errors.render(error, ctx.id)
+            rendered = run.errors.render(error, ctx.id)
             await send_json(send, rendered.status, rendered.body, rendered.headers + id_header(ctx))
             return rendered.status
         tokens = reply.output_tokens
         if tokens:
-            metrics.output_tokens.inc(tokens)
+            run.metrics.output_tokens.inc(tokens)
         await send_json(send, 200, body, id_header(ctx))
         return 200

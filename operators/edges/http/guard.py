@@ -10,7 +10,12 @@ graph, whichever edge it came through:
   that would tell which one came closer). ``/health`` and ``/metrics`` stay open: load
   balancers and Prometheus probe them without credentials, and they carry no model output.
   What a key may see of stored state is scoped by :meth:`Guard.owner`: a digest of the key,
-  never the key.
+  never the key. An *admin* key (``--admin-api-key``) is a key too, and may also see every
+  key's requests in the status view (others see their own only).
+* **Origins.** Browsers let any web page send a "simple" request (a form, ``text/plain``)
+  to any server, a local one too; JSON routes refuse those bodies (415), so only a request
+  the browser asked the server about first (CORS) gets through, and CORS is off unless
+  ``allowed_origins`` names the pages that may call (``*``: any).
 * **Admission.** With ``max_inflight``, a generation request arriving while that many are
   in flight is refused at once (OpenAI: 503 with ``Retry-After``; Anthropic: 529): an
   overloaded server answers "later" instead of queueing without bound.
@@ -54,12 +59,23 @@ class Guard:
             gives each key its default priority.
         max_inflight: most generation requests in flight; more get 503 (None: no limit).
         request_timeout: seconds a generation request may run (None: no limit).
+        admin_keys: keys that may also see every key's requests (``/status``); each is
+            an API key too.
+        allowed_origins: the web origins (``https://app.example``) whose pages may call
+            the server from a browser (CORS); ``*`` any; none: CORS is off.
 
     Raises:
         ValueError: an empty key, a ``max_inflight`` below 1, a timeout not above 0.
     """
 
-    __slots__ = ("_keys", "_priorities", "max_inflight", "request_timeout")
+    __slots__ = (
+        "_admin",
+        "_keys",
+        "_origins",
+        "_priorities",
+        "max_inflight",
+        "request_timeout",
+    )
 
     def __init__(
         self,
@@ -67,8 +83,13 @@ class Guard:
         api_keys: Iterable[str] | Mapping[str, int] = (),
         max_inflight: int | None = None,
         request_timeout: float | None = None,
+        admin_keys: Iterable[str] = (),
+        allowed_origins: Iterable[str] = (),
     ) -> None:
         priorities = dict(api_keys) if isinstance(api_keys, Mapping) else dict.fromkeys(api_keys, 0)
+        admin = tuple(key.encode() for key in admin_keys)
+        for key in admin_keys:
+            priorities.setdefault(key, 0)
         keys = tuple(key.encode() for key in priorities)
         if any(not key.strip() for key in keys):
             raise ValueError("an API key must not be empty")
@@ -77,6 +98,8 @@ class Guard:
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {request_timeout}")
         self._keys = keys
+        self._admin = admin
+        self._origins = frozenset(origin.rstrip("/").encode() for origin in allowed_origins)
         self._priorities = tuple(priorities.values())
         self.max_inflight = max_inflight
         self.request_timeout = request_timeout
@@ -97,6 +120,28 @@ class Guard:
         for key in self._keys:  # every key compared, in constant time each
             matched |= hmac.compare_digest(presented, key)
         return matched, True
+
+    def is_admin(self, scope: MutableMapping[str, Any]) -> bool:
+        """Whether the request holds an admin key (compared as :meth:`check_key` does); True
+        for every request of a server without keys (all clients are one)."""
+        if not self._keys:
+            return True
+        presented = _presented_key(scope)
+        if presented is None:
+            return False
+        matched = False
+        for key in self._admin:
+            matched |= hmac.compare_digest(presented, key)
+        return matched
+
+    @property
+    def cors(self) -> bool:
+        """Whether any web origin may call the server from a browser."""
+        return bool(self._origins)
+
+    def origin_allowed(self, origin: bytes) -> bool:
+        """Whether pages of ``origin`` (an ``Origin`` header) may call the server."""
+        return b"*" in self._origins or origin.rstrip(b"/") in self._origins
 
     def priority_for(self, scope: MutableMapping[str, Any]) -> int:
         """The default priority of the request's API key (0: no keys, or a key without
@@ -132,8 +177,9 @@ class Guard:
 
     def __repr__(self) -> str:  # never the keys themselves
         return (
-            f"Guard(api_keys={len(self._keys)}, max_inflight={self.max_inflight}, "
-            f"request_timeout={self.request_timeout})"
+            f"Guard(api_keys={len(self._keys)}, admin_keys={len(self._admin)}, "
+            f"max_inflight={self.max_inflight}, request_timeout={self.request_timeout}, "
+            f"allowed_origins={sorted(o.decode() for o in self._origins)})"
         )
 
 

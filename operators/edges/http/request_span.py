@@ -15,6 +15,9 @@ response's status. What it records, with OpenTelemetry's attribute names:
   ``gen_ai.usage.input_tokens``, ``gen_ai.usage.output_tokens``,
   ``gen_ai.usage.cache_read.input_tokens`` (when the engine reported its cache),
   ``gen_ai.response.finish_reasons``, ``gen_ai.response.time_to_first_chunk``;
+* ``llm_pipeline.request.owner``, when the server has API keys: who the request acted
+  for (:meth:`~.guard.Guard.owner`, a salted digest of its key, never the key), so that
+  the status view shows each key only its own requests;
 * ``llm_pipeline.request.id`` (the ``x-request-id``), and the events ``first_token``
   (the first text written) and ``finish`` (the finish reasons).
 
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "REQUEST_ID",
+    "REQUEST_OWNER",
     "finish_request",
     "record_first_token",
     "record_request",
@@ -43,6 +47,8 @@ __all__ = (
 
 #: the attribute holding the request's id (its ``x-request-id``)
 REQUEST_ID: Final = "llm_pipeline.request.id"
+#: the attribute naming who the request acted for (an owner digest; absent without keys)
+REQUEST_OWNER: Final = "llm_pipeline.request.owner"
 _OPERATIONS: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
@@ -58,15 +64,18 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def start_request(tracer: Tracer, scope: Scope, route: str) -> Span:
+def start_request(tracer: Tracer, scope: Scope, route: str, *, owner: str = "") -> Span:
     """The span of a request to ``route`` (``POST /v1/chat/completions``), joining the
-    trace of the client's ``traceparent`` header when it sent a valid one."""
+    trace of the client's ``traceparent`` header when it sent a valid one; ``owner``: who
+    it acts for ("" : the server has no keys)."""
     method = scope.get("method", "POST")
     span = tracer.start(f"{method} {route}", traceparent=_header(scope, b"traceparent"))
     span.set("http.request.method", method)
     span.set("http.route", route)
     span.set("url.path", scope.get("path", route))
     span.set("url.scheme", scope.get("scheme", "http"))
+    if owner:
+        span.set(REQUEST_OWNER, owner)
     client = scope.get("client")
     if client:
         span.set("client.address", str(client[0]))

@@ -28,6 +28,11 @@ one. The process is gone at most :data:`EXIT_AFTER_ABORT` seconds after the drai
 so ``drain_timeout`` plus that is what to fit in a supervisor's grace period (Kubernetes:
 ``terminationGracePeriodSeconds``, 30 s by default, then SIGKILL).
 
+A request's line and headers are bounded (``max_header_bytes``, 64 KiB by default): past the
+bound the connection gets a 431 and is closed before the rest is read. httptools (llhttp)
+sets no bound of its own and buffers a header however long, so the protocol counts the
+bytes it feeds the parser until the head ends (:func:`bounded_protocol`).
+
 Streams never wait on Nagle's algorithm: uvicorn writes the response head and each event
 in separate ``transport.write`` calls, and uvloop sets TCP_NODELAY on every accepted
 socket, so a reused connection gets its first token without the ~40 ms delayed-ACK stall.
@@ -41,19 +46,32 @@ import math
 import signal
 import socket
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Final, final
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pipeline import EngineDead
 
+from .failures import headers_too_large
+from .listen import CannotListen, listen
+
 if TYPE_CHECKING:
+    import asyncio
+
     from anyio.abc import TaskStatus
 
     from .app import EdgeApp
 
-__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "CannotListen", "serve")
+__all__ = (
+    "DRAIN_TIMEOUT",
+    "EXIT_AFTER_ABORT",
+    "MAX_HEADER_BYTES",
+    "CannotListen",
+    "bounded_protocol",
+    "serve",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,43 +83,65 @@ DRAIN_TIMEOUT: Final = 25.0
 EXIT_AFTER_ABORT: Final = 3.0
 #: how often a drain looks whether requests are still in flight, seconds
 _DRAIN_POLL: Final = 0.05
+#: the most bytes a request's line and headers may take (``--max-header-bytes``)
+MAX_HEADER_BYTES: Final = 64 * 1024
+_HEAD_END: Final = b"\r\n\r\n"
 
 
-@final
-class CannotListen(OSError):
-    """:func:`serve` cannot listen on its host and port (in use, not allowed, no such
-    address); the message names both and the system's reason, ``errno`` is the system's."""
+def bounded_protocol(limit: int, refusal: bytes) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol, answering ``refusal`` (a whole HTTP response) and
+    closing the connection once a request's head (its line and headers) passes ``limit``
+    bytes.
 
-
-def _listen(host: str, port: int, backlog: int) -> list[socket.socket]:
-    """Listening sockets on ``host`` and ``port`` (one per address the host names), bound
-    here rather than by uvicorn, which logs the error and exits the process instead of
-    raising it.
-
-    Raises:
-        CannotListen: an address cannot be bound.
+    The bytes are counted as they arrive, before the parser sees them (llhttp buffers a
+    header of any length: a 64 MiB one stalled the server for seconds); a chunk that ends
+    the head counts up to the blank line only, so a body sent with the head is not taken
+    for headers.
     """
-    where = f"{'[' + host + ']' if ':' in host else host}:{port}"
-    bound: list[socket.socket] = []
-    try:
-        infos = socket.getaddrinfo(
-            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        for family, kind, proto, _, address in dict.fromkeys(infos):
-            sock = socket.socket(family, kind, proto)
-            bound.append(sock)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
-            sock.listen(backlog)
-            sock.setblocking(False)
-    except OSError as exc:
-        for sock in bound:
-            sock.close()
-        reason = exc.strerror or str(exc)
-        raise CannotListen(exc.errno, f"cannot listen on {where}: {reason}") from exc
-    return bound
+
+    class BoundedHead(HttpToolsProtocol):
+        _in_head = True
+        _head_bytes = 0
+        _tail = b""
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes, self._tail = False, 0, b""
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_head = True
+
+        def data_received(self, data: bytes) -> None:
+            if self._in_head:
+                seen = self._tail + data
+                end = seen.find(_HEAD_END)
+                counted = len(data) if end < 0 else max(0, end + 4 - len(self._tail))
+                self._head_bytes += counted
+                self._tail = seen[-3:]
+                if self._head_bytes > limit:
+                    self.transport.write(refusal)
+                    self.transport.close()
+                    return
+            super().data_received(data)
+
+    return BoundedHead
+
+
+def _refusal(app: EdgeApp, limit: int) -> bytes:
+    """The 431 response, whole, in the app's error style."""
+    rendered = app.errors.render(headers_too_large(limit))
+    head = [
+        b"HTTP/1.1 431 Request Header Fields Too Large",
+        b"content-type: application/json",
+        b"content-length: %d" % len(rendered.body),
+        b"connection: close",
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + rendered.body
 
 
 class _Server(uvicorn.Server):
@@ -131,6 +171,7 @@ async def serve(
     drain_timeout: float = DRAIN_TIMEOUT,
     handle_signals: bool = True,
     log_level: str = "warning",
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> None:
     """Serve ``app`` over HTTP (uvicorn, httptools) until SIGINT or SIGTERM.
 
@@ -139,9 +180,10 @@ async def serve(
     ``/ready`` get 503); in-flight requests have ``drain_timeout`` seconds to finish, then
     :meth:`~.app.EdgeApp.abort` ends the rest with an error; uvicorn stops accepting once
     none is left, and the exit is forced :data:`EXIT_AFTER_ABORT` seconds after an abort
-    if connections are still open.
-    A second signal forces the exit. Returns normally after a signal-initiated shutdown.
-    ``app.health``'s watchdog runs meanwhile.
+    if connections are still open. A second signal forces the exit. A request whose line
+    and headers are over ``max_header_bytes`` gets a 431 and its connection is closed.
+    Returns normally after a signal-initiated shutdown. ``app.health``'s watchdog runs
+    meanwhile.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
@@ -155,7 +197,7 @@ async def serve(
         app,
         host=host,
         port=port,
-        http="httptools",
+        http=bounded_protocol(max_header_bytes, _refusal(app, max_header_bytes)),
         loop="none",
         lifespan="off",
         log_level=log_level,
@@ -220,7 +262,7 @@ async def serve(
             logger.error("an engine is dead beyond recovery, exiting after the drain: %s", why)
             shut_down()
 
-    sockets = _listen(host, port, config.backlog)
+    sockets = listen(host, port, config.backlog)
     try:
         async with anyio.create_task_group() as tg:
             if handle_signals:

@@ -1,6 +1,6 @@
 """Writing a graph's events as server-sent events: :func:`stream_response`, for every edge.
 
-What the bytes say is the edge's (a :class:`~.generation.Reply` renders each event); when
+What the bytes say is the edge's (a :class:`~.routes.Reply` renders each event); when
 they leave is decided here, the same way for every API. Every event is its own SSE event,
 but writes are coalesced: the events that are ready when the writer asks for the next one
 leave in one socket write, made the moment the graph would wait
@@ -17,7 +17,6 @@ status before the first token.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
@@ -26,15 +25,11 @@ import anyio
 from pipeline import Context, next_or_wait, open_stream
 
 from .asgi import Message, Send, id_header, send_json
-from .failures import ApiError, ErrorStyle, describe_failure
+from .failures import ApiError, describe_failure
 from .request_span import record_first_token
 
 if TYPE_CHECKING:
-    from pipeline import Engine
-    from pipeline.tracing import Span
-
-    from .generation import Reply
-    from .metrics import ModelMetrics
+    from .running import Running
 
 __all__ = (
     "CLIENT_GONE",
@@ -92,33 +87,30 @@ class StreamState:
         self.pending: list[bytes] = []
 
 
-async def stream_response(
-    graph: Engine[Any, Any],
-    ctx: Context[Any],
-    send: Send,
-    reply: Reply[Any],
-    *,
-    errors: ErrorStyle,
-    started: float,
-    metrics: ModelMetrics,
-    ended_by_server: Callable[[Context[Any]], ApiError | None],
-    state: StreamState | None = None,
-    span: Span | None = None,
-) -> int:
+async def stream_response(run: Running, state: StreamState | None = None) -> int:
     """Stream the graph's events as server-sent events, coalescing ready ones.
 
     Every event is rendered once (``reply.start(first)`` gives the renderer), into
     ``pending``. Nothing is written before the first visible event (so an early error
-    still gets its status code, in ``errors``' words); that write carries the headers and
-    everything held so far. After it, ``pending`` is written whenever the graph would wait
-    for its next event (:func:`pipeline.next_or_wait`), once it holds :data:`MAX_PENDING`
+    still gets its status code, in ``run.errors``' words); that write carries the headers
+    and everything held so far. After it, ``pending`` is written whenever the graph would
+    wait for its next event (:func:`pipeline.next_or_wait`), once it holds :data:`MAX_PENDING`
     events or its oldest is :data:`MAX_HOLD` seconds old, and at the end, with
     ``reply.end()``'s bytes. A failed write is the connection's problem, not the graph's:
     it propagates (the stream is closed on the way out) instead of becoming an error event.
     A request the server killed (its deadline, the drain's abort) ends with the reply's
-    failure event: ``ended_by_server(ctx)`` names it (None: the client left).
-    ``span`` (a traced request's) hears of the first token.
+    failure event: ``run.ended_by_server(ctx)`` names it (None: the client left).
+    ``run.span`` (a traced request's) hears of the first token.
     """
+    ctx, send, reply, errors, metrics, span = (
+        run.ctx,
+        run.send,
+        run.reply,
+        run.errors,
+        run.metrics,
+        run.span,
+    )
+    started = run.started
     shared = StreamState() if state is None else state
     pending = shared.pending
     committed = False
@@ -168,7 +160,7 @@ async def stream_response(
         return errors.render(error, ctx.id).status
 
     async def end_killed() -> int:
-        ended = ended_by_server(ctx)
+        ended = run.ended_by_server(ctx)
         if ended is None:
             shared.done = True
             return CLIENT_GONE
@@ -176,7 +168,7 @@ async def stream_response(
 
     try:
         try:
-            async with open_stream(graph, ctx) as stream:
+            async with open_stream(run.graph, ctx) as stream:
                 next_event = stream.__anext__
                 head = await next_event()
                 render = reply.start(head)

@@ -28,7 +28,7 @@ from pipeline import InvalidRequest
 if TYPE_CHECKING:
     from jinja2.parser import Parser
 
-__all__ = ("ChatTemplate", "tool_chat_template")
+__all__ = ("ChatTemplate", "last_message_template", "tool_chat_template")
 
 _CACHE_SIZE: Final = 32
 
@@ -97,11 +97,23 @@ def tool_chat_template() -> str:
     return _TOOL_TEMPLATE.read_text(encoding="utf-8")
 
 
+@functools.cache
+def last_message_template() -> str:
+    """The shipped template that renders a conversation as its last message's text alone.
+
+    For the echo engine, which streams its prompt back: rendered with the model's own
+    template, the prompt is the whole conversation (system prompt, role names, the tools
+    preamble), and an agent loop fed that back never ends. Rendered with this one, echo
+    answers with the last message (``serve --echo last-message``;
+    ``build_app(EchoEngine..., chat_template=last_message_template())`` from Python).
+    """
+    return (_TEMPLATES / "last_message.jinja").read_text(encoding="utf-8")
+
+
 _PROBE_TOOL: Final = "llm_pipeline_probe_tool"
-#: found from the package root, not from this file, so the edge may move without losing it
-_TOOL_TEMPLATE: Final = (
-    importlib.resources.files("operators") / "data" / "templates" / "chatml_tools.jinja"
-)
+#: found from the package root, not from this file, so the edge may move without losing them
+_TEMPLATES: Final = importlib.resources.files("operators") / "data" / "templates"
+_TOOL_TEMPLATE: Final = _TEMPLATES / "chatml_tools.jinja"
 
 
 class ChatTemplate:

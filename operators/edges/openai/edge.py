@@ -22,8 +22,7 @@ import orjson
 
 from operators.edges.http.asgi import send_json
 from operators.edges.http.failures import Refusal
-from operators.edges.http.generation import Exchange
-from operators.edges.http.routes import Call, Handler, Host, Route, resolve_model
+from operators.edges.http.routes import Call, Exchange, Handler, Host, Route, resolve_model
 
 from .errors import OPENAI_ERRORS
 from .protocol import parse_chat_request, parse_completion_request
@@ -58,7 +57,7 @@ class OpenAIEdge:
         def generation(parse: Callable[[bytes], OpenAIRequest], path: str) -> Handler:
             async def handle(call: Call) -> int:
                 async def prepare(body: bytes) -> Exchange:
-                    request = parse(body)
+                    request = await host.offload(len(body), parse, body)
                     model = resolve_model(call, request.model, host)
                     return Exchange(
                         request,
@@ -68,9 +67,7 @@ class OpenAIEdge:
                         model=model.name,
                     )
 
-                return await host.generations.run(
-                    call.scope, call.receive, call.send, OPENAI_ERRORS, prepare, route=path
-                )
+                return await host.generate(call, prepare, OPENAI_ERRORS, route=path)
 
             return handle
 

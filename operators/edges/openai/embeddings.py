@@ -14,29 +14,32 @@ from __future__ import annotations
 
 import base64
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal
 
 import anyio
-import anyio.to_thread
 import orjson
-from pydantic import Discriminator, Field, Tag, ValidationError
+from pydantic import Field, model_validator
 
-from operators.edges.http.asgi import BodyTooLarge, read_body, send_json
-from operators.edges.http.failures import (
-    ApiError,
-    Refusal,
-    body_too_large,
-    describe_failure,
-    timed_out,
-)
+from operators.edges.http.asgi import send_json
+from operators.edges.http.failures import Refusal, describe_failure, timed_out
 from operators.edges.http.routes import Call, Host, Route, resolve_model
+from operators.edges.http.schema import (
+    ARRAY,
+    ARRAYS,
+    STRING,
+    STRINGS,
+    Model,
+    TokenId,
+    Unsupported,
+    by_shape,
+    invalid,
+    kind,
+    parse_body,
+)
 from pipeline import InvalidRequest
 
 from .errors import OPENAI_ERRORS
-from .prompt_size import OFF_LOOP_CHARS
-from .protocol.base import Model, TokenId
-from .protocol.parsing import from_validation_error
 
 if TYPE_CHECKING:
     from operators.contracts.llm import Embedder
@@ -56,35 +59,30 @@ EMBEDDINGS: Final = "/v1/embeddings"
 MAX_INPUTS: Final = 2048
 
 
-def _kind_of_input(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        first = value[0] if value else None
-        if isinstance(first, str):
-            return "texts"
-        if isinstance(first, list):
-            return "id_lists"
-        return "ids"
-    return None
-
-
 _Input = Annotated[
-    Annotated[str, Tag("text"), Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Tag("texts"), Field(min_length=1)]
-    | Annotated[list[TokenId], Tag("ids"), Field(min_length=1)]
+    Annotated[str, kind(STRING), Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], kind(STRINGS), Field(min_length=1)]
+    | Annotated[list[TokenId], kind(ARRAY), Field(min_length=1)]
     | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]], Tag("id_lists"), Field(min_length=1)
+        list[Annotated[list[TokenId], Field(min_length=1)]], kind(ARRAYS), Field(min_length=1)
     ],
-    Discriminator(
-        _kind_of_input,
-        custom_error_type="invalid_input",
-        custom_error_message=(
-            "input must be a string, an array of strings, an array of token ids or an array "
-            "of arrays of token ids"
-        ),
+    by_shape(
+        "input must be a string, an array of strings, an array of token ids or an array "
+        "of arrays of token ids",
+        STRING,
+        STRINGS,
+        ARRAY,
+        ARRAYS,
+        error="invalid_input",
     ),
 ]
+
+#: what no engine here can do: shorten the model's vectors
+UNSUPPORTED: Final[Mapping[str, Unsupported]] = {
+    "dimensions": Unsupported(
+        "this model's embeddings have one size: 'dimensions' is not supported"
+    ),
+}
 
 
 class EmbeddingRequest(Model):
@@ -93,8 +91,15 @@ class EmbeddingRequest(Model):
     model: str | None = None
     input: _Input
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None
+
+    @model_validator(mode="after")
+    def _not_too_many(self) -> EmbeddingRequest:
+        given = self.input
+        if isinstance(given, list) and given and isinstance(given[0], str | list):
+            if len(given) > MAX_INPUTS:
+                raise invalid("input", f"at most {MAX_INPUTS} inputs are allowed")
+        return self
 
     @property
     def inputs(self) -> list[str | list[int]]:
@@ -105,35 +110,13 @@ class EmbeddingRequest(Model):
         return list(given)
 
 
-_FIELDS: Final = frozenset(EmbeddingRequest.model_fields)
-
-
 def parse_embedding_request(body: bytes) -> EmbeddingRequest:
     """Validate a ``/v1/embeddings`` body.
 
     Raises:
         InvalidRequest: malformed JSON or an invalid field (``param`` names it).
     """
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    if data.get("dimensions") is not None:
-        raise InvalidRequest(
-            "this model's embeddings have one size: 'dimensions' is not supported",
-            param="dimensions",
-        )
-    try:
-        request = EmbeddingRequest.model_validate(
-            {key: value for key, value in data.items() if value is not None}
-        )
-    except ValidationError as exc:
-        raise from_validation_error(exc, _FIELDS) from exc
-    if len(request.inputs) > MAX_INPUTS:
-        raise InvalidRequest(f"at most {MAX_INPUTS} inputs are allowed", param="input")
-    return request
+    return parse_body(EmbeddingRequest, body, unsupported=UNSUPPORTED)
 
 
 def _encoded(vector: Sequence[float], encoding: str) -> list[float] | str:
@@ -170,14 +153,8 @@ def embedding_routes(
             return rendered.status
 
         async def _embed(call: Call, host: Host) -> dict[str, Any]:
-            limit = host.generations.max_body_bytes
-            try:
-                body = await read_body(call.receive, limit)
-            except BodyTooLarge:
-                raise Refusal(body_too_large(limit)) from None
-            if body is None:
-                raise Refusal(ApiError("invalid_request", "the client went away"))
-            request = parse_embedding_request(body)
+            body = await host.read_body(call)
+            request = await host.offload(len(body), parse_embedding_request, body)
             model = resolve_model(call, request.model, host)
             own = model.preprocessor
             served = model.embedder if model.embedder is not None else embedder
@@ -187,11 +164,7 @@ def embedding_routes(
                     f"the model {model.name!r} does not serve embeddings (its engine has no embed)",
                     param="model",
                 )
-            inputs = request.inputs
-            if sum(len(item) for item in inputs) > OFF_LOOP_CHARS:
-                ids = await anyio.to_thread.run_sync(_encode, inputs, encoder)
-            else:
-                ids = _encode(inputs, encoder)
+            ids = await host.offload(len(body), _encode, request.inputs, encoder)
             timeout = host.guard.request_timeout
             with anyio.fail_after(timeout):
                 vectors = await served.embed(ids)

@@ -8,6 +8,7 @@ and status codes, in one table that can be read, and changed, in one place::
     unauthorized (a missing or wrong API key)    401 invalid_request_error, invalid_api_key
     not_found (a path, a model, a stored id)     404 invalid_request_error (model_not_found)
     method_not_allowed / too_large               405 / 413 invalid_request_error
+    unsupported_media_type / headers_too_large   415 / 431 invalid_request_error
     overloaded (max_inflight, with Retry-After)  503 service_unavailable_error
     unavailable (no worker, shutting down)       503 service_unavailable_error
     timeout (past the request's deadline)        504 timeout_error, request_timeout
@@ -69,6 +70,8 @@ _STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
+    "headers_too_large": (431, "invalid_request_error"),
     "overloaded": (503, "service_unavailable_error"),
     "unavailable": (503, "service_unavailable_error"),
     "timeout": (504, "timeout_error"),

@@ -15,8 +15,9 @@ unknown model (requests already running with it finish). The base is the model n
 Both routes are behind the API key when the server has keys. With a folder given
 (``serve --lora-dir DIR``), a path that does not resolve inside it is refused, symbolic
 links and ``..`` included; without one, any file the server can read may be loaded.
-Errors are OpenAI-shaped: 400 naming ``lora_name``, ``lora_path`` or ``model``, 404 for
-an adapter that is not loaded.
+Errors are OpenAI-shaped: 400 naming ``lora_name``, ``lora_path`` (one that is no path:
+a NUL byte, which no engine's file check could take) or ``model``, 404 for an adapter that
+is not loaded.
 """
 
 from __future__ import annotations
@@ -26,17 +27,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-import orjson
-from pydantic import Field, ValidationError
+from pydantic import Field, field_validator
+from pydantic_core import PydanticCustomError
 
-from operators.edges.http.asgi import BodyTooLarge, read_body, send_json
-from operators.edges.http.failures import ApiError, Refusal, body_too_large, describe_failure
+from operators.edges.http.asgi import send_json
+from operators.edges.http.failures import ApiError, Refusal, describe_failure
 from operators.edges.http.routes import Call, Host, Route, resolve_model
+from operators.edges.http.schema import Model, parse_body
 from pipeline import InvalidRequest
 
 from .errors import OPENAI_ERRORS
-from .protocol.base import Model
-from .protocol.parsing import from_validation_error
 
 if TYPE_CHECKING:
     from operators.edges.http.models import ServedModel
@@ -55,24 +55,18 @@ class LoadLoraRequest(Model):
     #: the base model to load it into (None: the default model)
     model: str | None = None
 
+    @field_validator("lora_path")
+    @classmethod
+    def _a_path(cls, path: str) -> str:
+        if "\x00" in path:
+            raise PydanticCustomError("nul_byte", "a path cannot hold a NUL byte")
+        return path
+
 
 class UnloadLoraRequest(Model):
     """The body of ``POST /v1/unload_lora_adapter``."""
 
     lora_name: str = Field(min_length=1)
-
-
-def _parse(model: type[Model], body: bytes) -> Model:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        return model.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as exc:
-        raise from_validation_error(exc, frozenset(model.model_fields)) from exc
 
 
 def _within(path: str, directory: Path | None) -> str:
@@ -100,14 +94,8 @@ def lora_routes(directory: Path | None = None) -> Callable[[Host], list[Route]]:
 
     def routes(host: Host) -> list[Route]:
         async def respond(call: Call, work: Callable[[bytes], Awaitable[str]]) -> int:
-            limit = host.generations.max_body_bytes
             try:
-                body = await read_body(call.receive, limit)
-                if body is None:
-                    raise Refusal(ApiError("invalid_request", "the client went away"))
-                message = await work(body)
-            except BodyTooLarge:
-                error = body_too_large(limit)
+                message = await work(await host.read_body(call))
             except Refusal as exc:
                 error = exc.error
             except Exception as exc:  # InvalidRequest, an engine failing to load it
@@ -139,8 +127,7 @@ def lora_routes(directory: Path | None = None) -> Callable[[Host], list[Route]]:
 
         async def load(call: Call) -> int:
             async def work(body: bytes) -> str:
-                request = _parse(LoadLoraRequest, body)
-                assert isinstance(request, LoadLoraRequest)
+                request = parse_body(LoadLoraRequest, body)
                 base = base_of(call, request.model)
                 name = request.lora_name
                 if name in host.models:
@@ -158,8 +145,7 @@ def lora_routes(directory: Path | None = None) -> Callable[[Host], list[Route]]:
 
         async def unload(call: Call) -> int:
             async def work(body: bytes) -> str:
-                request = _parse(UnloadLoraRequest, body)
-                assert isinstance(request, UnloadLoraRequest)
+                request = parse_body(UnloadLoraRequest, body)
                 name = request.lora_name
                 model = host.models.get(name)
                 if model is None or model.parent is None:

@@ -6,29 +6,31 @@ exactly as a chat request would be (``add_generation_prompt``, default true), an
 ``{"count", "max_model_len", "tokens"}`` (plus ``token_strs`` with ``return_token_strs``).
 The ids come from the preprocessor of the model's graph, so ``count`` is the
 ``usage.prompt_tokens`` of the same request. ``/detokenize`` takes ``{"tokens"}`` and
-answers ``{"prompt"}``; an id outside the vocabulary is a 400 naming ``tokens``.
+answers ``{"prompt"}``; an id outside the vocabulary is a 400 naming ``tokens``. A large
+body is parsed, checked and decoded off the event loop (``host.offload``), as a large
+prompt is rendered and encoded (the preprocessor's ``prepare``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final
 
 import orjson
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from operators.edges.http.asgi import BodyTooLarge, read_body, send_json
-from operators.edges.http.failures import ApiError, Refusal, body_too_large, describe_failure
+from operators.edges.http.asgi import send_json
+from operators.edges.http.failures import Refusal, describe_failure
 from operators.edges.http.routes import Call, Host, Route, resolve_model
+from operators.edges.http.schema import Bool, JsonObject, Model, TokenId, parse_body
 from pipeline import InvalidRequest
 
 from .errors import OPENAI_ERRORS
 from .protocol import parse_chat_request, parse_completion_request
-from .protocol.base import Bool, Model, TokenId
-from .protocol.parsing import from_validation_error
 
 if TYPE_CHECKING:
-    from .preprocessor import OpenAIPreprocessor
+    from .preprocessor import OpenAIPreprocessor, TokenizerLike
 
 __all__ = ("DETOKENIZE", "TOKENIZE", "DetokenizeRequest", "TokenizeRequest", "tokenize_routes")
 
@@ -41,8 +43,8 @@ class TokenizeRequest(Model):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: list[JsonObject] | None = None
+    tools: list[JsonObject] | None = None
     add_special_tokens: Bool | None = None
     add_generation_prompt: Bool = True
     return_token_strs: Bool = False
@@ -55,17 +57,26 @@ class DetokenizeRequest(Model):
     tokens: list[TokenId] = Field(min_length=0)
 
 
-def _parse(model: type[Model], body: bytes) -> Any:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    try:
-        return model.model_validate({k: v for k, v in data.items() if v is not None})
-    except ValidationError as exc:
-        raise from_validation_error(exc, frozenset(model.model_fields)) from exc
+def _detokenized(tokenizer: TokenizerLike, tokens: list[int]) -> dict[str, Any]:
+    """``/detokenize``'s answer (linear in the ids: run off the event loop when many).
+
+    Raises:
+        InvalidRequest: an id outside the vocabulary, naming ``tokens``.
+    """
+    vocab: int | None = getattr(tokenizer, "vocab_size", None)
+    if vocab is not None:
+        for position, token in enumerate(tokens):
+            if token >= vocab:
+                raise InvalidRequest(
+                    f"tokens.{position}: token id {token} is outside the vocabulary (size {vocab})",
+                    param="tokens",
+                )
+    return {"prompt": tokenizer.decode(tokens, skip_special_tokens=False)}
+
+
+def _token_strs(tokenizer: TokenizerLike, tokens: list[int]) -> list[str | None]:
+    to_token = tokenizer.id_to_token
+    return [to_token(token) for token in tokens]
 
 
 def tokenize_routes(
@@ -91,18 +102,9 @@ def tokenize_routes(
             )
         return own, own.max_model_len or limit
 
-    async def body_of(call: Call, host: Host) -> bytes:
-        limit = host.generations.max_body_bytes
-        try:
-            body = await read_body(call.receive, limit)
-        except BodyTooLarge:
-            raise Refusal(body_too_large(limit)) from None
-        if body is None:
-            raise Refusal(ApiError("invalid_request", "the client went away"))
-        return body
-
     async def tokenize(call: Call, body: bytes, host: Host) -> dict[str, Any]:
-        request: TokenizeRequest = _parse(TokenizeRequest, body)
+        size = len(body)
+        request = await host.offload(size, parse_body, TokenizeRequest, body)
         preprocessor, max_model_len = through(call, request.model, host)
         tokenizer = preprocessor.tokenizer
         if (request.prompt is None) == (request.messages is None):
@@ -117,14 +119,15 @@ def tokenize_routes(
                     "'add_special_tokens' must be false with 'messages'",
                     param="add_special_tokens",
                 )
-            parsed = parse_chat_request(chat)
+            parsed = await host.offload(size, parse_chat_request, chat)
             [leg] = await preprocessor.prepare(
                 parsed, add_generation_prompt=request.add_generation_prompt
             )
             tokens = leg.token_ids
         elif request.add_special_tokens is False:
             assert request.prompt is not None
-            tokens = tokenizer.encode(request.prompt, add_special_tokens=False, parse_special=True)
+            encode = partial(tokenizer.encode, add_special_tokens=False, parse_special=True)
+            tokens = await host.offload(size, encode, request.prompt)
         else:
             [leg] = await preprocessor.prepare(parse_completion_request({"prompt": request.prompt}))
             tokens = leg.token_ids
@@ -134,32 +137,28 @@ def tokenize_routes(
             "tokens": tokens,
         }
         if request.return_token_strs:
-            result["token_strs"] = [tokenizer.id_to_token(token) for token in tokens]
+            result["token_strs"] = await host.offload(size, _token_strs, tokenizer, tokens)
         return result
 
     async def detokenize(call: Call, body: bytes, host: Host) -> dict[str, Any]:
-        request: DetokenizeRequest = _parse(DetokenizeRequest, body)
+        size = len(body)
+        request = await host.offload(size, parse_body, DetokenizeRequest, body)
         tokenizer = through(call, request.model, host)[0].tokenizer
-        vocab: int | None = getattr(tokenizer, "vocab_size", None)
-        for position, token in enumerate(request.tokens):
-            if vocab is not None and token >= vocab:
-                raise InvalidRequest(
-                    f"tokens.{position}: token id {token} is outside the vocabulary (size {vocab})",
-                    param="tokens",
-                )
-        return {"prompt": tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        return await host.offload(size, _detokenized, tokenizer, request.tokens)
 
     def routes(host: Host) -> list[Route]:
         def handler(work: Callable[[Call, bytes, Host], Any], what: str) -> Any:
             async def handle(call: Call) -> int:
                 try:
-                    result = await work(call, await body_of(call, host), host)
+                    body = await host.read_body(call)
+                    result = await work(call, body, host)
+                    answer = await host.offload(len(body), orjson.dumps, result)
                 except Refusal as exc:
                     error = exc.error
                 except Exception as exc:  # InvalidRequest: a field, the template, the context
                     error = describe_failure(exc, what)
                 else:
-                    await send_json(call.send, 200, orjson.dumps(result))
+                    await send_json(call.send, 200, answer)
                     return 200
                 rendered = OPENAI_ERRORS.render(error)
                 await send_json(call.send, rendered.status, rendered.body, rendered.headers)

@@ -193,7 +193,9 @@ def chat_messages(items: Iterable[dict[str, Any]], instructions: str | None) -> 
             }
             last = messages[-1] if messages else None
             if calls_open and last is not None:
-                last.tool_calls = [*(last.tool_calls or ()), call]
+                if last.tool_calls is None:
+                    last.tool_calls = []
+                last.tool_calls.append(call)  # (not a copy per call: linear in the calls)
             else:
                 messages.append(
                     ChatMessage.model_construct(

@@ -11,15 +11,18 @@
 A stored response belongs to the API key that created it (:meth:`~operators.edges.http.
 guard.Guard.owner`): for another key it does not exist (404, as for an unknown or deleted
 id, or one that expired). ``previous_response_id`` naming such an id is a 404 naming
-``previous_response_id``. Errors are OpenAI's (:data:`~operators.edges.openai.errors.
-OPENAI_ERRORS`), with the graph's field names put back into this API's: a prompt too long
-for the context names ``input``, an output limit that does not fit ``max_output_tokens``.
+``previous_response_id``. A conversation too large for the store (``store: true``, the
+default) is refused before anything is generated: a 400 naming ``input``. Errors are
+OpenAI's (:data:`~operators.edges.openai.errors.OPENAI_ERRORS`), with the graph's field
+names put back into this API's: a prompt too long for the context names ``input``, an
+output limit that does not fit ``max_output_tokens``.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, final
 from urllib.parse import parse_qs
 
@@ -27,9 +30,9 @@ import orjson
 
 from operators.edges.http.asgi import send_json
 from operators.edges.http.failures import ApiError, Refusal, Rendered
-from operators.edges.http.generation import Exchange
-from operators.edges.http.routes import Call, Host, Route, resolve_model
+from operators.edges.http.routes import Call, Exchange, Host, Route, resolve_model
 from operators.edges.openai.errors import OPENAI_ERRORS
+from pipeline import InvalidRequest
 
 from .conversation import chat_request, input_items
 from .protocol import FunctionTool, NamedFunctionChoice, ResponsesRequest, parse_responses_request
@@ -39,6 +42,8 @@ from .store import MemoryResponseStore, ResponseStore, StoredResponse
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+    from operators.edges.http.models import ServedModel
 
 __all__ = ("RESPONSES", "ResponsesEdge", "ResponsesErrors", "response_shell", "translate")
 
@@ -166,8 +171,11 @@ class ResponsesEdge:
         self.store: ResponseStore = MemoryResponseStore() if store is None else store
         self._reasoning = reasoning
 
-    async def load(self, response_id: str, owner: str, *, param: str) -> StoredResponse:
-        """The stored response ``response_id`` of ``owner``.
+    async def load(
+        self, response_id: str, owner: str, *, param: str, host: Host | None = None
+    ) -> StoredResponse:
+        """The stored response ``response_id`` of ``owner`` (decoded off the event loop
+        through ``host`` when it is large).
 
         Raises:
             Refusal: 404 naming ``param``: unknown, deleted, expired, or another owner's.
@@ -175,47 +183,86 @@ class ResponsesEdge:
         data = await self.store.get(response_id)
         if data is None:
             raise _not_found(response_id, param)
-        record = StoredResponse.decode(data)
+        if host is None:
+            record = StoredResponse.decode(data)
+        else:
+            record = await host.offload(len(data), StoredResponse.decode, data)
         if record.owner != owner:
             raise _not_found(response_id, param)
         return record
+
+    def _exchange(
+        self,
+        request: ResponsesRequest,
+        earlier: list[dict[str, Any]],
+        owner: str,
+        model: ServedModel,
+    ) -> Exchange:
+        """What the graph runs for ``request`` after the ``earlier`` conversation (linear in
+        their size: the edge runs it off the event loop when they are large).
+
+        Raises:
+            InvalidRequest: the conversation would not fit the store (naming ``input``).
+        """
+        id_hex = uuid.uuid4().hex
+        conversation = [*earlier, *input_items(request, id_hex)]
+        if request.store:
+            self._check_fits(conversation)
+        shell = response_shell(request, f"resp_{id_hex}", request.model or model.name)
+        renderer = ResponseRenderer(shell, stream=request.stream, logprobs=request.logprobs)
+        reply = ResponsesReply(
+            renderer,
+            store=self.store,
+            owner=owner,
+            input_items=conversation if request.store else None,
+            translate=translate,
+        )
+        return Exchange(
+            chat_request(request, conversation),
+            request.stream,
+            reply,
+            response_id=shell["id"],
+            graph=model.graph,
+            model=model.name,
+        )
+
+    def _check_fits(self, conversation: list[dict[str, Any]]) -> None:
+        """Refuse a conversation whose record the store could not hold, before generating
+        (the SDKs retry a 500: a response generated and then not stored would be
+        generated three times)."""
+        limit: int | None = getattr(self.store, "max_record_bytes", None)
+        if limit is None:
+            return
+        size = len(orjson.dumps(conversation))
+        if size > limit:
+            raise InvalidRequest(
+                f"the conversation ({size} bytes of input items) is larger than the response "
+                f"store holds ({limit} bytes): send a shorter input, or 'store': false",
+                param="input",
+            )
 
     def routes(self, host: Host) -> list[Route]:
         """The Responses routes on ``host``."""
 
         async def create(call: Call) -> int:
             async def prepare(body: bytes) -> Exchange:
-                request = parse_responses_request(body, reasoning=self._reasoning)
+                size = len(body)
+                parse = partial(parse_responses_request, reasoning=self._reasoning)
+                request = await host.offload(size, parse, body)
                 model = resolve_model(call, request.model, host)
-                id_hex = uuid.uuid4().hex
-                conversation: list[dict[str, Any]] = []
+                earlier: list[dict[str, Any]] = []
                 if request.previous_response_id is not None:
                     previous = await self.load(
-                        request.previous_response_id, call.owner, param="previous_response_id"
+                        request.previous_response_id,
+                        call.owner,
+                        param="previous_response_id",
+                        host=host,
                     )
-                    conversation = previous.conversation
-                conversation = [*conversation, *input_items(request, id_hex)]
-                shell = response_shell(request, f"resp_{id_hex}", request.model or model.name)
-                renderer = ResponseRenderer(shell, stream=request.stream, logprobs=request.logprobs)
-                reply = ResponsesReply(
-                    renderer,
-                    store=self.store,
-                    owner=call.owner,
-                    input_items=conversation if request.store else None,
-                    translate=translate,
-                )
-                return Exchange(
-                    chat_request(request, conversation),
-                    request.stream,
-                    reply,
-                    response_id=shell["id"],
-                    graph=model.graph,
-                    model=model.name,
-                )
+                    earlier = previous.conversation
+                    size += previous.size
+                return await host.offload(size, self._exchange, request, earlier, call.owner, model)
 
-            return await host.generations.run(
-                call.scope, call.receive, call.send, _ERRORS, prepare, route=RESPONSES
-            )
+            return await host.generate(call, prepare, _ERRORS, route=RESPONSES)
 
         async def respond(call: Call, status: int, body: bytes) -> int:
             await send_json(call.send, status, body)
@@ -239,7 +286,7 @@ class ResponsesEdge:
                     ),
                 )
             try:
-                record = await self.load(response_id, call.owner, param="response_id")
+                record = await self.load(response_id, call.owner, param="response_id", host=host)
             except Refusal as exc:
                 return await refuse(call, exc.error)
             return await respond(call, 200, orjson.dumps(record.response))
@@ -258,10 +305,11 @@ class ResponsesEdge:
             response_id = call.params["response_id"]
             try:
                 page = _page_query(call.query)
-                record = await self.load(response_id, call.owner, param="response_id")
+                record = await self.load(response_id, call.owner, param="response_id", host=host)
             except Refusal as exc:
                 return await refuse(call, exc.error)
-            return await respond(call, 200, orjson.dumps(_page(record.input_items, *page)))
+            listed = await host.offload(record.size, _page, record.input_items, *page)
+            return await respond(call, 200, orjson.dumps(listed))
 
         one = f"{RESPONSES}/{{response_id}}"
         return [

@@ -48,13 +48,17 @@ class NatsResponseStore:
     """A :class:`~.store.ResponseStore` in the JetStream bucket ``kv``; make one with
     :meth:`open`."""
 
-    __slots__ = ("_kv", "_part_bytes", "bucket")
+    __slots__ = ("_kv", "_part_bytes", "bucket", "max_record_bytes")
 
-    def __init__(self, kv: KeyValue, *, bucket: str, part_bytes: int) -> None:
+    def __init__(
+        self, kv: KeyValue, *, bucket: str, part_bytes: int, max_record_bytes: int | None = None
+    ) -> None:
         self._kv = kv
         self._part_bytes = part_bytes
         #: the JetStream KV bucket
         self.bucket = bucket
+        #: the largest record the bucket can hold (its ``max_bytes``; None: unknown)
+        self.max_record_bytes = max_record_bytes
 
     @classmethod
     async def open(
@@ -90,7 +94,12 @@ class NatsResponseStore:
         except nats.js.errors.BadRequestError:  # there, with other bounds: take ours
             await js.update_stream(config)
         kv = await js.key_value(bucket)
-        return cls(kv, bucket=bucket, part_bytes=max(nc.max_payload - _HEADROOM, 1024))
+        return cls(
+            kv,
+            bucket=bucket,
+            part_bytes=max(nc.max_payload - _HEADROOM, 1024),
+            max_record_bytes=max_bytes,
+        )
 
     async def get(self, key: str, /) -> bytes | None:
         """The record, or None (never stored, deleted, expired, discarded, a key that

@@ -20,28 +20,40 @@ chat endpoint (:data:`~operators.edges.openai.protocol.base.MAX_INT`): a 400, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
-import orjson
-from pydantic import Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from operators.edges.openai.protocol.base import (
+from operators.edges.http.schema import (
+    ARRAY,
     MAX_INT,
+    NOTHING,
+    OBJECT,
+    STRING,
     Bool,
     Count,
     Float,
+    JsonObject,
     Model,
     Priority,
+    Stop,
     TokenId,
+    Unsupported,
+    by_shape,
+    by_type,
     invalid,
+    kind,
+    parse_body,
+    unique_names,
 )
-from operators.edges.openai.protocol.parsing import from_validation_error
-from operators.edges.openai.protocol.requests import MAX_LOGPROBS, MAX_STOP_STRINGS
+from operators.edges.openai.protocol.requests import MAX_LOGPROBS
 from pipeline import InvalidRequest
 
 __all__ = (
     "LOGPROBS_INCLUDE",
+    "UNSUPPORTED",
     "FunctionCallItem",
     "FunctionCallOutputItem",
     "FunctionTool",
@@ -56,7 +68,6 @@ __all__ = (
     "TextFormatSpec",
     "TextPart",
     "parse_responses_request",
-    "refuse_unsupported",
 )
 
 #: the ``include`` value that asks for the output text's logprobs
@@ -103,46 +114,25 @@ class ImagePart(Model):
         return self
 
 
-def _kind_of_part(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind in ("input_text", "output_text"):
-        return "text_part"
-    if kind == "refusal":
-        return "refusal_part"
-    if kind == "input_image":
-        return "image_part"
-    return None
-
-
 ContentPart = Annotated[
-    Annotated[TextPart, Tag("text_part")]
-    | Annotated[RefusalPart, Tag("refusal_part")]
-    | Annotated[ImagePart, Tag("image_part")],
-    Discriminator(
-        _kind_of_part,
-        custom_error_type="invalid_content_part",
-        custom_error_message=(
-            "a content part must be input_text, output_text, refusal or input_image "
-            "(input_file and input_audio are not supported)"
-        ),
+    Annotated[TextPart, kind("text")]
+    | Annotated[RefusalPart, kind("refusal")]
+    | Annotated[ImagePart, kind("image")],
+    by_type(
+        "a content part must be input_text, output_text, refusal or input_image "
+        "(input_file and input_audio are not supported)",
+        {"input_text": "text", "output_text": "text", "refusal": "refusal", "input_image": "image"},
+        error="invalid_content_part",
     ),
 ]
 
-
-def _kind_of_content(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "parts"
-    return None
-
-
 _Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
-    Discriminator(
-        _kind_of_content,
-        custom_error_type="invalid_content",
-        custom_error_message="content must be a string or an array of content parts",
+    Annotated[str, kind(STRING)] | Annotated[list[ContentPart], kind(ARRAY)],
+    by_shape(
+        "content must be a string or an array of content parts",
+        STRING,
+        ARRAY,
+        error="invalid_content",
     ),
 ]
 
@@ -184,33 +174,23 @@ class ReasoningItem(Model):
 
     type: Literal["reasoning"]
     id: str | None = None
-    summary: list[dict[str, Any]] = Field(default_factory=list)
-    content: list[dict[str, Any]] | None = None
+    summary: list[JsonObject] = Field(default_factory=list)
+    content: list[JsonObject] | None = None
 
 
-def _kind_of_item(value: Any) -> str | None:
-    if not isinstance(value, dict):
-        return None
-    kind = value.get("type")
-    if kind is None and "role" in value:  # OpenAI's "easy" input message: no type
-        return "message_item"
-    if kind in ("message", "function_call", "function_call_output", "reasoning"):
-        return f"{kind}_item"
-    return None
-
+_ITEMS: Final = ("message", "function_call", "function_call_output", "reasoning")
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message_item")]
-    | Annotated[FunctionCallItem, Tag("function_call_item")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output_item")]
-    | Annotated[ReasoningItem, Tag("reasoning_item")],
-    Discriminator(
-        _kind_of_item,
-        custom_error_type="invalid_input_item",
-        custom_error_message=(
-            "an input item must be a message, function_call, function_call_output or "
-            "reasoning item (item references and built-in tool items are not supported)"
-        ),
+    Annotated[MessageItem, kind("message")]
+    | Annotated[FunctionCallItem, kind("function_call")]
+    | Annotated[FunctionCallOutputItem, kind("function_call_output")]
+    | Annotated[ReasoningItem, kind("reasoning")],
+    by_type(
+        "an input item must be a message, function_call, function_call_output or "
+        "reasoning item (item references and built-in tool items are not supported)",
+        _ITEMS,
+        untyped="message",  # OpenAI's "easy" input message: a role, no type
+        error="invalid_input_item",
     ),
 ]
 
@@ -224,8 +204,20 @@ class FunctionTool(Model):
     type: Literal["function"]
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: Bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_function(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else "function"
+        if kind != "function":
+            raise PydanticCustomError(
+                "built_in_tool",
+                "only function tools are supported (built-in tools such as web search, "
+                "file search or code interpreter are not)",
+            )
+        return data
 
 
 class NamedFunctionChoice(Model):
@@ -235,24 +227,15 @@ class NamedFunctionChoice(Model):
     name: str
 
 
-def _kind_of_choice(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "mode"
-    if isinstance(value, dict):
-        return "named"
-    return None
-
-
 ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("mode")]
-    | Annotated[NamedFunctionChoice, Tag("named")],
-    Discriminator(
-        _kind_of_choice,
-        custom_error_type="invalid_tool_choice",
-        custom_error_message=(
-            "tool_choice must be 'none', 'auto', 'required' or "
-            '{"type": "function", "name": ...}'
-        ),
+    Annotated[Literal["none", "auto", "required"], kind(STRING)]
+    | Annotated[NamedFunctionChoice, kind(OBJECT)],
+    by_shape(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "name": ...} (built-in tools are not supported)',
+        STRING,
+        OBJECT,
+        error="invalid_tool_choice",
     ),
 ]
 
@@ -262,7 +245,7 @@ class TextFormatSpec(Model):
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, pattern=_NAME_PATTERN)
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JsonObject | None = Field(default=None, alias="schema")
     description: str | None = None
     strict: Bool | None = None
 
@@ -283,38 +266,10 @@ class TextConfig(Model):
     verbosity: Literal["medium"] | None = None
 
 
-def _kind_of_input(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "items"
-    return None
-
-
 _Input = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[InputItem], Tag("items")],
-    Discriminator(
-        _kind_of_input,
-        custom_error_type="invalid_input",
-        custom_error_message="input must be a string or an array of input items",
-    ),
-]
-
-
-def _kind_of_stop(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "texts"
-    return None
-
-
-_Stop = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")],
-    Discriminator(
-        _kind_of_stop,
-        custom_error_type="invalid_stop",
-        custom_error_message="stop must be a string or an array of strings",
+    Annotated[str, kind(STRING)] | Annotated[list[InputItem], kind(ARRAY)],
+    by_shape(
+        "input must be a string or an array of input items", STRING, ARRAY, error="invalid_input"
     ),
 ]
 
@@ -340,9 +295,9 @@ class ResponsesRequest(Model):
     metadata: dict[str, str] | None = None
     user: str | None = None
     #: ``{"effort": ...}``: accepted only when the server parses reasoning
-    reasoning: dict[str, Any] | None = None
+    reasoning: JsonObject | None = None
     # vLLM's extensions, through ``extra_body``
-    stop: _Stop | None = None
+    stop: Stop | None = None
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)
     top_k: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT)
     min_tokens: int = Field(default=0, strict=True, ge=0, le=MAX_INT)
@@ -350,13 +305,6 @@ class ResponsesRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and None in data.values():
-            return {key: value for key, value in data.items() if value is not None}
-        return data
 
     @field_validator("metadata")
     @classmethod
@@ -373,30 +321,16 @@ class ResponsesRequest(Model):
                 )
         return metadata
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> list[str] | None:
-        if stop is None:
-            return None
-        stops = [stop] if isinstance(stop, str) else stop
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
-        if "" in stops:
-            raise ValueError("stop strings must not be empty")
-        return stops
-
     @model_validator(mode="after")
     def _fits_together(self) -> ResponsesRequest:
         names = [tool.name for tool in self.tools or ()]
-        for position, name in enumerate(names):
-            if name in names[:position]:
-                raise invalid(f"tools.{position}", f"two tools are named '{name}'")
+        unique_names(names, "tools")
         choice = self.tool_choice
         if choice is not None and choice not in ("none", "auto"):
             wanted = "'required'" if choice == "required" else "a named function"
             if not names:
                 raise invalid("tool_choice", f"tool_choice {wanted} needs 'tools'")
-            if isinstance(choice, NamedFunctionChoice) and choice.name not in names:
+            if isinstance(choice, NamedFunctionChoice) and choice.name not in set(names):
                 raise invalid(
                     "tool_choice",
                     f"tool_choice names the function '{choice.name}', which is not one of "
@@ -432,108 +366,39 @@ class ResponsesRequest(Model):
 
 # ------------------------------------------------------------------ the unsupported fields
 
-
-def _truthy(value: Any) -> bool:
-    return value not in (None, False, [], {}, "")
-
-
-def _not(*accepted: Any) -> Callable[[Any], bool]:
-    return lambda value: value is not None and value not in accepted
-
-
-#: field -> (does this value ask for something we do not do?, what to tell the client)
-UNSUPPORTED: Final[Mapping[str, tuple[Callable[[Any], bool], str]]] = {
-    "background": (_truthy, "background responses are not supported"),
-    "prompt": (_truthy, "stored prompt templates ('prompt') are not supported"),
-    "conversation": (_truthy, "conversation objects are not supported: use previous_response_id"),
-    "truncation": (_not("disabled"), "only truncation 'disabled' is supported"),
-    "max_tool_calls": (_truthy, "'max_tool_calls' is not supported"),
-    "service_tier": (_not("auto", "default"), "only service_tier 'auto' is supported"),
+#: field -> the rule: what the API has and this server cannot do
+UNSUPPORTED: Final[Mapping[str, Unsupported]] = {
+    "background": Unsupported("background responses are not supported", NOTHING),
+    "prompt": Unsupported("stored prompt templates ('prompt') are not supported", NOTHING),
+    "conversation": Unsupported(
+        "conversation objects are not supported: use previous_response_id", NOTHING
+    ),
+    "truncation": Unsupported("only truncation 'disabled' is supported", (None, "disabled")),
+    "max_tool_calls": Unsupported("'max_tool_calls' is not supported", NOTHING),
+    "service_tier": Unsupported("only service_tier 'auto' is supported", (None, "auto", "default")),
 }
 
 
-def refuse_unsupported(data: Mapping[str, Any], *, reasoning: bool) -> None:
-    """Raise for the first field of a body that asks for what this server cannot do.
+def parse_responses_request(
+    body: bytes | str | Mapping[str, Any], *, reasoning: bool = False
+) -> ResponsesRequest:
+    """Validate a ``/v1/responses`` body.
 
     ``reasoning``: whether the server parses reasoning (then ``reasoning.effort`` is
     accepted: the model reasons as it always does).
 
     Raises:
-        InvalidRequest: ``param`` names the field.
+        InvalidRequest: malformed JSON, an unsupported or invalid field (``param``).
     """
-    for name, (asks, message) in UNSUPPORTED.items():
-        if name in data and asks(data[name]):
-            raise InvalidRequest(message, param=name)
-    for position, tool in enumerate(data.get("tools") or ()):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            raise InvalidRequest(
-                f"tools.{position} is a {kind!r} tool: only function tools are supported "
-                "(built-in tools such as web search, file search or code interpreter are "
-                "not)",
-                param="tools",
-            )
-    choice = data.get("tool_choice")
-    if isinstance(choice, dict) and choice.get("type") != "function":
-        raise InvalidRequest(
-            f"tool_choice {choice.get('type')!r} names a built-in tool, which is not supported",
-            param="tool_choice",
-        )
-    effort = data.get("reasoning")
-    if _truthy(effort):
+    request = parse_body(ResponsesRequest, body, unsupported=UNSUPPORTED)
+    effort = request.reasoning
+    if effort:
         if not reasoning:
             raise InvalidRequest(
                 "this model does not reason ('reasoning' needs a server started with "
                 "--reasoning-parser)",
                 param="reasoning",
             )
-        if isinstance(effort, dict) and _truthy(effort.get("summary")):
+        if effort.get("summary") not in NOTHING:
             raise InvalidRequest("reasoning summaries are not supported", param="reasoning.summary")
-    verbosity = (
-        (data.get("text") or {}).get("verbosity") if isinstance(data.get("text"), dict) else None
-    )
-    if verbosity not in (None, "medium"):
-        raise InvalidRequest("only text.verbosity 'medium' is supported", param="text.verbosity")
-
-
-def parse_responses_request(
-    body: bytes | str | dict[str, Any], *, reasoning: bool = False
-) -> ResponsesRequest:
-    """Validate a ``/v1/responses`` body.
-
-    Raises:
-        InvalidRequest: malformed JSON, an unsupported or invalid field (``param``).
-    """
-    data: Any = body
-    if not isinstance(body, dict):
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"could not parse the request body as JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, not {type(data).__name__}")
-    refuse_unsupported(data, reasoning=reasoning)
-    try:
-        return ResponsesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise from_validation_error(exc, _FIELDS) from exc
-
-
-_FIELDS: Final = frozenset(
-    name
-    for model in (
-        ResponsesRequest,
-        MessageItem,
-        FunctionCallItem,
-        FunctionCallOutputItem,
-        ReasoningItem,
-        TextPart,
-        RefusalPart,
-        ImagePart,
-        FunctionTool,
-        NamedFunctionChoice,
-        TextConfig,
-        TextFormatSpec,
-    )
-    for name in model.model_fields
-) | {"schema"}
+    return request

@@ -4,7 +4,9 @@
 A finished response is stored (unless ``store: false``) *before* its last event is
 written: a client that reads ``response.completed`` and at once continues the
 conversation, on this frontend or another, finds it. A store that fails makes the response
-fail (an error event, or a 500), never a silent "stored".
+fail (an error event, or a 500), never a silent "stored"; a record too large for the
+store is the client's to fix (a 400 naming ``store``: the edge refuses what it can tell
+before generating, this is the answer that came out larger than the room left).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import orjson
 
 from operators.edges.openai.events import OpenAIEvent, ResponseHead, Usage
 from operators.edges.openai.sse import is_visible
-from pipeline import RequestError
+from pipeline import InvalidRequest, RequestError
 
-from .store import StoredResponse
+from .store import StoredResponse, StoreFull
 
 if TYPE_CHECKING:
     from operators.edges.http.failures import ApiError
@@ -103,6 +105,15 @@ class ResponsesReply:
             return
         record = StoredResponse(response, self._input_items, self._owner)
         try:
-            await self._store.put(response["id"], record.encode())
+            store: Any = self._store
+            if getattr(store, "by_owner", False):  # (it shares its room fairly by owner)
+                await store.put(response["id"], record.encode(), owner=self._owner)
+            else:
+                await store.put(response["id"], record.encode())
+        except StoreFull as exc:
+            raise InvalidRequest(
+                f"the response could not be stored: {exc}; send 'store': false",
+                param="store",
+            ) from exc
         except Exception as exc:  # a store of the user's, NATS gone, a record too large
             raise RequestError(f"the response could not be stored: {exc}") from exc

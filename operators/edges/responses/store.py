@@ -13,8 +13,13 @@ itself keeps opaque bytes by response id, so a store of your own is three corout
 
     app = build_app(engine, tokenizer, model_name="m", responses_store=RedisStore())
 
-:class:`MemoryResponseStore` is the default: bounded by bytes (least recently used
-records leave first) and by age (a TTL from when a record was stored). Under ``serve
+:class:`MemoryResponseStore` is the default: bounded by bytes and by age (a TTL from when a
+record was stored). Each owner (API key) has a fair share of the bytes: when the store is
+full, an owner over its share loses its own least recently used records first, and
+otherwise the owner holding the most does, so one key cannot push the others' records
+out (a store that shares by owner says so, ``by_owner = True``, and its ``put`` takes the
+``owner``). A store may say the largest record it can hold (``max_record_bytes``): the edge
+refuses to generate a response it could not store (a 400 naming ``input``). Under ``serve
 --nats`` the records live in NATS JetStream instead (:mod:`.nats_store`), so every frontend
 sees them and they outlive a frontend's restart.
 
@@ -28,8 +33,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Final, Protocol, final
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final, Protocol, final
 
 import orjson
 
@@ -79,6 +84,8 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     #: who may read it (:meth:`operators.edges.http.guard.Guard.owner`)
     owner: str
+    #: the bytes it was decoded from (0: made here)
+    size: int = field(default=0, compare=False)
 
     def encode(self) -> bytes:
         """The record as the store keeps it."""
@@ -96,7 +103,8 @@ class StoredResponse:
         record = orjson.loads(data)
         if not isinstance(record, dict) or not isinstance(record.get("response"), dict):
             raise ValueError("not a stored response")
-        return cls(record["response"], list(record.get("input_items") or ()), record["owner"])
+        items = list(record.get("input_items") or ())
+        return cls(record["response"], items, record["owner"], len(data))
 
     @property
     def conversation(self) -> list[dict[str, Any]]:
@@ -106,14 +114,18 @@ class StoredResponse:
 
 @final
 class MemoryResponseStore:
-    """Responses kept in this process: at most ``max_bytes`` (the least recently used
-    records leave first), each for ``ttl`` seconds after it was stored.
+    """Responses kept in this process: at most ``max_bytes``, each for ``ttl`` seconds after
+    it was stored; when full, the records of an owner over its fair share (``max_bytes``
+    over the owners holding records) leave first, its least recently used first.
 
     Raises:
         ValueError: a bound that is not positive.
     """
 
-    __slots__ = ("_clock", "_records", "max_bytes", "size", "ttl")
+    __slots__ = ("_clock", "_owners", "_records", "_used", "max_bytes", "size", "ttl")
+
+    #: its ``put`` takes the owner of a record (and shares the bytes fairly among them)
+    by_owner: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -129,26 +141,40 @@ class MemoryResponseStore:
         #: bytes held now
         self.size = 0
         self._clock = clock
-        #: key -> (expiry, value), least recently used first
-        self._records: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        #: key -> (expiry, value, owner), least recently used first
+        self._records: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
+        #: owner -> its keys, least recently used first
+        self._owners: dict[str, OrderedDict[str, None]] = {}
+        #: owner -> the bytes its records hold
+        self._used: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @property
+    def max_record_bytes(self) -> int:
+        """The largest record the store can hold."""
+        return self.max_bytes
+
+    def used_by(self, owner: str) -> int:
+        """The bytes ``owner``'s records hold."""
+        return self._used.get(owner, 0)
 
     async def get(self, key: str, /) -> bytes | None:
         """The record, unless it expired (then it is dropped)."""
         found = self._records.get(key)
         if found is None:
             return None
-        expiry, value = found
+        expiry, value, owner = found
         if self._clock() >= expiry:
             self._drop(key)
             return None
         self._records.move_to_end(key)
+        self._owners[owner].move_to_end(key)
         return value
 
-    async def put(self, key: str, value: bytes, /) -> None:
-        """Store ``value``; older records leave until it fits.
+    async def put(self, key: str, value: bytes, /, *, owner: str = "") -> None:
+        """Store ``value`` for ``owner``; records leave until it fits (see the class).
 
         Raises:
             StoreFull: ``value`` alone is larger than the store.
@@ -164,11 +190,27 @@ class MemoryResponseStore:
         now = self._clock()
         while records:  # expired records first, from the least recently used end
             oldest = next(iter(records))
-            if records[oldest][0] > now and self.size + len(value) <= self.max_bytes:
+            if records[oldest][0] > now:
                 break
             self._drop(oldest)
-        records[key] = (now + self.ttl, value)
+        while self.size + len(value) > self.max_bytes:
+            self._drop(self._victim(owner, len(value)))
+        records[key] = (now + self.ttl, value, owner)
+        self._owners.setdefault(owner, OrderedDict())[key] = None
+        self._used[owner] = self._used.get(owner, 0) + len(value)
         self.size += len(value)
+
+    def _victim(self, owner: str, adding: int) -> str:
+        """The record to drop so that ``owner`` may add ``adding`` bytes: its own least
+        recently used when it is over its share, else that of the owner holding most."""
+        used = self._used
+        owners = len(used) + (owner not in used)
+        share = self.max_bytes // owners
+        mine = self._owners.get(owner)
+        if mine and used[owner] + adding > share:
+            return next(iter(mine))
+        richest = max(used, key=used.__getitem__)
+        return next(iter(self._owners[richest]))
 
     async def delete(self, key: str, /) -> bool:
         """Remove ``key``; whether it was there (and not expired)."""
@@ -180,11 +222,17 @@ class MemoryResponseStore:
         return self._clock() < expiry
 
     def _drop(self, key: str) -> None:
-        _, value = self._records.pop(key)
+        _, value, owner = self._records.pop(key)
         self.size -= len(value)
+        keys = self._owners[owner]
+        del keys[key]
+        if keys:
+            self._used[owner] -= len(value)
+        else:
+            del self._owners[owner], self._used[owner]
 
     def __repr__(self) -> str:
         return (
             f"MemoryResponseStore({len(self._records)} records, {self.size}/{self.max_bytes} "
-            f"bytes, ttl={self.ttl:g}s)"
+            f"bytes, {len(self._owners)} owners, ttl={self.ttl:g}s)"
         )

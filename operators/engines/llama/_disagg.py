@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import anyio
 
@@ -34,6 +34,7 @@ from pipeline import EngineError
 
 from ._kv_handle import Handle, expired, handle_problem, issue
 from ._transfer import TransferError, TransferServer, TransferStore, pull, release
+from .options import DEFAULT_TRANSFER_TIMEOUT, Role
 
 if TYPE_CHECKING:
     from pipeline import Context
@@ -43,16 +44,10 @@ if TYPE_CHECKING:
     from ._runtime import Runtime
     from ._sequence import Sequence
 
-__all__ = ("DEFAULT_TRANSFER_TIMEOUT", "Disaggregation", "Role")
+__all__ = ("Disaggregation",)
 
 logger = logging.getLogger("operators.engines.llama")
 
-Role = Literal["aggregated", "prefill", "decode"]
-"""What a llama worker does for a request: everything; the prompt and one token, keeping
-the cells for a decode worker; or (also) continuing a prefill worker's request."""
-
-#: seconds a decode worker waits for a prefill worker's cells before prefilling itself
-DEFAULT_TRANSFER_TIMEOUT: Final = 10.0
 #: seconds a prefill worker keeps cells nobody pulled
 DEFAULT_TRANSFER_TTL: Final = 30.0
 #: bytes of cells a prefill worker keeps at most (the oldest go first)
@@ -61,7 +56,8 @@ DEFAULT_TRANSFER_BYTES: Final = 1 << 30
 
 @final
 class Disaggregation:
-    """The transfer side of one llama engine in ``role``."""
+    """The transfer side of one llama engine in ``role`` (checked by
+    :class:`~.options.LlamaOptions`, as the timeout is)."""
 
     def __init__(
         self,
@@ -75,10 +71,6 @@ class Disaggregation:
         ttl: float = DEFAULT_TRANSFER_TTL,
         capacity_bytes: int = DEFAULT_TRANSFER_BYTES,
     ) -> None:
-        if role not in ("aggregated", "prefill", "decode"):
-            raise ValueError(f"role must be 'aggregated', 'prefill' or 'decode', got {role!r}")
-        if timeout <= 0 or ttl <= 0:
-            raise ValueError("the transfer timeout and ttl must be > 0")
         self.role: Role = role
         self.worker_id = worker_id
         self.timeout = timeout

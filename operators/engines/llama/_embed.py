@@ -14,14 +14,21 @@ sequence: the same reasons as the engine's batch invariance), so their mean, sum
 float64 in token order, is the same vector alone or in any batch, and equals llama.cpp's
 mean pooling up to float rounding. Vectors are not normalized (llama.cpp's pooled output
 is not either); cosine similarity does not care.
+
+:class:`Embedder` is the request tasks' side: it checks the inputs, creates the context on
+the first call and runs one call at a time in a worker thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, final
+
+import anyio
+
+from pipeline import EngineError, InvalidRequest
 
 from ._runtime import LlamaFailure
 
@@ -31,7 +38,7 @@ try:
 except ImportError:  # the [llama] extra is missing: LlamaEngine() says so before any use
     pass
 
-__all__ = ("EMBED_SEQUENCES", "Embeddings", "plan_batches")
+__all__ = ("EMBED_SEQUENCES", "Embedder", "Embeddings", "plan_batches")
 
 #: inputs decoded together at most
 EMBED_SEQUENCES: Final = 4
@@ -150,3 +157,66 @@ class Embeddings:
                 llama_cpp.llama_batch_free(self._batch)
                 llama_cpp.llama_free(ctx)
                 llama_cpp.llama_model_free(self._model)
+
+
+@final
+class Embedder:
+    """The engine's embeddings, for its request tasks: inputs of at most ``limit`` tokens of
+    a vocabulary of ``n_vocab``, embedded by an :class:`Embeddings` of the model at
+    ``path`` created on the first call; ``closing`` says whether the engine is closing."""
+
+    def __init__(
+        self, path: Path, *, limit: int, n_vocab: int, n_threads: int, closing: Callable[[], bool]
+    ) -> None:
+        self._path = path
+        self._limit = limit
+        self._n_vocab = n_vocab
+        self._n_threads = n_threads
+        self._closing = closing
+        self._embeddings: Embeddings | None = None  # created by the first embed()
+        self._lock = anyio.Lock()
+
+    async def embed(self, token_ids: Sequence[Sequence[int]]) -> list[list[float]]:
+        """One vector per input (see :meth:`LlamaEngine.embed`).
+
+        Raises:
+            InvalidRequest: an empty input, one too long, ids outside the vocabulary;
+                ``param`` is ``input.<i>`` (``input`` for a single one).
+            EngineError: llama.cpp failed, or the engine is closed.
+        """
+        inputs = [list(tokens) for tokens in token_ids]
+        for position, tokens in enumerate(inputs):
+            param = f"input.{position}" if len(inputs) > 1 else "input"
+            if not tokens:
+                raise InvalidRequest("an input to embed is empty (no tokens)", param=param)
+            if len(tokens) > self._limit:
+                raise InvalidRequest(
+                    f"an input to embed has {len(tokens)} tokens; at most {self._limit} are "
+                    "allowed",
+                    param=param,
+                )
+            bad = next((t for t in tokens if not 0 <= t < self._n_vocab), None)
+            if bad is not None:
+                raise InvalidRequest(
+                    f"token id {bad} is outside the vocabulary (size {self._n_vocab})",
+                    param=param,
+                )
+        if not inputs:
+            return []
+        async with self._lock:
+            if self._closing():
+                raise EngineError("the llama engine is closed")
+            try:
+                if self._embeddings is None:
+                    self._embeddings = await anyio.to_thread.run_sync(
+                        lambda: Embeddings(self._path, n_ctx=self._limit, n_threads=self._n_threads)
+                    )
+                return await anyio.to_thread.run_sync(self._embeddings.embed, inputs)
+            except LlamaFailure as exc:
+                raise EngineError(str(exc)) from exc
+
+    def close(self) -> None:
+        """Free the context, if one was created."""
+        embeddings, self._embeddings = self._embeddings, None
+        if embeddings is not None:
+            embeddings.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, final
 
@@ -24,22 +25,23 @@ from operators.contracts.llm import EngineOutput, PreprocessedRequest
 
 if TYPE_CHECKING:
     from pipeline import Context
+    from pipeline.tracing import Span
 
     from ._constraint import Matcher
     from ._kv_handle import Handle
     from ._lora import Adapter
-    from ._sequence import Sequence
 
 __all__ = ("Job",)
 
 
 @final
 class Job:
-    """One request on its way through the scheduler: its choices, outbox and doorbell.
+    """One request on its way through the scheduler: what runs, its outbox and doorbell.
 
     ``width`` is how many slots the request holds (its choices run side by side, at most
     that many at a time). Outputs carry their choice in ``index``; ``None`` in the outbox
-    ends the stream, an exception fails it.
+    ends the stream, an exception fails it. The scheduler's own bookkeeping of the job's
+    choices is not here (``_sequence.Choices``): a job knows nothing of sequences.
     """
 
     __slots__ = (
@@ -52,16 +54,13 @@ class Job:
         "consumed",
         "ctx",
         "ended",
-        "finished",
         "matchers",
         "n",
         "pull_from",
-        "queued",
         "release_transfer",
         "request",
         "resumed",
         "rng_state",
-        "running",
         "timeline",
         "transfer",
         "width",
@@ -105,11 +104,6 @@ class Job:
         self.cancelled = False
         self.consumed = [0] * self.n
         self.ended = False
-        # the scheduler thread's bookkeeping: choices not yet in a slot, choices in one,
-        # and how many are done
-        self.queued: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.finished = 0
         #: a traced request's step timing, appended by the scheduler thread: (event name,
         #: time.time_ns(), attributes); None when the request is not traced
         self.timeline: list[tuple[str, int, dict[str, int]]] | None = (
@@ -151,6 +145,27 @@ class Job:
         if not self.ended:
             self.cancelled = True
         self._reader.close()
+
+    def trace(self, span: Span) -> None:
+        """A traced request's step timing, recorded by the scheduler thread, as ``span``'s
+        events: each prefill chunk, the end of prefill (per choice), and one ``decode``
+        summary."""
+        if self.timeline is None:
+            return
+        prefilled = 0
+        for name, time_ns, attributes in list(self.timeline):
+            span.add_event(name, attributes, time_ns=time_ns)
+            if name == "prefilled" and not prefilled:
+                prefilled = time_ns
+        if prefilled:
+            seconds = (time.time_ns() - prefilled) / 1e9
+            span.add_event(
+                "decode",
+                {
+                    "llm_pipeline.outputs": sum(self.consumed),
+                    "llm_pipeline.decode_ms": round(seconds * 1e3, 3),
+                },
+            )
 
     # ------------------------------------------------------------ the scheduler's side
 

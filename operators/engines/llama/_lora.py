@@ -1,25 +1,31 @@
-"""Adapters (LoRA) in the llama engine: what a loaded one is, and which one a step runs.
+"""Adapters (LoRA) in the llama engine: what a loaded one is, and the engine's adapters by
+name.
 
 llama.cpp applies adapters to a whole context (``llama_set_adapters_lora``), not per
 sequence, so one step can only run the sequences of one adapter (or of the base model).
 The scheduler groups them: each step takes one group's decoding and prefilling
-sequences, and the groups take turns (:func:`next_group`: the one that waited longest),
-so an adapter with one request is not starved by a busy base model, and the base model's
-answers pause only while another group steps.
+sequences, and the groups take turns (:func:`~._plan.next_group`: the one that waited
+longest), so an adapter with one request is not starved by a busy base model, and the base
+model's answers pause only while another group steps.
 
 A slot's cells were computed under one adapter (``attn_v`` updates change the values
 cached), so a prefix is reused only by a sequence of the same adapter: the scheduler
 records whose cells each slot holds, and the KV events salt the slot's block ids with
 the adapter's name (:func:`~operators.routing.kv_blocks.adapter_salt`), as the KV router
 does for a request naming it. The KV tiers keep base-model blocks only.
+
+Loading and freeing run in the thread that owns llama.cpp (the scheduler's), between two
+steps: :class:`Adapters` is handed that thread as a :class:`LlamaThread`, the two things
+it asks of it, and knows nothing else of the scheduler.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, final
+from typing import TYPE_CHECKING, Protocol, final
 
 import anyio
 
@@ -30,9 +36,8 @@ from ._runtime import LlamaFailure
 
 if TYPE_CHECKING:
     from ._runtime import Runtime
-    from ._scheduler import Scheduler
 
-__all__ = ("Adapter", "Adapters", "next_group")
+__all__ = ("Adapter", "Adapters", "LlamaThread")
 
 
 @final
@@ -56,30 +61,27 @@ class Adapter:
         return f"Adapter({self.name!r}, {self.path!r})"
 
 
-def next_group(
-    groups: Iterable[Adapter | None], last_ran: Mapping[Adapter | None, int]
-) -> Adapter | None:
-    """The group (an adapter, None: the base model) to step next among ``groups`` (in the
-    order met): the one whose last step is the oldest (never: first), so groups with work
-    alternate step by step."""
-    chosen: Adapter | None = None
-    oldest: int | None = None
-    for group in groups:
-        ran = last_ran.get(group, -1)
-        if oldest is None or ran < oldest:
-            chosen, oldest = group, ran
-    return chosen
+class LlamaThread(Protocol):
+    """What :class:`Adapters` needs of the thread that owns llama.cpp (the scheduler)."""
+
+    def call(self, work: Callable[[], object]) -> Future[object]:
+        """Run ``work`` in that thread between two steps; its result in the future."""
+        ...
+
+    def retire(self, adapter: Adapter) -> None:
+        """Free ``adapter`` once no request runs with it."""
+        ...
 
 
 @final
 class Adapters:
-    """The engine's adapters by name (the request tasks' side): loads them in the
-    scheduler's thread, hands them to requests, and has the scheduler free them."""
+    """The engine's adapters by name (the request tasks' side): loads them in ``thread``,
+    hands them to requests, and has ``thread`` free them."""
 
-    __slots__ = ("_by_name", "_scheduler", "paths")
+    __slots__ = ("_by_name", "_thread", "paths")
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._scheduler = scheduler
+    def __init__(self, thread: LlamaThread) -> None:
+        self._thread = thread
         self._by_name: dict[str, Adapter] = {}
         #: name -> the file it was loaded from (the engine's ``loras``, a live view)
         self.paths: dict[str, str] = {}
@@ -117,13 +119,13 @@ class Adapters:
                 raise InvalidRequest(f"no adapter file at {path!r}", param="lora_path")
             return runtime.load_adapter(path)
 
-        future = self._scheduler.call(load)
+        future = self._thread.call(load)
         try:
             handle = await anyio.to_thread.run_sync(future.result)
         except LlamaFailure as exc:
             raise InvalidRequest(str(exc), param="lora_path") from exc
         if name in self._by_name:  # loaded meanwhile by another call
-            self._scheduler.retire(Adapter(name, path, handle))
+            self._thread.retire(Adapter(name, path, handle))
             raise InvalidRequest(f"an adapter named {name!r} is loaded", param="lora_name")
         self._add(name, path, handle)
 
@@ -137,7 +139,7 @@ class Adapters:
         adapter = self._by_name.pop(name)
         del self.paths[name]
         with contextlib.suppress(EngineError):  # closed: freed with the model
-            self._scheduler.retire(adapter)
+            self._thread.retire(adapter)
 
     def get(self, name: str | None, request_id: str) -> Adapter | None:
         """The adapter a request names (None: none, the base model).

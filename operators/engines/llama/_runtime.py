@@ -41,7 +41,7 @@ except ImportError:  # the [llama] extra is missing: LlamaEngine() says so befor
 if TYPE_CHECKING:
     from numpy.typing import NDArray
 
-    from ._kv_cells import KvCells, KvLayout
+    from ._kv_cells import KvCells
     from ._kv_events import KvLedger
 
     Row = NDArray[np.float32]
@@ -154,8 +154,6 @@ class Runtime:
         # A copy between streams is queued by llama.cpp until the next decode: reading or
         # loading a stream before that would see, or be overwritten by, stale buffers.
         self._copies_queued = False
-        #: the layout of this model's cells, known once :meth:`kv_portable` succeeded
-        self.layout: KvLayout | None = None
         self._adapter: object | None = None  # the adapter decodes run with (None: none)
 
     def _should_abort(self, _data: object) -> bool:
@@ -317,60 +315,10 @@ class Runtime:
             )
         del self.cached[seq][start:]
 
-    def _fill(self, seq: int, tokens: Sequence[int]) -> None:
+    def fill(self, seq: int, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to sequence ``seq`` without logits, a batch at a time."""
         for start in range(0, len(tokens), self.n_batch):
             self.decode([Feed(seq, tokens[start : start + self.n_batch], 0)])
-
-    def kv_portable(self) -> bool:
-        """Whether a sequence's cells survive an export and a load exactly: the logits after
-        a loaded copy are the same bits as after the original (checked on a 24-token
-        probe; clears the cache). Only then does the engine move KV between slots, tiers
-        and workers."""
-        from ._kv_cells import KvFormatError
-
-        probe = [(13 * i + 200) % self.n_vocab for i in range(24)]
-        self.clear()
-        try:
-            self._fill(0, probe[:-1])
-            cells = self.export(0)
-            self.decode([Feed(0, probe[-1:], 1)])
-            original = self.row(0).copy()
-            target = 1 if self.parallel > 1 else 0
-            self.load(target, cells, probe[:-1])
-            self.decode([Feed(target, probe[-1:], 1)])
-            portable = bool(np.array_equal(original, self.row(0)))
-            if portable:
-                self.layout = cells.layout
-            return portable
-        except (KvFormatError, LlamaFailure):
-            return False
-        finally:
-            self.clear()
-
-    def batch_invariant(self) -> bool:
-        """Whether a token's logits are the same bits alone, at the end of a burst of its
-        own sequence (speculative verification), and beside other sequences' tokens.
-
-        Only then is batched output identical to one-at-a-time output. Checked on a
-        24-token probe; clears the cache.
-        """
-        probe = [(7 * i + 100) % self.n_vocab for i in range(24)]
-        other = [(11 * i + 300) % self.n_vocab for i in range(16)]
-        self.clear()
-        self._fill(0, probe[:-1])
-        self.decode([Feed(0, probe[-1:], 1)])
-        alone = self.row(0).copy()
-        self.keep(0, len(probe) - 2)
-        self.decode([Feed(0, probe[-2:], 2)])
-        same = bool(np.array_equal(alone, self.row(1)))
-        if self.parallel > 1:
-            self._fill(1, other[:8])
-            for beside in (other[8:9], other[9:]):  # another decode, then a prompt chunk
-                self.keep(0, len(probe) - 1)
-                offsets = self.decode([Feed(0, probe[-1:], 1), Feed(1, beside, 1)])
-                same = same and bool(np.array_equal(alone, self.row(offsets[0])))
-        self.clear()
-        return same
 
     # ------------------------------------------------------------------- adapters
 

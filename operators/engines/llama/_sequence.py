@@ -3,10 +3,14 @@
 A sequence is sans-IO: it never touches llama.cpp. The scheduler feeds its tokens, hands it
 rows of logits and keeps its KV cells; the sequence turns rows into an
 :class:`~operators.contracts.llm.EngineOutput` (one token, or a burst of accepted drafts).
+:class:`Choices` is the scheduler's bookkeeping of a job's sequences (the job itself, the
+hand-off with the request's task, knows none).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Iterable
 from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING, Any, final
 
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
     from ._job import Job
     from ._sampling import Row
 
-__all__ = ("Sequence",)
+__all__ = ("Choices", "Sequence")
 
 
 @final
@@ -181,3 +185,21 @@ class Sequence:
         if self.cached is not None:
             output.cached_tokens, self.cached = self.cached, None
         return output, max(len(token_ids) - 1 + matched, 0)
+
+
+@final
+class Choices:
+    """A job's sequences as the scheduler tracks them: those waiting for a slot (in order),
+    those in one, and how many are done."""
+
+    __slots__ = ("finished", "queued", "running")
+
+    def __init__(self, sequences: Iterable[Sequence]) -> None:
+        self.queued: deque[Sequence] = deque(sequences)
+        self.running: list[Sequence] = []
+        self.finished = 0
+
+    def clear(self) -> None:
+        """Forget every choice not done (the job leaves the scheduler)."""
+        self.queued.clear()
+        self.running.clear()

@@ -17,7 +17,8 @@ The modules, from the request inwards:
 - ``_outputs`` — vLLM's output deltas as ``EngineOutput`` steps (logprobs included).
 - ``_replay`` — the logits processor (in vLLM's engine core) that continues a migrated
   constrained request past its replayed output.
-- ``_kv_events`` — vLLM's KV cache events, translated into our block ids.
+- :mod:`operators.engines._vllm_kv_events` — vLLM's KV cache events, translated into our
+  block ids (shared with :mod:`operators.engines.remote`).
 - ``_stats`` — vLLM's scheduler statistics for our ``/metrics``, and :class:`VllmStatistics`.
 - ``_args`` — vLLM's engine arguments, with the CPU build's defaults.
 - :mod:`.model_dir` — a GGUF as a Hugging Face folder (:func:`convert_gguf`), and the

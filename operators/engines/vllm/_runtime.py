@@ -27,10 +27,10 @@ from typing import Any, final
 import anyio
 
 from operators.engines._kv_delivery import KvDelivery
+from operators.engines._vllm_kv_events import BlockTranslator, KvEventListener
 from pipeline import EngineError
 
 from ._args import engine_args, import_vllm
-from ._kv_events import BlockTranslator, KvEventListener
 from ._reaper import ProcessReaper, descendants
 from ._sampling import EngineLimits
 from ._stats import SchedulerCounts, stat_logger_class

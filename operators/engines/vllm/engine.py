@@ -28,9 +28,9 @@ import anyio
 from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
 from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
+from operators.engines._vllm_kv_events import BlockTranslator
 from pipeline import EngineDead, EngineError, InvalidRequest, StreamDisconnected
 
-from ._kv_events import BlockTranslator
 from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
 from ._runtime import VllmRuntime

@@ -3,6 +3,7 @@ orders."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
@@ -11,19 +12,18 @@ import pytest
 from byte_tokenizer import ByteTokenizer
 
 from operators.backend import Backend
-from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
+from operators.contracts.llm import BackendOutput, EngineOutput
 from operators.contracts.resumption import RESUMABLE, ResumptionOrderError
 from operators.migration import Migration
+from operators.testing import make_request
 from pipeline import Context, EngineError, LinkError, Router, StreamDisconnected, link
 from pipeline.testing import ScriptedEngine, collect, make_context, worker_set
 
 PROMPT = [900, 901, 902]
 
 
-def request(stop: tuple[str, ...] = ("ozzy",)) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=list(PROMPT), stop=StopConditions(stop=stop, eos_token_ids=(0,))
-    )
+#: every request here: PROMPT, stopping at "ozzy" (and at EOS, id 0)
+request = functools.partial(make_request, token_ids=PROMPT, stop=("ozzy",), eos_token_ids=(0,))
 
 
 def recording(

@@ -9,7 +9,7 @@ reads.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import anyio
 import pytest
@@ -23,10 +23,10 @@ from operators.edges.openai.preprocessor import OpenAIPreprocessor
 from operators.edges.openai.server import OpenAIApp
 from operators.engines import EchoEngine
 from operators.migration import Migration
-from operators.testing import openai_client
+from operators.testing import make_request, openai_client
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, Engine, Stream, link
-from pipeline.testing import ScriptedEngine, collect, make_context
+from pipeline.testing import ConformanceError, ScriptedEngine, check_operator, collect, make_context
 
 if TYPE_CHECKING:
     from operators.contracts.llm import PreprocessedRequest
@@ -191,8 +191,24 @@ def test_redact_over_any_token_split(pieces: list[str]) -> None:
         for i, piece in enumerate(pieces)
     ]
     graph = link(Redact(), ScriptedEngine(outputs))
-    result = anyio.run(collect, graph, make_context(cast("PreprocessedRequest", None)))
+    result = anyio.run(collect, graph, make_context(make_request()))
     assert "".join(out.text for out in result) == "".join(pieces).replace(WORD, MASK)
     assert sorted(i for out in result for i in out.token_ids) == list(range(total))
     shown = [pieces[i] for out in result if out.logprobs is not None for i in out.token_ids]
     assert "Rumpelstiltskin" not in "".join(shown)
+
+
+async def test_the_redactor_keeps_the_operator_contract_where_it_belongs() -> None:
+    pieces = ["a", " R", "ump", "elstilts", "kin", "!"]
+    outputs = [
+        _out([i], piece, delivered=i + 1, finish="stop" if i == len(pieces) - 1 else None)
+        for i, piece in enumerate(pieces)
+    ]
+    await check_operator(Redact, make_request(), outputs)
+    # retry=True plays what Migration does to the operators *below* it: a new Redact per
+    # attempt, so what the lost attempt held in its locals is gone. Above Migration, where
+    # a redactor goes, no retry reaches it (test_no_redacted_token_reaches_the_client loses
+    # workers at every token): the failure is right, and says where retry=True applies.
+    with pytest.raises(ConformanceError, match="above it is never retried") as failed:
+        await check_operator(Redact, make_request(), outputs, retry=True)
+    assert failed.value.rule == "keep per-request state in ctx.state"

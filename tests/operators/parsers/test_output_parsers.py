@@ -8,6 +8,7 @@ deliver a token exactly when the parsers have decided the text it starts with.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -23,10 +24,7 @@ from operators.backend import Backend
 from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
-    OutputOptions,
     PreprocessedRequest,
-    StopConditions,
-    Tool,
 )
 from operators.edges.openai.logprobs import ChoiceState
 from operators.parsers import (
@@ -39,6 +37,7 @@ from operators.parsers import (
     register_tool_parser,
     tool_parser,
 )
+from operators.testing import make_request
 from pipeline import Context, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
@@ -50,16 +49,10 @@ def call_id(choice: int, call: int) -> str:
     return f"call_{choice}_{call}"
 
 
-def request(
-    *, tools: Sequence[Tool] = TOOLS, n: int = 1, stop: tuple[str, ...] = ()
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=[7, 8, 9],
-        n=n,
-        stop=StopConditions(stop=stop, eos_token_ids=(EOS,)),
-        output=OutputOptions(logprobs=0),
-        tools=tuple(tools),
-    )
+#: every request here: offers TOOLS, asks for logprobs, EOS as the tokenizer's end
+request = functools.partial(
+    make_request, token_ids=[7, 8, 9], eos_token_ids=(EOS,), logprobs=0, tools=TOOLS
+)
 
 
 def engine_outputs(

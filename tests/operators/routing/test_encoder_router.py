@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -12,9 +13,9 @@ from operators.contracts.llm import (
     EngineOutput,
     MultimodalItem,
     PreprocessedRequest,
-    StopConditions,
 )
 from operators.routing.encoder_router import EncoderRouter
+from operators.testing import make_request
 from pipeline import EngineError, StreamDisconnected, WorkerSet, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
 
@@ -24,15 +25,8 @@ ANSWER = [EngineOutput(token_ids=[7]), EngineOutput(token_ids=[8], finish_reason
 Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 
 
-def request(
-    *, images: int = 1, encoder_result: dict[str, Any] | None = None
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=[1, 2, 3],
-        stop=StopConditions(max_tokens=2),
-        multimodal=(IMAGE,) * images,
-        encoder_result=encoder_result,
-    )
+#: every request here: one image, unless it says otherwise
+request = functools.partial(make_request, max_tokens=2, multimodal=(IMAGE,))
 
 
 def encoder(name: str, result: object = None) -> ScriptedEngine[EngineOutput]:
@@ -88,8 +82,8 @@ async def test_passthrough_without_encode_workers(router: Any) -> None:
 async def test_passthrough_for_text_only_and_already_encoded_requests() -> None:
     e1 = encoder("e1")
     router = EncoderRouter(workers(e1=e1))
-    _, downstream = await serve(router, request(images=0))
-    assert downstream.requests[0].data == request(images=0)
+    _, downstream = await serve(router, request(multimodal=()))
+    assert downstream.requests[0].data == request(multimodal=())
     _, downstream = await serve(router, request(encoder_result={"done": True}))
     assert downstream.requests[0].data.encoder_result == {"done": True}
     assert e1.requests == []
@@ -254,5 +248,5 @@ async def test_check_operator_without_encode_workers() -> None:
 async def test_check_operator_with_encode_workers() -> None:
     pool = workers(e1=encoder("e1"), e2=encoder("e2"))
     await check_operator(lambda: EncoderRouter(pool), request(), ANSWER)
-    await check_operator(lambda: EncoderRouter(pool), request(images=0), ANSWER)
+    await check_operator(lambda: EncoderRouter(pool), request(multimodal=()), ANSWER)
     assert pool.statistics().in_flight == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from contextlib import aclosing
 from typing import Any
 
@@ -14,14 +15,13 @@ from operators.contracts.llm import (
     BackendOutput,
     EngineOutput,
     MultimodalItem,
-    OutputOptions,
     PreprocessedRequest,
-    StopConditions,
 )
 from operators.engines.mocker import MockerEngine
 from operators.migration import Migration
 from operators.routing.encoder_router import EncoderRouter
 from operators.routing.prefill_router import PrefillRouter
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import (
     Context,
@@ -41,14 +41,9 @@ DECODED = [EngineOutput(token_ids=[42]), EngineOutput(token_ids=[43], finish_rea
 Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 
 
-def request(
-    *, prompt: int = 4, max_tokens: int | None = 3, n: int = 1, min_tokens: int = 2
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=list(range(100, 100 + prompt)),
-        stop=StopConditions(max_tokens=max_tokens, min_tokens=min_tokens),
-        n=n,
-    )
+#: every request here: a four-token prompt, three tokens to answer, the first two of them
+#: past any stop
+request = functools.partial(make_request, token_ids=range(100, 104), max_tokens=3, min_tokens=2)
 
 
 def prefill_worker(
@@ -116,11 +111,11 @@ async def test_aggregated_without_prefill_workers(make: Any) -> None:
 async def test_conditional_disaggregation_by_prompt_length() -> None:
     p1 = prefill_worker("p1")
     router = PrefillRouter(workers(p1=p1), min_prompt_tokens=8)
-    outputs, decode = await serve(router, request(prompt=7))
+    outputs, decode = await serve(router, request(token_ids=range(100, 107)))
     assert outputs == DECODED
     assert prefilled_by(decode) == [None]
     assert p1.requests == []
-    outputs, decode = await serve(router, request(prompt=8))
+    outputs, decode = await serve(router, request(token_ids=range(100, 108)))
     assert prefilled_by(decode) == ["p1"]
     assert len(outputs) == 3
 
@@ -347,10 +342,12 @@ def tokenizer() -> Tokenizer:
 
 
 def chat_request(tokenizer: Tokenizer, *, logprobs: int | None = 1) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode("Describe the picture: a cat asleep on a warm windowsill."),
-        stop=StopConditions(max_tokens=24, eos_token_ids=tuple(sorted(tokenizer.eos_token_ids))),
-        output=OutputOptions(logprobs=logprobs),
+    """A request about a picture, in real tokens, stopping at the tokenizer's EOS."""
+    return make_request(
+        tokenizer.encode("Describe the picture: a cat asleep on a warm windowsill."),
+        max_tokens=24,
+        eos_token_ids=sorted(tokenizer.eos_token_ids),
+        logprobs=logprobs,
         multimodal=(IMAGE,),
     )
 

@@ -1,20 +1,20 @@
 """The OpenAI request models: the HTTP edge where untrusted JSON becomes typed requests.
 
-This is the only package in ``operators/`` that imports pydantic. It validates the bodies of
+It validates (through :func:`operators.edges.http.schema.parse_body`, as every edge) the bodies of
 ``/v1/chat/completions`` (:class:`ChatCompletionRequest`) and ``/v1/completions``
 (:class:`CompletionRequest`) and converts the generation fields into the hot-path records of
 :mod:`operators.contracts.llm` (:meth:`GenerationRequest.stop_conditions`, ``sampling_options()``,
 ``output_options()``). Responses are *not* modelled here: the preprocessor builds stream
 chunks as plain dicts, because a pydantic object per token is the cost this project avoids.
 
-:func:`parse_chat_request` and :func:`parse_completion_request` are the one boundary where
+:func:`parse_chat_request` and :func:`parse_completion_request` are where
 JSON and pydantic errors become :class:`pipeline.InvalidRequest`, with ``param`` naming the
 offending field as a dotted path (``"messages.0.content"``). OpenAI fields the server cannot
 honour (``logit_bias``, ``audio``...) are refused with a 400 naming them
 (:mod:`operators.edges.openai.unsupported`); fields we do not know (``extra_body`` extensions of
 other servers) are ignored; ``null`` means "use the default" for every top-level field.
 
-The package: :mod:`.base` (strict types, the base model), :mod:`.messages` (chat messages),
+The package: :mod:`.messages` (chat messages),
 :mod:`.requests` (the two request bodies), :mod:`.tools` (tools, ``tool_choice`` and
 ``response_format``), :mod:`.parsing` (the boundary).
 """

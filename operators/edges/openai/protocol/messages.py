@@ -6,22 +6,14 @@ of a request, and what the chat template (:mod:`operators.edges.openai.chat_temp
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import Discriminator, Tag, model_validator
+from pydantic import model_validator
 from pydantic_core import PydanticCustomError
 
-from .base import Model
+from operators.edges.http.schema import ARRAY, STRING, JsonObject, Model, by_shape, kind
 
 __all__ = ("ChatMessage", "ContentPart", "ImageURL")
-
-
-def _kind_of_content(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "parts"
-    return None
 
 
 class ImageURL(Model):
@@ -50,11 +42,12 @@ class ContentPart(Model):
 
 
 _Content = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[ContentPart], Tag("parts")],
-    Discriminator(
-        _kind_of_content,
-        custom_error_type="invalid_content",
-        custom_error_message="content must be a string or an array of content parts",
+    Annotated[str, kind(STRING)] | Annotated[list[ContentPart], kind(ARRAY)],
+    by_shape(
+        "content must be a string or an array of content parts",
+        STRING,
+        ARRAY,
+        error="invalid_content",
     ),
 ]
 
@@ -66,7 +59,7 @@ class ChatMessage(Model):
     content: _Content | None = None
     name: str | None = None
     #: an assistant's earlier tool calls, passed to the chat template as they came
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[JsonObject] | None = None
     #: the call a ``tool`` message answers
     tool_call_id: str | None = None
 

@@ -8,14 +8,31 @@ what only their endpoint has.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
 
 from operators.contracts.llm import OutputOptions, SamplingOptions, StopConditions
+from operators.edges.http.schema import (
+    ARRAY,
+    ARRAYS,
+    MAX_INT,
+    MAX_STOP_STRINGS,
+    STRING,
+    STRINGS,
+    Bool,
+    Count,
+    Float,
+    Model,
+    Priority,
+    Stop,
+    TokenId,
+    by_shape,
+    invalid,
+    kind,
+    unique_names,
+)
 
-from .base import MAX_INT, Bool, Count, Float, Model, Priority, TokenId, invalid
 from .messages import ChatMessage
 from .tools import (
     JsonObjectFormat,
@@ -38,47 +55,14 @@ __all__ = (
 
 #: most choices one request may ask for
 MAX_N: Final = 128
-#: most stop strings one request may give
-MAX_STOP_STRINGS: Final = 64
 #: most alternatives per position (chat ``top_logprobs``, completions ``logprobs``)
 MAX_LOGPROBS: Final = 20
-
-
-def _kind_of_prompt(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        first = value[0] if value else None
-        if isinstance(first, str):
-            return "texts"
-        if isinstance(first, list):
-            return "id_lists"
-        return "ids"  # ints, or anything else: then the int errors name the bad position
-    return None
-
-
-def _kind_of_stop(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, list):
-        return "texts"
-    return None
 
 
 class StreamOptions(Model):
     """``stream_options``: only allowed with ``stream: true``."""
 
     include_usage: Bool = False
-
-
-_Stop = Annotated[
-    Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")],
-    Discriminator(
-        _kind_of_stop,
-        custom_error_type="invalid_stop",
-        custom_error_message="stop must be a string or an array of strings",
-    ),
-]
 
 
 class GenerationRequest(Model):
@@ -90,7 +74,7 @@ class GenerationRequest(Model):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     max_tokens: Count | None = None
-    stop: _Stop | None = None
+    stop: Stop | None = None
     temperature: Float | None = Field(default=None, ge=0, le=2)
     top_p: Float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)
@@ -109,28 +93,6 @@ class GenerationRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict) and None in data.values():
-            return {key: value for key, value in data.items() if value is not None}
-        return data
-
-    @field_validator("stop")
-    @classmethod
-    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(stop, str):
-            stop = [stop]
-        if stop is None:
-            return None
-        if len(stop) > MAX_STOP_STRINGS:
-            raise PydanticCustomError(
-                "too_long", "at most {limit} stop strings are allowed", {"limit": MAX_STOP_STRINGS}
-            )
-        if "" in stop:
-            raise PydanticCustomError("empty_stop", "stop strings must not be empty")
-        return stop
 
     @model_validator(mode="after")
     def _check_combinations(self) -> GenerationRequest:
@@ -223,16 +185,14 @@ class ChatCompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _tools_fit_together(self) -> ChatCompletionRequest:
         names = [tool.function.name for tool in self.tools or ()]
-        for position, name in enumerate(names):
-            if name in names[:position]:
-                raise invalid(f"tools.{position}", f"two tools are named '{name}'")
+        unique_names(names, "tools")
         choice = self.tool_choice
         if choice is None or choice in ("none", "auto"):
             return self
         wanted = "'required'" if choice == "required" else "a named function"
         if not names:
             raise invalid("tool_choice", f"tool_choice {wanted} needs 'tools'")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in set(names):
             raise invalid(
                 "tool_choice",
                 f"tool_choice names the function '{choice.function.name}', which is not "
@@ -279,19 +239,20 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 _Prompt = Annotated[
-    Annotated[str, Tag("text")]
-    | Annotated[list[str], Tag("texts"), Field(min_length=1)]
-    | Annotated[list[TokenId], Tag("ids"), Field(min_length=1)]
+    Annotated[str, kind(STRING)]
+    | Annotated[list[str], kind(STRINGS), Field(min_length=1)]
+    | Annotated[list[TokenId], kind(ARRAY), Field(min_length=1)]
     | Annotated[
-        list[Annotated[list[TokenId], Field(min_length=1)]], Tag("id_lists"), Field(min_length=1)
+        list[Annotated[list[TokenId], Field(min_length=1)]], kind(ARRAYS), Field(min_length=1)
     ],
-    Discriminator(
-        _kind_of_prompt,
-        custom_error_type="invalid_prompt",
-        custom_error_message=(
-            "prompt must be a string, an array of strings, an array of token ids "
-            "or an array of arrays of token ids"
-        ),
+    by_shape(
+        "prompt must be a string, an array of strings, an array of token ids "
+        "or an array of arrays of token ids",
+        STRING,
+        STRINGS,
+        ARRAY,
+        ARRAYS,
+        error="invalid_prompt",
     ),
 ]
 

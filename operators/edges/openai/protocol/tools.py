@@ -10,11 +10,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Discriminator, Field, Tag
+from pydantic import ConfigDict, Field
 
 from operators.contracts.llm import Tool
-
-from .base import Bool, Model
+from operators.edges.http.schema import (
+    OBJECT,
+    STRING,
+    Bool,
+    JsonObject,
+    Model,
+    by_shape,
+    by_type,
+    kind,
+)
 
 __all__ = (
     "FunctionDefinition",
@@ -39,7 +47,7 @@ class FunctionDefinition(Model):
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
     #: the arguments' JSON schema (an object schema); None: any object
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: Bool | None = None
 
 
@@ -74,24 +82,15 @@ class NamedToolChoice(Model):
     function: NamedFunction
 
 
-def _kind_of_choice(value: Any) -> str | None:
-    if isinstance(value, str):
-        return "mode"
-    if isinstance(value, dict):
-        return "named"
-    return None
-
-
 ToolChoice = Annotated[
-    Annotated[Literal["none", "auto", "required"], Tag("mode")]
-    | Annotated[NamedToolChoice, Tag("named")],
-    Discriminator(
-        _kind_of_choice,
-        custom_error_type="invalid_tool_choice",
-        custom_error_message=(
-            "tool_choice must be 'none', 'auto', 'required' or "
-            '{"type": "function", "function": {"name": ...}}'
-        ),
+    Annotated[Literal["none", "auto", "required"], kind(STRING)]
+    | Annotated[NamedToolChoice, kind(OBJECT)],
+    by_shape(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        '{"type": "function", "function": {"name": ...}}',
+        STRING,
+        OBJECT,
+        error="invalid_tool_choice",
     ),
 ]
 """``tool_choice``: a mode, or the one function that must be called."""
@@ -117,7 +116,7 @@ class JsonSchemaSpec(Model):
 
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: JsonObject = Field(default_factory=dict, alias="schema")
     strict: Bool | None = None
 
 
@@ -128,24 +127,15 @@ class JsonSchemaFormat(Model):
     json_schema: JsonSchemaSpec
 
 
-def _kind_of_format(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    return f"{kind}_format" if kind in ("text", "json_object", "json_schema") else None
-
-
-# The tags are not field names: pydantic puts them into an error's location, and ``param``
-# keeps the segments that are field names (``response_format.json_schema.schema``).
 ResponseFormat = Annotated[
-    Annotated[TextFormat, Tag("text_format")]
-    | Annotated[JsonObjectFormat, Tag("json_object_format")]
-    | Annotated[JsonSchemaFormat, Tag("json_schema_format")],
-    Discriminator(
-        _kind_of_format,
-        custom_error_type="invalid_response_format",
-        custom_error_message=(
-            'response_format must be {"type": "text"}, {"type": "json_object"} or '
-            '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
-        ),
+    Annotated[TextFormat, kind("text")]
+    | Annotated[JsonObjectFormat, kind("json_object")]
+    | Annotated[JsonSchemaFormat, kind("json_schema")],
+    by_type(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+        ("text", "json_object", "json_schema"),
+        error="invalid_response_format",
     ),
 ]
 """``response_format``: text, any JSON object, or JSON matching a schema."""

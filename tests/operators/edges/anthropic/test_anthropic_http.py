@@ -17,6 +17,8 @@ import httpx
 import pytest
 from server_process import ServerProcess
 
+JSON = {"content-type": "application/json"}
+
 pytestmark = pytest.mark.slow
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -210,7 +212,7 @@ async def test_no_max_tokens_bad_json_an_unknown_model_a_bad_version_are_refused
             "type": "invalid_request_error",
             "message": "Missing required parameter: 'max_tokens'",
         }
-        bad = await http.post("/v1/messages", content=b"{nope")
+        bad = await http.post("/v1/messages", content=b"{nope", headers=JSON)
         assert bad.status_code == 400
         assert bad.json()["error"]["type"] == "invalid_request_error"
         unknown = await http.post(
@@ -294,9 +296,9 @@ async def test_cached_prompt_tokens_are_cache_read_input_tokens() -> None:
     try:
         async with client(server) as api:
             long = [{"role": "user", "content": " ".join(["word"] * 200)}]
-            first = await api.messages.create(model="echo", max_tokens=2, messages=long)
-            second = await api.messages.create(model="echo", max_tokens=2, messages=long)
-            count = await api.messages.count_tokens(model="echo", messages=long)
+            first = await api.messages.create(model="mocker", max_tokens=2, messages=long)
+            second = await api.messages.create(model="mocker", max_tokens=2, messages=long)
+            count = await api.messages.count_tokens(model="mocker", messages=long)
     finally:
         server.stop()
     assert first.usage.cache_read_input_tokens == 0

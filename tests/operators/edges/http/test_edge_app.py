@@ -103,7 +103,12 @@ async def test_a_quiet_stream_gets_pings_after_its_start_and_never_before() -> N
             if not message.get("more_body", False):
                 done.set()
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/messages", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/messages",
+        "headers": [(b"content-type", b"application/json")],
+    }
     await app(scope, receive, send)
     text = b"".join(written).decode()
     names = [line[7:] for line in text.splitlines() if line.startswith("event: ")]

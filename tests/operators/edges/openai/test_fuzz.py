@@ -114,7 +114,12 @@ async def call(path: str, body: bytes) -> tuple[int, bytes]:
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"content-type", b"application/json")],
+    }
     with anyio.fail_after(10):
         await APP(scope, receive, send)
     status = sent[0]["status"]

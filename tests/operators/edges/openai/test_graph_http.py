@@ -75,12 +75,18 @@ async def metric(server: ServerProcess, name: str, labels: str = "") -> float:
 
 async def chat_stream(server: ServerProcess, **request: Any) -> dict[str, Any]:
     async with client(server) as api:
-        return await client_view.chat_stream(api, **request)
+        return await client_view.chat_stream(api, model=server.model, **request)
 
 
 async def chat_once(server: ServerProcess, **request: Any) -> dict[str, Any]:
     async with client(server) as api:
-        return await client_view.chat_once(api, **request)
+        return await client_view.chat_once(api, model=server.model, **request)
+
+
+async def test_the_mocker_is_served_as_mocker(aggregated: ServerProcess) -> None:
+    assert aggregated.model == "mocker"  # its banner: "serving model 'mocker'"
+    async with client(aggregated) as api:
+        assert [model.id async for model in api.models.list()] == ["mocker"]
 
 
 REQUESTS: list[dict[str, Any]] = [
@@ -149,7 +155,7 @@ async def test_bad_images_get_400_naming_the_part(
     messages = [{"role": "user", "content": [{"type": "text", "text": "look"}, part]}]
     async with client(disaggregated) as api:
         with pytest.raises(openai.BadRequestError) as caught:
-            await api.chat.completions.create(model="echo", messages=messages)  # type: ignore[arg-type]
+            await api.chat.completions.create(model="mocker", messages=messages)  # type: ignore[arg-type]
     assert caught.value.status_code == 400
     error = caught.value.body
     assert isinstance(error, dict)

@@ -140,7 +140,12 @@ async def test_a_client_leaving_while_its_large_prompt_is_encoded_leaves_nothing
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+    }
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(app, scope, receive, send)

@@ -320,7 +320,11 @@ async def test_bad_requests_are_400(server: ServerProcess, body: bytes, param: s
 
 async def test_invalid_utf8_is_named(server: ServerProcess) -> None:
     async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as http:
-        response = await http.post("/chat/completions", content=b'{"messages": "\xc3\x28"}')
+        response = await http.post(
+            "/chat/completions",
+            content=b'{"messages": "\xc3\x28"}',
+            headers={"content-type": "application/json"},
+        )
     assert response.status_code == 400
     assert "UTF-8" in response.json()["error"]["message"]
 
@@ -728,7 +732,12 @@ async def call_asgi(
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(dict(message))
 
-    scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(b"content-type", b"application/json")],
+    }
     await app(scope, receive, send)
     return sent
 
@@ -803,7 +812,12 @@ async def test_ready_events_share_a_write_and_a_wait_flushes_them() -> None:
         if b" four" in message.get("body", b""):
             proceed.set()
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/chat/completions",
+        "headers": [(b"content-type", b"application/json")],
+    }
     await app(scope, receive, send)
     writes = [sse_events(message["body"].decode()) for message in sent[1:]]
     assert [[_delta(event) for event in write] for write in writes] == [
@@ -835,7 +849,12 @@ async def test_a_write_failing_while_the_engine_waits_closes_the_engine() -> Non
             if writes == 2:
                 raise OSError("connection reset")
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+    }
     with pytest.raises(OSError, match="connection reset"):
         await app(scope, receive, send)
     assert engine.open_streams == 0
@@ -866,7 +885,12 @@ async def test_a_disconnect_during_a_blocked_write_kills_the_request() -> None:
                 blocked.set()
                 await anyio.sleep_forever()
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/completions",
+        "headers": [(b"content-type", b"application/json")],
+    }
     await app(scope, receive, send)
     (leg,) = engine.requests
     assert leg.is_killed

@@ -17,6 +17,8 @@ import openai
 import pytest
 from server_process import ServerProcess
 
+JSON = {"content-type": "application/json"}
+
 pytestmark = pytest.mark.slow
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
@@ -226,7 +228,7 @@ async def test_stop_strings_and_logprobs_work_through_the_edge(api: openai.Async
 @pytest.mark.parametrize(
     ("request_fields", "param"),
     [
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0"),  # the item that is a built-in tool
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"truncation": "auto"}, "truncation"),
@@ -250,7 +252,7 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
 
 async def test_a_malformed_body_and_an_unknown_model_are_refused(server: ServerProcess) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
-        bad = await http.post("/v1/responses", content=b"{not json")
+        bad = await http.post("/v1/responses", content=b"{not json", headers=JSON)
         assert bad.status_code == 400
         assert bad.json()["error"]["type"] == "invalid_request_error"
         unknown = await http.post("/v1/responses", json={"model": "nope", "input": "hi"})

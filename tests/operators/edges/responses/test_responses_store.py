@@ -71,3 +71,29 @@ def test_a_record_round_trips_and_its_conversation_ends_with_its_output() -> Non
     assert [item["id"] for item in again.conversation] == ["msg_1", "msg_2"]
     with pytest.raises(ValueError, match="not a stored response"):
         StoredResponse.decode(b"[]")
+
+
+async def test_an_owner_over_its_share_loses_its_own_records_first() -> None:
+    store = MemoryResponseStore(max_bytes=40, ttl=100, clock=Clock())
+    await store.put("b1", b"0123456789", owner="b")
+    for key in ("a1", "a2", "a3"):
+        await store.put(key, b"0123456789", owner="a")
+    # full: a holds 30 of 40 bytes, over its share of 20; a's next record pushes out a's own
+    await store.put("a4", b"0123456789", owner="a")
+    assert await store.get("b1") is not None
+    assert await store.get("a1") is None
+    assert store.used_by("a") == 30
+    # b, under its share, pushes out the records of the owner holding the most (a)
+    await store.put("b2", b"0123456789", owner="b")
+    assert [await store.get(key) is not None for key in ("b1", "b2")] == [True, True]
+    assert (store.used_by("a"), store.used_by("b"), store.size) == (20, 20, 40)
+
+
+async def test_one_owner_alone_may_use_the_whole_store() -> None:
+    store = MemoryResponseStore(max_bytes=30, ttl=100, clock=Clock())
+    for key in "abc":
+        await store.put(key, b"0123456789", owner="a")
+    assert store.used_by("a") == 30
+    await store.put("d", b"0123456789", owner="a")
+    assert await store.get("a") is None  # its least recently used
+    assert len(store) == 3

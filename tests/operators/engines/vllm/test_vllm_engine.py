@@ -7,9 +7,9 @@ one event loop: vLLM's client tasks live on the loop the engine first ran on.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
-from typing import Any
 
 import anyio
 import pytest
@@ -19,14 +19,11 @@ from vllm_support import eventually, gone, requires_vllm
 from operators.contracts.llm import (
     Constraint,
     EngineOutput,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from operators.engines.vllm import VllmEngine
 from operators.routing.kv_blocks import block_hashes
-from operators.testing import check_engine
+from operators.testing import check_engine, make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, KvEvent, KvStored, open_stream
 
@@ -66,23 +63,10 @@ async def engine() -> AsyncIterator[VllmEngine]:
     assert engine.processes == frozenset()
 
 
-def request(
-    prompt: list[int], *, max_tokens: int | None = 12, logprobs: int | None = None, **more: Any
-) -> PreprocessedRequest:
-    stop = StopConditions(
-        max_tokens=max_tokens,
-        eos_token_ids=tuple(TOKENIZER.eos_token_ids),
-        ignore_eos=more.pop("ignore_eos", False),
-    )
-    return PreprocessedRequest(
-        token_ids=prompt,
-        stop=stop,
-        sampling=SamplingOptions(
-            temperature=more.pop("temperature", 0.0), seed=more.pop("seed", None)
-        ),
-        output=OutputOptions(logprobs=logprobs),
-        **more,
-    )
+#: every request here: greedy, 12 tokens, stopping at the tokenizer's EOS
+request = functools.partial(
+    make_request, max_tokens=12, eos_token_ids=sorted(TOKENIZER.eos_token_ids), temperature=0.0
+)
 
 
 async def run(engine: VllmEngine, req: PreprocessedRequest) -> list[EngineOutput]:

@@ -9,6 +9,7 @@ The adapter is a PEFT folder the test writes: random rank-8 updates of the first
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 import pytest_asyncio
 from vllm_support import requires_vllm
 
-from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
+from operators.contracts.llm import PreprocessedRequest
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import InvalidRequest, open_stream
 from pipeline.testing import make_context
@@ -84,16 +86,10 @@ async def engine(adapters: dict[str, Path]) -> AsyncIterator[object]:
     await engine.aclose()
 
 
-def request(
-    lora: str | None = None, *, priority: int = 0, max_tokens: int = 8
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=PROMPT,
-        stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-        sampling=SamplingOptions(temperature=0.0),
-        lora=lora,
-        priority=priority,
-    )
+#: every request here: PROMPT, greedy, eight tokens
+request = functools.partial(
+    make_request, token_ids=PROMPT, max_tokens=8, ignore_eos=True, temperature=0.0
+)
 
 
 async def answer(engine: object, req: PreprocessedRequest) -> list[int]:
@@ -106,12 +102,12 @@ async def answer(engine: object, req: PreprocessedRequest) -> list[int]:
 
 async def test_a_request_naming_an_adapter_runs_with_it(engine: object) -> None:
     base = await answer(engine, request())
-    tiny = await answer(engine, request("tiny"))
+    tiny = await answer(engine, request(lora="tiny"))
     assert tiny != base
-    assert await answer(engine, request("tiny")) == tiny  # greedy: the same again
+    assert await answer(engine, request(lora="tiny")) == tiny  # greedy: the same again
     assert await answer(engine, request()) == base  # and the base model is untouched
     with pytest.raises(InvalidRequest) as refused:
-        await answer(engine, request("nope"))
+        await answer(engine, request(lora="nope"))
     assert refused.value.param == "model"
 
 
@@ -123,12 +119,12 @@ async def test_adapters_load_and_unload_at_run_time(
     assert isinstance(engine, VllmEngine)
     await engine.load_lora("other", str(adapters["other"]))
     assert set(engine.loras) == {"tiny", "other"}
-    other = await answer(engine, request("other"))
-    assert other != await answer(engine, request("tiny"))
+    other = await answer(engine, request(lora="other"))
+    assert other != await answer(engine, request(lora="tiny"))
     await engine.unload_lora("other")
     assert set(engine.loras) == {"tiny"}
     with pytest.raises(InvalidRequest):
-        await answer(engine, request("other"))
+        await answer(engine, request(lora="other"))
     with pytest.raises(InvalidRequest) as taken:
         await engine.load_lora("tiny", str(adapters["other"]))
     assert taken.value.param == "lora_name"

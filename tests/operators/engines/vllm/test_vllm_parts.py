@@ -5,6 +5,7 @@ reaper, the GGUF conversion and the command line. The engine itself, on a real v
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -25,15 +26,12 @@ from hypothesis import strategies as st
 from operators import cli
 from operators.contracts.llm import (
     MultimodalItem,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from operators.engines._kv_delivery import KvDelivery
+from operators.engines._vllm_kv_events import BlockTranslator
 from operators.engines.llama._validation import token_budget
 from operators.engines.vllm import VllmEngine
-from operators.engines.vllm._kv_events import BlockTranslator
 from operators.engines.vllm._outputs import engine_outputs, logprobs_of
 from operators.engines.vllm._reaper import descendants, start_time
 from operators.engines.vllm._sampling import (
@@ -43,25 +41,14 @@ from operators.engines.vllm._sampling import (
     replay_args,
 )
 from operators.routing.kv_blocks import block_hashes
+from operators.testing import make_request
 from pipeline import EngineError, InvalidRequest, KvCleared, KvRemoved, KvStored
 
 LIMITS = EngineLimits(vocab_size=100, max_model_len=64, eos_token_ids=(2,))
 
 
-def request(
-    prompt: list[int] | None = None, *, n: int = 1, logprobs: int | None = None, **options: Any
-) -> PreprocessedRequest:
-    stop_fields = {"max_tokens", "min_tokens", "stop_token_ids", "eos_token_ids", "ignore_eos"}
-    stop = {k: v for k, v in options.items() if k in stop_fields}
-    sampling = {k: v for k, v in options.items() if k not in stop_fields}
-    stop.setdefault("eos_token_ids", (2,))
-    return PreprocessedRequest(
-        token_ids=[5, 6, 7] if prompt is None else prompt,
-        stop=StopConditions(**stop),
-        sampling=SamplingOptions(**sampling),
-        output=OutputOptions(logprobs=logprobs),
-        n=n,
-    )
+#: every request here: a three-token prompt, EOS id 2 (LIMITS')
+request = functools.partial(make_request, token_ids=[5, 6, 7], eos_token_ids=(2,))
 
 
 # -- the sampling mapping -------------------------------------------------------------------
@@ -78,7 +65,7 @@ def test_greedy_is_temperature_zero_and_greedy_n_samples_the_argmax() -> None:
 
 
 def test_the_budget_is_max_tokens_or_the_room_left_and_never_beyond() -> None:
-    assert plan_sampling(request(list(range(10))), "r", LIMITS).budget == 54
+    assert plan_sampling(request(token_ids=list(range(10))), "r", LIMITS).budget == 54
     assert plan_sampling(request(max_tokens=0), "r", LIMITS).budget == 0
     plan = plan_sampling(request(max_tokens=8, min_tokens=20), "r", LIMITS)
     assert (plan.params["max_tokens"], plan.params["min_tokens"]) == (8, 8)
@@ -112,10 +99,10 @@ def test_every_sampling_option_is_passed_on() -> None:
 @pytest.mark.parametrize(
     ("given", "param"),
     [
-        (request([]), "prompt"),
-        (request([5, 100]), "prompt"),
-        (request([-1]), "prompt"),
-        (request(list(range(64))), "prompt"),
+        (request(token_ids=[]), "prompt"),
+        (request(token_ids=[5, 100]), "prompt"),
+        (request(token_ids=[-1]), "prompt"),
+        (request(token_ids=list(range(64))), "prompt"),
         (request(max_tokens=62), "max_tokens"),
         (request(max_tokens=-1), "max_tokens"),
         (request(temperature=-0.5), "temperature"),

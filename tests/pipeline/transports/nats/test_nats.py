@@ -29,6 +29,7 @@ from worker_process import CODEC, MODEL, SCRIPT, Countdown
 from operators.backend import Backend
 from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
 from operators.migration import Migration
+from operators.testing import make_request
 from pipeline import (
     CapacityExhausted,
     ConnectFailed,
@@ -428,10 +429,6 @@ def worker_process(
     return ready_process("worker_process.py", url, worker_id, str(ttl))
 
 
-def request() -> PreprocessedRequest:
-    return PreprocessedRequest(token_ids=[1, 2, 3])
-
-
 async def test_a_killed_worker_fails_its_streams_by_ping_and_by_ttl(
     nats_server: NatsServer, nc: Client
 ) -> None:
@@ -449,7 +446,7 @@ async def test_a_killed_worker_fails_its_streams_by_ping_and_by_ttl(
         killed_at = 0.0
 
         async def consume(name: str, engine: Any) -> None:
-            items, how = await outcome(engine, make_context(request()))
+            items, how = await outcome(engine, make_context(make_request()))
             assert len(items) >= 3
             ended[name] = (anyio.current_time() - killed_at, how)
 
@@ -478,7 +475,7 @@ async def test_a_stopped_worker_process_times_out(nats_server: NatsServer, nc: C
         remote: RemoteEngine[PreprocessedRequest, EngineOutput] = RemoteEngine(
             nc, worker_id="frozen", codec=CODEC, timeouts=timeouts
         )
-        async with open_stream(remote, make_context(request())) as stream:
+        async with open_stream(remote, make_context(make_request())) as stream:
             await anext(stream)
             process.send_signal(signal.SIGSTOP)  # alive to the server, deaf to pings
             with pytest.raises(ResponseTimeout), anyio.fail_after(2.0):
@@ -516,7 +513,7 @@ async def test_migration_finishes_a_killed_workers_stream_on_another_worker(
             await wait_until(lambda: "survivor" in workers)
             assert workers.members[0].id == "doomed"  # round robin starts there
             outputs: list[BackendOutput] = []
-            async with open_stream(graph, make_context(request())) as stream:
+            async with open_stream(graph, make_context(make_request())) as stream:
                 async for output in stream:
                     outputs.append(output)
                     if len(outputs) == 5:
@@ -570,7 +567,9 @@ async def test_a_dead_worker_is_evicted_by_the_first_request_that_finds_it_gone(
         # and no retry is sent there (Migration allows a request one retry only).
         graph = graph_over(workers, policy, events, limit=1)
         for _ in range(8):
-            assert text(await collect(graph, make_context(request()))) == "".join(map(chr, SCRIPT))
+            assert text(await collect(graph, make_context(make_request()))) == "".join(
+                map(chr, SCRIPT)
+            )
         assert "doomed" not in workers
     assert events == [("connect", "retried")]
     assert len(survivor.requests) == 8
@@ -593,7 +592,7 @@ async def test_a_dead_worker_found_by_a_ping_is_evicted_and_its_streams_migrate_
 
         async def consume(flowing: anyio.Event) -> None:
             outputs: list[BackendOutput] = []
-            async with open_stream(graph, make_context(request())) as stream:
+            async with open_stream(graph, make_context(make_request())) as stream:
                 async for output in stream:
                     outputs.append(output)
                     if len(outputs) == 3:

@@ -18,10 +18,9 @@ import pytest
 from operators.contracts.llm import (
     EngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from operators.routing.kv_blocks import adapter_salt, block_hashes, request_block_ids
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import InvalidRequest, KvEvent, KvStored, open_stream
 from pipeline.testing import collect, make_context
@@ -31,7 +30,7 @@ pytestmark = [pytest.mark.llama, pytest.mark.time_limit(120)]
 pytest.importorskip("llama_cpp", reason="needs the [llama] extra (make installs it)")
 pytest.importorskip("gguf", reason="needs the [gguf] extra (make installs it)")
 
-from operators.engines.llama import LlamaEngine  # noqa: E402
+from operators.engines.llama import LlamaEngine, LlamaOptions  # noqa: E402
 from operators.engines.llama.lora_file import write_lora_adapter  # noqa: E402
 
 BS = 8
@@ -49,8 +48,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(adapters: dict[str, Path]) -> Iterator[LlamaEngine]:
+    loras = {"tiny": adapters["tiny"]}
     engine = LlamaEngine(
-        n_ctx=512, n_threads=2, parallel=4, block_size=BS, loras={"tiny": adapters["tiny"]}
+        options=LlamaOptions(n_ctx=512, n_threads=2, parallel=4, block_size=BS, loras=loras)
     )
     yield engine
     engine.close()
@@ -61,7 +61,7 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.default()
 
 
-def request(
+def ask(
     tokenizer: Tokenizer,
     lora: str | None = None,
     *,
@@ -69,10 +69,12 @@ def request(
     max_tokens: int = 12,
     priority: int = 0,
 ) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode(text),
-        stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-        sampling=SamplingOptions(temperature=0.0),
+    """``text`` in ``tokenizer``'s ids, greedy, for exactly ``max_tokens``, with ``lora``."""
+    return make_request(
+        tokenizer.encode(text),
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        temperature=0.0,
         lora=lora,
         priority=priority,
     )
@@ -86,7 +88,7 @@ async def test_each_step_runs_one_adapter_and_the_groups_alternate(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     alone = {
-        lora: ids(await collect(engine, make_context(request(tokenizer, lora))))
+        lora: ids(await collect(engine, make_context(ask(tokenizer, lora))))
         for lora in (None, "tiny")
     }
     assert alone[None] != alone["tiny"]
@@ -94,7 +96,7 @@ async def test_each_step_runs_one_adapter_and_the_groups_alternate(
     together: dict[tuple[str | None, int], list[int]] = {}
 
     async def one(lora: str | None, i: int) -> None:
-        together[lora, i] = ids(await collect(engine, make_context(request(tokenizer, lora))))
+        together[lora, i] = ids(await collect(engine, make_context(ask(tokenizer, lora))))
 
     async with anyio.create_task_group() as tg:
         for i in range(2):
@@ -118,9 +120,7 @@ async def test_a_prefix_is_reused_only_under_its_own_adapter(
     text = "Tell me about Italy and its old cities, please. " * 3  # no other test's prefix
 
     async def cached(lora: str | None) -> int | None:
-        outputs = await collect(
-            engine, make_context(request(tokenizer, lora, text=text, max_tokens=2))
-        )
+        outputs = await collect(engine, make_context(ask(tokenizer, lora, text=text, max_tokens=2)))
         return outputs[0].cached_tokens
 
     assert not await cached(None)
@@ -137,14 +137,14 @@ async def test_kv_events_salt_an_adapters_blocks_as_the_router_does(
     try:
         text = PROMPT.replace("France", "Spain") * 2
         for lora in ("tiny", None):
-            await collect(engine, make_context(request(tokenizer, lora, text=text, max_tokens=2)))
+            await collect(engine, make_context(ask(tokenizer, lora, text=text, max_tokens=2)))
         snapshot = set(engine.kv_snapshot().block_ids)
     finally:
         engine.kv_events = None
     tokens = tokenizer.encode(text)
     router_ids = request_block_ids(BS)
-    salted = router_ids(make_context(request(tokenizer, "tiny", text=text)))
-    plain = router_ids(make_context(request(tokenizer, None, text=text)))
+    salted = router_ids(make_context(ask(tokenizer, "tiny", text=text)))
+    plain = router_ids(make_context(ask(tokenizer, None, text=text)))
     assert salted == block_hashes(tokens, BS, parent=adapter_salt("tiny"))
     assert plain == block_hashes(tokens, BS)
     assert not set(salted) & set(plain)
@@ -159,14 +159,14 @@ async def test_adapters_load_and_unload_under_running_requests(
 ) -> None:
     await engine.load_lora("other", str(adapters["other"]))
     assert dict(engine.loras) == {"tiny": str(adapters["tiny"]), "other": str(adapters["other"])}
-    first = ids(await collect(engine, make_context(request(tokenizer, "other"))))
-    long = request(tokenizer, "other", max_tokens=40)
+    first = ids(await collect(engine, make_context(ask(tokenizer, "other"))))
+    long = ask(tokenizer, "other", max_tokens=40)
     async with open_stream(engine, make_context(long)) as stream:
         got = list((await anext(stream)).token_ids)
         await engine.unload_lora("other")  # the running request finishes with it
         assert "other" not in engine.loras
         with pytest.raises(InvalidRequest) as refused:
-            await collect(engine, make_context(request(tokenizer, "other")))
+            await collect(engine, make_context(ask(tokenizer, "other")))
         assert refused.value.param == "model"
         async for output in stream:
             got.extend(output.token_ids)
@@ -175,7 +175,7 @@ async def test_adapters_load_and_unload_under_running_requests(
     with pytest.raises(KeyError):
         await engine.unload_lora("other")
     await engine.load_lora("other", str(adapters["other"]))  # a name can come back
-    assert ids(await collect(engine, make_context(request(tokenizer, "other")))) == first
+    assert ids(await collect(engine, make_context(ask(tokenizer, "other")))) == first
     await engine.unload_lora("other")
 
 
@@ -202,17 +202,17 @@ async def test_a_load_that_cannot_be_honoured_names_the_field(
 async def test_waiting_requests_are_admitted_by_priority_then_arrival(
     tokenizer: Tokenizer,
 ) -> None:
-    engine = LlamaEngine(n_ctx=256, n_threads=2, parallel=1)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=2, parallel=1))
     try:
         order: list[str] = []
 
         async def one(name: str, priority: int) -> None:
-            context = make_context(request(tokenizer, priority=priority, max_tokens=2))
+            context = make_context(ask(tokenizer, priority=priority, max_tokens=2))
             async with open_stream(engine, context) as stream:
                 await anext(stream)
                 order.append(name)
 
-        async with open_stream(engine, make_context(request(tokenizer, max_tokens=30))) as running:
+        async with open_stream(engine, make_context(ask(tokenizer, max_tokens=30))) as running:
             await anext(running)  # it holds the one slot
             async with anyio.create_task_group() as tg:
                 for i, (name, priority) in enumerate(

@@ -18,13 +18,12 @@ import pytest
 from operators.contracts.llm import (
     Constraint,
     EngineOutput,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
     StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.routing.prefill_router import PrefillRouter
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import EngineError, WorkerSet, link
 from pipeline.testing import collect, make_context
@@ -51,7 +50,7 @@ class Engines:
 
 async def load(**options: Any) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, "parallel": 2, **options}
-    return await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))
+    return await anyio.to_thread.run_sync(lambda: LlamaEngine(options=LlamaOptions(**settings)))
 
 
 @pytest.fixture
@@ -76,14 +75,11 @@ def prompt(question: str) -> list[int]:
     )
 
 
-def request(question: str, **options: Any) -> PreprocessedRequest:
-    stop = StopConditions(max_tokens=options.pop("max_tokens", 12), **options.pop("stop", {}))
-    return PreprocessedRequest(
-        token_ids=prompt(question),
-        stop=stop,
-        sampling=options.pop("sampling", SamplingOptions(temperature=0)),
-        output=OutputOptions(logprobs=2),
-        **options,
+def ask(question: str, **options: Any) -> PreprocessedRequest:
+    """``question`` as a one-turn chat; greedy, 12 tokens, with logprobs unless ``options``
+    (:func:`operators.testing.make_request`'s) say otherwise."""
+    return make_request(
+        prompt(question), **{"max_tokens": 12, "temperature": 0, "logprobs": 2, **options}
     )
 
 
@@ -102,11 +98,11 @@ async def test_disaggregated_output_equals_aggregated(engines: Engines) -> None:
     and finish reasons; the decode engine prefilled no prompt token, and pulled only the
     cells its slot did not hold already."""
     graph = engines.disaggregated()
-    cases = [request(q) for q in QUESTIONS] + [
-        request(QUESTIONS[0], sampling=SamplingOptions(temperature=0.9, seed=11)),
-        request(QUESTIONS[1], sampling=SamplingOptions(temperature=1.2, top_p=0.9, seed=3)),
-        request(QUESTIONS[2], stop={"min_tokens": 6}, max_tokens=8),
-        request("Give me a JSON object.", constraint=Constraint(param="response_format")),
+    cases = [ask(q) for q in QUESTIONS] + [
+        ask(QUESTIONS[0], temperature=0.9, seed=11),
+        ask(QUESTIONS[1], temperature=1.2, top_p=0.9, seed=3),
+        ask(QUESTIONS[2], min_tokens=6, max_tokens=8),
+        ask("Give me a JSON object.", constraint=Constraint(param="response_format")),
     ]
     for i, case in enumerate(cases):
         expected = await collect(engines.aggregated, make_context(case, id=f"a{i}"))
@@ -126,7 +122,7 @@ async def test_disaggregated_output_equals_aggregated(engines: Engines) -> None:
 
 @pytest.mark.time_limit(60)
 async def test_a_handle_that_fails_verification_is_refused(engines: Engines) -> None:
-    case = request(QUESTIONS[0])
+    case = ask(QUESTIONS[0])
     [first] = await collect(
         engines.prefill,
         make_context(dataclasses.replace(case, stop=StopConditions(max_tokens=1)), id="r"),
@@ -158,7 +154,7 @@ async def test_a_handle_that_fails_verification_is_refused(engines: Engines) -> 
 async def test_a_prefill_worker_gone_before_the_pull_is_invisible(engines: Engines) -> None:
     """The handle is out, then the prefill worker dies: the decode worker prefills the
     prompt itself and the output is the aggregated one."""
-    case = request(QUESTIONS[3])
+    case = ask(QUESTIONS[3])
     expected = await collect(engines.aggregated, make_context(case, id="a"))
     leg = dataclasses.replace(case, stop=StopConditions(max_tokens=1))
     [first] = await collect(engines.prefill, make_context(leg, id="r"))
@@ -178,14 +174,12 @@ async def test_cells_are_released_when_pulled_and_when_the_request_died(engines:
     store = engines.prefill._disagg.store
     assert store is not None
     graph = engines.disaggregated()
-    await collect(graph, make_context(request(QUESTIONS[0]), id="r1"))
+    await collect(graph, make_context(ask(QUESTIONS[0]), id="r1"))
     assert len(store) == 0  # pulled: released
-    leg = dataclasses.replace(request(QUESTIONS[1]), stop=StopConditions(max_tokens=1))
+    leg = ask(QUESTIONS[1], max_tokens=1)
     [first] = await collect(engines.prefill, make_context(leg, id="r2"))
     assert len(store) == 1
-    stopped = make_context(
-        dataclasses.replace(request(QUESTIONS[1]), prefill_result=first.prefill_result), id="r2"
-    )
+    stopped = make_context(ask(QUESTIONS[1], prefill_result=first.prefill_result), id="r2")
     stopped.stop_generating()  # the client left between the leg and the decode
     assert await collect(engines.decode, stopped) == []
     assert len(store) == 0  # released by the decode worker
@@ -194,7 +188,7 @@ async def test_cells_are_released_when_pulled_and_when_the_request_died(engines:
 @pytest.mark.time_limit(60)
 async def test_a_decode_worker_holding_the_prompt_pulls_nothing(engines: Engines) -> None:
     graph = engines.disaggregated()
-    case = request(QUESTIONS[2], max_tokens=4)
+    case = ask(QUESTIONS[2], max_tokens=4)
     first = await collect(graph, make_context(case, id="r1"))
     pulled = engines.decode.statistics().transferred_tokens
     again = await collect(graph, make_context(case, id="r2"))  # its slot holds the prompt

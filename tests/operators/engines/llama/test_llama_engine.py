@@ -10,18 +10,23 @@ ggml's spinning worker threads slow down many times over when other work shares 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import anyio
 import pytest
 
 from operators.contracts.llm import (
     EngineOutput,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
-from operators.engines.llama import LlamaEngine, LlamaStep, NgramProposer, NgramSpeculation
+from operators.engines.llama import (
+    LlamaEngine,
+    LlamaOptions,
+    LlamaStep,
+    NgramProposer,
+    NgramSpeculation,
+)
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, InvalidRequest, open_stream
 from pipeline.testing import collect, make_context
@@ -53,7 +58,7 @@ def engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=1024, n_threads=1)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1))
     yield engine
     engine.close()
 
@@ -63,9 +68,8 @@ def speculative_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(
-        n_ctx=1024, n_threads=1, speculative=NgramSpeculation(ngram_size=3, num_draft_tokens=8)
-    )
+    speculative = NgramSpeculation(ngram_size=3, num_draft_tokens=8)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1, speculative=speculative))
     yield engine
     engine.close()
 
@@ -76,7 +80,7 @@ def wide_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=256, n_threads=1, parallel=8)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=1, parallel=8))
     yield engine
     engine.close()
 
@@ -87,7 +91,7 @@ def chunked_engine() -> Iterator[LlamaEngine]:
     reason = _skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    engine = LlamaEngine(n_ctx=1024, n_threads=1, parallel=3, step_tokens=32)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=1024, n_threads=1, parallel=3, step_tokens=32))
     yield engine
     engine.close()
 
@@ -97,33 +101,12 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.default()
 
 
-def request(
-    tokenizer: Tokenizer,
-    text: str = FRANCE,
-    *,
-    max_tokens: int | None = 16,
-    temperature: float | None = 0.0,
-    top_p: float | None = None,
-    presence_penalty: float | None = None,
-    seed: int | None = None,
-    logprobs: int | None = None,
-    min_tokens: int = 0,
-    ignore_eos: bool = False,
-    n: int = 1,
-) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode(text),
-        stop=StopConditions(
-            max_tokens=max_tokens,
-            min_tokens=min_tokens,
-            ignore_eos=ignore_eos,
-            eos_token_ids=tuple(sorted(tokenizer.eos_token_ids)),
-        ),
-        sampling=SamplingOptions(
-            temperature=temperature, top_p=top_p, presence_penalty=presence_penalty, seed=seed
-        ),
-        output=OutputOptions(logprobs=logprobs),
-        n=n,
+def ask(tokenizer: Tokenizer, text: str = FRANCE, **options: Any) -> PreprocessedRequest:
+    """``text`` in ``tokenizer``'s ids, stopping at its EOS; greedy and 16 tokens unless
+    ``options`` (:func:`operators.testing.make_request`'s) say otherwise."""
+    options = {"max_tokens": 16, "temperature": 0.0, **options}
+    return make_request(
+        tokenizer.encode(text), eos_token_ids=sorted(tokenizer.eos_token_ids), **options
     )
 
 
@@ -194,7 +177,7 @@ def test_shipped_tokenizer_matches_the_gguf(engine: LlamaEngine, tokenizer: Toke
 
 @pytest.mark.llama
 async def test_decodes_a_real_answer(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    outputs = await run(engine, request(tokenizer))
+    outputs = await run(engine, ask(tokenizer))
     text = tokenizer.decode(ids(outputs), skip_special_tokens=True)
     assert "Paris" in text
     assert all(len(out.token_ids) == 1 for out in outputs)  # one token per step
@@ -203,7 +186,7 @@ async def test_decodes_a_real_answer(engine: LlamaEngine, tokenizer: Tokenizer) 
 
 @pytest.mark.llama
 async def test_eos_is_emitted_with_finish_stop(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    outputs = await run(engine, request(tokenizer, max_tokens=32))
+    outputs = await run(engine, ask(tokenizer, max_tokens=32))
     assert finish_reasons(outputs) == ["stop"]
     assert outputs[-1].finish_reason == "stop"
     assert ids(outputs)[-1] in engine.eos_token_ids
@@ -212,7 +195,7 @@ async def test_eos_is_emitted_with_finish_stop(engine: LlamaEngine, tokenizer: T
 
 @pytest.mark.llama
 async def test_max_tokens_finishes_with_length(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    outputs = await run(engine, request(tokenizer, max_tokens=3))
+    outputs = await run(engine, ask(tokenizer, max_tokens=3))
     assert len(ids(outputs)) == 3
     assert finish_reasons(outputs) == ["length"]
     assert outputs[-1].finish_reason == "length"
@@ -222,22 +205,22 @@ async def test_max_tokens_finishes_with_length(engine: LlamaEngine, tokenizer: T
 async def test_min_tokens_suppresses_eos_and_ignore_eos_runs_on(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    natural = ids(await run(engine, request(tokenizer, max_tokens=32)))
+    natural = ids(await run(engine, ask(tokenizer, max_tokens=32)))
     assert len(natural) < 14  # the answer ends with EOS early...
-    outputs = await run(engine, request(tokenizer, max_tokens=16, min_tokens=14))
+    outputs = await run(engine, ask(tokenizer, max_tokens=16, min_tokens=14))
     generated = ids(outputs)
     assert len(generated) >= 14  # ...but min_tokens keeps it going
     assert not set(generated[:14]) & engine.eos_token_ids
-    outputs = await run(engine, request(tokenizer, max_tokens=len(natural) + 2, ignore_eos=True))
+    outputs = await run(engine, ask(tokenizer, max_tokens=len(natural) + 2, ignore_eos=True))
     assert ids(outputs)[: len(natural)] == natural  # EOS generated, then generation goes on
     assert finish_reasons(outputs) == ["length"]
 
 
 @pytest.mark.llama
 async def test_greedy_output_is_deterministic(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    first = await run(engine, request(tokenizer, REPEAT))
-    await run(engine, request(tokenizer, "<|im_start|>user\nHi<|im_end|>\n", max_tokens=2))
-    second = await run(engine, request(tokenizer, REPEAT))
+    first = await run(engine, ask(tokenizer, REPEAT))
+    await run(engine, ask(tokenizer, "<|im_start|>user\nHi<|im_end|>\n", max_tokens=2))
+    second = await run(engine, ask(tokenizer, REPEAT))
     assert ids(first) == ids(second)
     assert len(ids(first)) == 16
 
@@ -246,9 +229,9 @@ async def test_greedy_output_is_deterministic(engine: LlamaEngine, tokenizer: To
 async def test_speculative_decoding_gives_the_same_output(
     engine: LlamaEngine, speculative_engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    plain = await run(engine, request(tokenizer, REPEAT, logprobs=1))
+    plain = await run(engine, ask(tokenizer, REPEAT, logprobs=1))
     before = speculative_engine.statistics()
-    fast = await run(speculative_engine, request(tokenizer, REPEAT, logprobs=1))
+    fast = await run(speculative_engine, ask(tokenizer, REPEAT, logprobs=1))
     after = speculative_engine.statistics()
     assert ids(fast) == ids(plain)
     assert finish_reasons(fast) == finish_reasons(plain) == ["length"]
@@ -269,9 +252,9 @@ async def test_presence_penalty_changes_greedy_output(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     # "Paris" again after "Paris." is penalized (EOS suppressed so that the answer goes on)
-    plain = await run(engine, request(tokenizer, max_tokens=12, min_tokens=12))
+    plain = await run(engine, ask(tokenizer, max_tokens=12, min_tokens=12))
     penalized = await run(
-        engine, request(tokenizer, max_tokens=12, min_tokens=12, presence_penalty=2.0)
+        engine, ask(tokenizer, max_tokens=12, min_tokens=12, presence_penalty=2.0)
     )
     assert ids(plain)[:7] == ids(penalized)[:7]  # "The capital of France is Paris."
     assert ids(plain) != ids(penalized)
@@ -281,7 +264,7 @@ async def test_presence_penalty_changes_greedy_output(
 async def test_speculation_applies_penalties_token_by_token(
     engine: LlamaEngine, speculative_engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    req = request(tokenizer, REPEAT, max_tokens=16, presence_penalty=2.0)
+    req = ask(tokenizer, REPEAT, max_tokens=16, presence_penalty=2.0)
     before = speculative_engine.statistics().speculative_accepted
     assert ids(await run(speculative_engine, req)) == ids(await run(engine, req))
     assert speculative_engine.statistics().speculative_accepted > before
@@ -292,7 +275,7 @@ async def test_speculation_is_skipped_when_sampling(
     speculative_engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     before = speculative_engine.statistics().speculative_proposed
-    req = request(tokenizer, REPEAT, max_tokens=8, temperature=0.8, seed=1)
+    req = ask(tokenizer, REPEAT, max_tokens=8, temperature=0.8, seed=1)
     outputs = await run(speculative_engine, req)
     assert len(ids(outputs)) == 8
     assert speculative_engine.statistics().speculative_proposed == before
@@ -300,7 +283,7 @@ async def test_speculation_is_skipped_when_sampling(
 
 @pytest.mark.llama
 async def test_logprobs_are_aligned_and_sorted(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    outputs = await run(engine, request(tokenizer, max_tokens=6, logprobs=3))
+    outputs = await run(engine, ask(tokenizer, max_tokens=6, logprobs=3))
     for out in outputs:
         assert out.logprobs is not None
         assert out.top_logprobs is not None
@@ -311,14 +294,14 @@ async def test_logprobs_are_aligned_and_sorted(engine: LlamaEngine, tokenizer: T
             assert values == sorted(values, reverse=True)
             assert all(value <= 0.0 for value in values)
             assert top[0] == (token, logprob)  # greedy: the sampled token is the most likely
-    no_alternatives = await run(engine, request(tokenizer, max_tokens=2, logprobs=0))
+    no_alternatives = await run(engine, ask(tokenizer, max_tokens=2, logprobs=0))
     assert [out.top_logprobs for out in no_alternatives] == [[[]], [[]]]
     assert all(out.logprobs and out.logprobs[0] <= 0.0 for out in no_alternatives)
 
 
 @pytest.mark.llama
 async def test_seeded_sampling_is_reproducible(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
-    req = request(tokenizer, max_tokens=12, temperature=0.8, seed=42, ignore_eos=True)
+    req = ask(tokenizer, max_tokens=12, temperature=0.8, seed=42, ignore_eos=True)
     first = await run(engine, req)
     second = await run(engine, req)
     assert ids(first) == ids(second)
@@ -329,8 +312,8 @@ async def test_seeded_sampling_is_reproducible(engine: LlamaEngine, tokenizer: T
 async def test_tiny_top_p_keeps_only_the_most_likely_token(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    greedy = ids(await run(engine, request(tokenizer, max_tokens=8)))
-    nucleus = await run(engine, request(tokenizer, max_tokens=8, temperature=1.5, top_p=1e-6))
+    greedy = ids(await run(engine, ask(tokenizer, max_tokens=8)))
+    nucleus = await run(engine, ask(tokenizer, max_tokens=8, temperature=1.5, top_p=1e-6))
     assert ids(nucleus) == greedy
 
 
@@ -338,7 +321,7 @@ async def test_tiny_top_p_keeps_only_the_most_likely_token(
 async def test_n_choices_are_indexed_and_reproducible(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    req = request(tokenizer, max_tokens=4, temperature=1.0, seed=7, ignore_eos=True, n=2)
+    req = ask(tokenizer, max_tokens=4, temperature=1.0, seed=7, ignore_eos=True, n=2)
     outputs = await run(engine, req)
     assert [len(ids(outputs, index)) for index in (0, 1)] == [4, 4]
     assert sorted(out.index for out in outputs if out.finish_reason) == [0, 1]
@@ -352,14 +335,14 @@ async def test_closing_the_stream_stops_generation(
 ) -> None:
     before = engine.statistics().generated_tokens
     received = 0
-    async with open_stream(engine, make_context(request(tokenizer, max_tokens=16))) as stream:
+    async with open_stream(engine, make_context(ask(tokenizer, max_tokens=16))) as stream:
         async for _ in stream:
             received += 1
             if received == 2:
                 break
     # The engine is free again at once, and nothing ran on in the background: a sequence
     # runs at most two outputs ahead of its consumer.
-    await run(engine, request(tokenizer, max_tokens=1))
+    await run(engine, ask(tokenizer, max_tokens=1))
     assert 2 + 1 <= engine.statistics().generated_tokens - before <= 2 + 2 + 1
 
 
@@ -367,7 +350,7 @@ async def test_closing_the_stream_stops_generation(
 async def test_kill_stops_generation_within_one_token(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    ctx = make_context(request(tokenizer, max_tokens=16))
+    ctx = make_context(ask(tokenizer, max_tokens=16))
     before = engine.statistics().generated_tokens
     three = anyio.Event()
     received: list[EngineOutput] = []
@@ -387,7 +370,7 @@ async def test_kill_stops_generation_within_one_token(
     assert 3 <= len(received) <= 4
     # A step already running when the kill came may still finish; the next request runs
     # after it. At most two tokens ran ahead of the consumer.
-    await run(engine, request(tokenizer, max_tokens=1))
+    await run(engine, ask(tokenizer, max_tokens=1))
     assert engine.statistics().generated_tokens - before <= 3 + 2 + 1
     assert not finish_reasons(received)
 
@@ -396,7 +379,7 @@ async def test_kill_stops_generation_within_one_token(
 async def test_kill_aborts_a_long_prefill(engine: LlamaEngine, tokenizer: Tokenizer) -> None:
     # ~750 prompt tokens take seconds to prefill on two threads; the kill must not wait.
     text = CHAT.format(" ".join(f"item{i}" for i in range(200)))
-    req = request(tokenizer, text, max_tokens=4)
+    req = ask(tokenizer, text, max_tokens=4)
     assert 600 < len(req.token_ids) < engine.n_ctx - 4
     ctx = make_context(req)
     before = engine.statistics().generated_tokens
@@ -409,7 +392,7 @@ async def test_kill_aborts_a_long_prefill(engine: LlamaEngine, tokenizer: Tokeni
     assert elapsed < 1.5
     assert engine.statistics().generated_tokens == before
     # the aborted prefill left the engine usable
-    assert "Paris" in tokenizer.decode(ids(await run(engine, request(tokenizer))))
+    assert "Paris" in tokenizer.decode(ids(await run(engine, ask(tokenizer))))
 
 
 @pytest.mark.llama
@@ -417,7 +400,7 @@ async def test_cancellation_during_prefill_is_not_swallowed(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     text = CHAT.format(" ".join(f"item{i}" for i in range(200)))
-    ctx = make_context(request(tokenizer, text, max_tokens=4), timeout=0.2)
+    ctx = make_context(ask(tokenizer, text, max_tokens=4), timeout=0.2)
     with anyio.move_on_after(0.3) as outer:
         assert await collect(engine, ctx) == []  # the deadline passed during the prefill
         await anyio.sleep(5)  # ...and the outer scope must still be able to cancel us
@@ -434,7 +417,7 @@ async def _kill_later(ctx: Context[PreprocessedRequest], delay: float) -> None:
 async def test_stop_generating_ends_the_stream_cleanly(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    ctx = make_context(request(tokenizer, max_tokens=16))
+    ctx = make_context(ask(tokenizer, max_tokens=16))
     received = 0
     async with open_stream(engine, ctx) as stream:
         async for _ in stream:
@@ -448,7 +431,7 @@ async def test_stop_generating_ends_the_stream_cleanly(
 async def test_concurrent_requests_match_sequential(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
-    requests = [request(tokenizer, FRANCE, max_tokens=8), request(tokenizer, REPEAT, max_tokens=8)]
+    requests = [ask(tokenizer, FRANCE, max_tokens=8), ask(tokenizer, REPEAT, max_tokens=8)]
     sequential = [ids(await run(engine, req)) for req in requests]
     concurrent: list[list[int]] = [[], []]
 
@@ -476,7 +459,7 @@ async def test_event_loop_stays_responsive(engine: LlamaEngine, tokenizer: Token
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(tick)
-        outputs = await run(engine, request(tokenizer, REPEAT, max_tokens=16))
+        outputs = await run(engine, ask(tokenizer, REPEAT, max_tokens=16))
         done.set()
     assert len(ids(outputs)) == 16
     assert worst < 0.1  # a generous bound: the model runs in a worker thread
@@ -487,13 +470,13 @@ async def test_requests_that_cannot_fit_are_invalid(
     engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     with pytest.raises(InvalidRequest, match="exceeds the context window") as caught:
-        await run(engine, request(tokenizer, max_tokens=engine.n_ctx))
+        await run(engine, ask(tokenizer, max_tokens=engine.n_ctx))
     assert caught.value.param == "max_tokens"
     with pytest.raises(InvalidRequest, match="empty"):
         await run(engine, PreprocessedRequest(token_ids=[]))
     with pytest.raises(InvalidRequest, match="vocabulary"):
         await run(engine, PreprocessedRequest(token_ids=[1, engine.vocab_size]))
-    assert await run(engine, request(tokenizer, max_tokens=0)) == [
+    assert await run(engine, ask(tokenizer, max_tokens=0)) == [
         EngineOutput(token_ids=[], finish_reason="length")
     ]
 
@@ -503,7 +486,7 @@ def fresh_engine() -> LlamaEngine:
     """An engine of its own, loaded outside the test's time limit (a load is seconds)."""
     if (reason := _skip_reason()) is not None:
         pytest.skip(reason)
-    return LlamaEngine(n_ctx=256)
+    return LlamaEngine(options=LlamaOptions(n_ctx=256))
 
 
 @pytest.mark.llama
@@ -533,7 +516,7 @@ def batch_requests(tokenizer: Tokenizer, max_tokens: int = 8) -> list[Preprocess
         "Write one short sentence about the sea and the sky at night.",
         "Hi",
     ]
-    return [request(tokenizer, CHAT.format(q), max_tokens=max_tokens) for q in questions]
+    return [ask(tokenizer, CHAT.format(q), max_tokens=max_tokens) for q in questions]
 
 
 async def run_together(
@@ -569,7 +552,7 @@ async def test_concurrent_streams_all_start_before_any_completes(
     events: list[tuple[str, int]] = []
 
     async def one(i: int) -> None:
-        req = request(tokenizer, CHAT.format(f"Tell me about the number {i}."), max_tokens=6)
+        req = ask(tokenizer, CHAT.format(f"Tell me about the number {i}."), max_tokens=6)
         async with open_stream(engine, make_context(req)) as stream:
             async for out in stream:
                 if ("first", i) not in events:
@@ -604,8 +587,8 @@ async def test_n_choices_and_logprobs_inside_a_batch(
     wide_engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     story = CHAT.format("Tell me a story.")
-    sampled = request(tokenizer, story, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True, n=2)
-    with_logprobs = request(tokenizer, FRANCE, max_tokens=5, logprobs=2)
+    sampled = ask(tokenizer, story, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True, n=2)
+    with_logprobs = ask(tokenizer, FRANCE, max_tokens=5, logprobs=2)
     before = wide_engine.statistics()
     alone = [await run(wide_engine, sampled), await run(wide_engine, with_logprobs)]
     after = wide_engine.statistics()
@@ -632,7 +615,7 @@ async def test_a_disconnect_mid_batch_frees_the_slot_for_the_next_request(
 ) -> None:
     engine = chunked_engine
     running = [
-        make_context(request(tokenizer, CHAT.format(f"Tell story {i}."), max_tokens=40))
+        make_context(ask(tokenizer, CHAT.format(f"Tell story {i}."), max_tokens=40))
         for i in range(engine.parallel)
     ]
     started = [anyio.Event() for _ in running]
@@ -646,7 +629,7 @@ async def test_a_disconnect_mid_batch_frees_the_slot_for_the_next_request(
                     events.append(f"done {i}")
 
     async def next_request() -> None:
-        async with open_stream(engine, make_context(request(tokenizer))) as outputs:
+        async with open_stream(engine, make_context(ask(tokenizer))) as outputs:
             async for _ in outputs:
                 events.append("next started")
                 break
@@ -674,7 +657,7 @@ async def test_a_request_cancelled_while_waiting_leaves_the_queue(
     release = anyio.Event()
 
     async def hold(i: int) -> None:
-        req = request(tokenizer, CHAT.format(f"Story {i}."), max_tokens=8)
+        req = ask(tokenizer, CHAT.format(f"Story {i}."), max_tokens=8)
         async with open_stream(engine, make_context(req)) as outputs:
             async for _ in outputs:
                 holding[i].set()
@@ -687,13 +670,13 @@ async def test_a_request_cancelled_while_waiting_leaves_the_queue(
         for event in holding:
             await event.wait()
         async with anyio.create_task_group() as queued:
-            queued.start_soon(run, engine, request(tokenizer))
+            queued.start_soon(run, engine, ask(tokenizer))
             await anyio.wait_all_tasks_blocked()
             assert engine.statistics().waiting_sequences == 1
             queued.cancel_scope.cancel()  # a client that gives up while queued
         assert engine.statistics().waiting_sequences == 0
         release.set()
-    assert "Paris" in tokenizer.decode(ids(await run(engine, request(tokenizer))))
+    assert "Paris" in tokenizer.decode(ids(await run(engine, ask(tokenizer))))
 
 
 @pytest.mark.llama
@@ -702,8 +685,8 @@ async def test_speculative_batched_output_is_plain_greedy_output(
 ) -> None:
     other = "Copy this: one two three four five six seven eight nine ten."
     requests = [
-        request(tokenizer, REPEAT, max_tokens=16),
-        request(tokenizer, CHAT.format(other) + "one two three", max_tokens=16),
+        ask(tokenizer, REPEAT, max_tokens=16),
+        ask(tokenizer, CHAT.format(other) + "one two three", max_tokens=16),
         *batch_requests(tokenizer)[:2],
     ]
     plain = [ids(await run(engine, req)) for req in requests]
@@ -724,12 +707,12 @@ async def test_a_long_prompt_does_not_stall_running_sequences(
     lengths: list[int] = []
 
     async def short(i: int) -> None:
-        req = request(tokenizer, CHAT.format(f"Count to {i + 30}."), max_tokens=40, ignore_eos=True)
+        req = ask(tokenizer, CHAT.format(f"Count to {i + 30}."), max_tokens=40, ignore_eos=True)
         async with open_stream(engine, make_context(req)) as outputs:
             async for _ in outputs:
                 first[i].set()
 
-    long = request(tokenizer, CHAT.format(" ".join(f"item{i}" for i in range(120))), max_tokens=1)
+    long = ask(tokenizer, CHAT.format(" ".join(f"item{i}" for i in range(120))), max_tokens=1)
     async with anyio.create_task_group() as tg:
         for i in range(2):
             tg.start_soon(short, i)
@@ -740,11 +723,11 @@ async def test_a_long_prompt_does_not_stall_running_sequences(
         lengths.append(len(ids(outputs)))
         prefill = [step for step in steps_since(engine, steps_before) if step.prefill_tokens]
     assert lengths == [1]
-    assert len(long.token_ids) > 8 * engine.step_tokens  # the prompt took many steps...
+    assert len(long.token_ids) > 8 * engine.options.step_tokens  # the prompt took many steps...
     assert len(prefill) >= 8
     for step in prefill:  # ...and every one of them carried a token of both running ones
         assert len(step.decoded) == 2
-        assert step.decode_tokens + step.prefill_tokens <= engine.step_tokens
+        assert step.decode_tokens + step.prefill_tokens <= engine.options.step_tokens
 
 
 @pytest.mark.llama
@@ -752,7 +735,7 @@ async def test_more_choices_than_slots_run_in_waves(
     chunked_engine: LlamaEngine, tokenizer: Tokenizer
 ) -> None:
     n = chunked_engine.parallel + 2
-    req = request(tokenizer, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True, n=n)
+    req = ask(tokenizer, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True, n=n)
     first = await run(chunked_engine, req)
     assert [len(ids(first, index)) for index in range(n)] == [3] * n
     assert sorted(out.index for out in first if out.finish_reason) == list(range(n))
@@ -784,10 +767,10 @@ async def test_a_traced_request_has_its_steps_as_span_events(
             ended.append(span)
 
     span = Tracer(Sink()).start("engine")
-    req = request(tokenizer, REPEAT, max_tokens=8)
+    req = ask(tokenizer, REPEAT, max_tokens=8)
     outputs: list[EngineOutput] = []
     decoding = anyio.Event()
-    beside = make_context(request(tokenizer, max_tokens=200, ignore_eos=True))
+    beside = make_context(ask(tokenizer, max_tokens=200, ignore_eos=True))
 
     async def decode_beside() -> None:
         async with open_stream(chunked_engine, beside) as stream:

