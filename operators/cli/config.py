@@ -23,11 +23,15 @@ from operators.engines.llama import LlamaOptions, NgramSpeculation
 
 from .defaults import (
     API_KEY_ENV,
+    DEFAULT_CANARY_INTERVAL,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_ENGINE_RESTARTS,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
+    DEFAULT_RESTART_WINDOW,
+    DEFAULT_STALL_TIMEOUT,
     DEFAULT_UPSTREAM_POLL_MS,
     DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
@@ -35,12 +39,6 @@ from .defaults import (
     EngineName,
     Role,
     RouterName,
-)
-from .health import (
-    DEFAULT_CANARY_INTERVAL,
-    DEFAULT_ENGINE_RESTARTS,
-    DEFAULT_RESTART_WINDOW,
-    DEFAULT_STALL_TIMEOUT,
 )
 from .observability import LogFormat
 

@@ -10,34 +10,23 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from operators.contracts.probe import one_token_probe
 from pipeline.health import Supervised
 
+from .defaults import (
+    DEFAULT_CANARY_INTERVAL,
+    DEFAULT_ENGINE_RESTARTS,
+    DEFAULT_RESTART_WINDOW,
+    DEFAULT_STALL_TIMEOUT,
+)
 from .options import non_negative_float, non_negative_int, positive_float
 
 if TYPE_CHECKING:
     from pipeline import Engine
 
-__all__ = (
-    "DEFAULT_CANARY_INTERVAL",
-    "DEFAULT_ENGINE_RESTARTS",
-    "DEFAULT_RESTART_WINDOW",
-    "DEFAULT_STALL_TIMEOUT",
-    "HealthSettings",
-    "add_health_options",
-    "supervise",
-)
-
-#: seconds without progress, with requests waiting, before an engine is stalled
-DEFAULT_STALL_TIMEOUT: Final = 30.0
-#: seconds an idle engine waits for its canary (0: none)
-DEFAULT_CANARY_INTERVAL: Final = 0.0
-#: rebuilds of a dead engine allowed within the window
-DEFAULT_ENGINE_RESTARTS: Final = 3
-#: seconds the restart budget counts over
-DEFAULT_RESTART_WINDOW: Final = 300.0
+__all__ = ("HealthSettings", "add_health_options", "supervise")
 
 
 class HealthSettings(Protocol):

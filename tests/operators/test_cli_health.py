@@ -124,7 +124,7 @@ def workers(nats: NatsServer) -> Iterator[Workers]:
 def test_a_frontend_without_workers_is_healthy_but_not_ready(
     nats: NatsServer, workers: Workers
 ) -> None:
-    server = ServerProcess("--nats", nats.url, "--model-name", "echo", "--log-level", "info")
+    server = ServerProcess("--nats", nats.url, "--model-name", "mocker", "--log-level", "info")
     try:
         found = probes(server)
         assert found["/live"] == (200, {"status": "live"})
@@ -134,7 +134,10 @@ def test_a_frontend_without_workers_is_healthy_but_not_ready(
             {
                 "status": "not_ready",
                 "models": {
-                    "echo": {"ready": False, "reason": "no worker has joined 'echo decode' yet"}
+                    "mocker": {
+                        "ready": False,
+                        "reason": "no worker has joined 'mocker decode' yet",
+                    }
                 },
             },
         )
@@ -156,7 +159,9 @@ async def test_a_worker_whose_canary_fails_leaves_routing(
         assert probes(server)["/ready"][0] == 200  # (the good one serves the model)
         async with api(server) as client:
             for i in range(8):
-                answer = await chat_stream(client, **chat(f"request {i}", max_tokens=5))
+                answer = await chat_stream(
+                    client, model="mocker", **chat(f"request {i}", max_tokens=5)
+                )
                 assert answer["finishes"] == ["length"]
         good, bad = workers.started
         assert len(good.served()) == 8
@@ -179,13 +184,13 @@ async def test_a_frozen_workers_streams_migrate_and_with_every_worker_frozen_non
             wait_for(lambda w=worker_id: f"worker {w} joined" in server.stderr(), 10)
         requests = [chat(f"the {i}th of two streams, long enough", max_tokens=60) for i in (1, 2)]
         async with api(reference) as local:
-            expected = [await chat_stream(local, **request) for request in requests]
+            expected = [await chat_stream(local, model="mocker", **request) for request in requests]
         answers: list[dict[str, Any]] = [{}, {}]
         async with api(server) as client, anyio.create_task_group() as tg:
             for i, request in enumerate(requests):
 
                 async def one(i: int = i, request: dict[str, Any] = request) -> None:
-                    answers[i] = await chat_stream(client, **request)
+                    answers[i] = await chat_stream(client, model="mocker", **request)
 
                 tg.start_soon(one)
         assert answers == expected  # one of them migrated mid-stream, invisibly
@@ -197,7 +202,7 @@ async def test_a_frozen_workers_streams_migrate_and_with_every_worker_frozen_non
         # Now the steady one freezes too (past 150 tokens): nothing is ready.
         async with api(server) as client:
             with pytest.raises(openai.APIError) as failed:
-                await chat_stream(client, **chat("a third stream", max_tokens=60))
+                await chat_stream(client, model="mocker", **chat("a third stream", max_tokens=60))
         # (retried on the one worker there is, which refuses it: or none left at all)
         assert failed.value.code == "engine_unavailable" or "no worker" in failed.value.message
         wait_for(lambda: probes(server)["/ready"][0] == 503, 10)
