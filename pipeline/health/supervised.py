@@ -135,6 +135,7 @@ class Supervised(Generic[In, Out]):
         self._busy = False  # a probe or rebuild runs
         self._next_probe = -math.inf
         self._closing: Engine[In, Out] | None = None  # a dead engine its rebuild closes
+        self._previous: Engine[In, Out] | None = None  # the last engine, while none serves
         self._sink: Any = None  # the KV event sink set on it, set again on a rebuilt one
 
     # ------------------------------------------------------------------ what it tells
@@ -315,7 +316,7 @@ class Supervised(Generic[In, Out]):
         times = self._restart_times
         while times and now - times[0] >= self._window:
             times.popleft()
-        self._engine = None
+        self._engine, self._previous = None, engine
         for ctx in list(self._inflight):
             self._lost(ctx)
             ctx.fail(EngineDead(f"{self.name} died: {why}", request_id=ctx.id))
@@ -407,7 +408,7 @@ class Supervised(Generic[In, Out]):
                     continue
                 if self._sink is not None and hasattr(engine, "kv_events"):
                     cast("Any", engine).kv_events = self._sink
-                self._engine = engine
+                self._engine, self._previous = engine, None
                 self._seen, self._progress_at = -1, anyio.current_time()
                 if self._probe is None or await self._probe_once(canary=False):
                     logger.info("%s is ready", self.name)
@@ -454,12 +455,13 @@ class Supervised(Generic[In, Out]):
 
     def __getattr__(self, name: str) -> Any:
         """What the engine has besides (its ``features``, ``statistics()``, ``embed``...),
-        read from the engine serving now."""
+        read from the engine serving now (while one is rebuilt: the one that died, so that
+        a scrape of its statistics still answers)."""
         if name.startswith("_"):
             raise AttributeError(name)
-        engine = self._engine
+        engine = self._engine if self._engine is not None else self._previous
         if engine is None:
-            raise AttributeError(f"{self.name} has no engine now to read {name!r} from")
+            raise AttributeError(f"{self.name} has no engine yet to read {name!r} from")
         return getattr(engine, name)
 
     def __repr__(self) -> str:

@@ -223,6 +223,7 @@ async def test_a_dead_engine_is_rebuilt_and_requests_wait_for_it() -> None:
         assert isinstance(EngineDead("x"), WorkerLost)  # Migration retries it elsewhere
         assert engine.state == "restarting"
         assert engine.restarts == 1
+        assert engine.features == frozenset({"valve"})  # (the dead one's, while rebuilt)
         assert health.refusal("m") is None  # (a new request waits for the rebuild)
         with anyio.fail_after(0.1):  # the request lost to it does not wait for it
             with pytest.raises(EngineUnavailable):

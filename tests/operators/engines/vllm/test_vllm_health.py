@@ -193,6 +193,7 @@ async def test_a_frozen_or_killed_engine_core_is_refused_rebuilt_and_at_last_end
 
         def rebuilt() -> bool:
             lives.append(get(server, "/live").status_code)
+            lives.append(get(server, "/metrics").status_code)  # (the scrape answers too)
             return get(server, "/ready").status_code == 200
 
         await anyio.to_thread.run_sync(lambda: until(rebuilt, 240, "rebuilt"))
