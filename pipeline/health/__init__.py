@@ -44,13 +44,13 @@ asyncio-only code, one task per process, nothing per output but two additions.
 
 from __future__ import annotations
 
+from .common import PROBE_RETRY as PROBE_RETRY
+from .common import RETRY_AFTER as RETRY_AFTER
+from .common import EngineState as EngineState
+from .common import Probe as Probe
 from .process import TICK as TICK
 from .process import Health as Health
 from .process import ModelHealth as ModelHealth
-from .supervised import PROBE_RETRY as PROBE_RETRY
-from .supervised import RETRY_AFTER as RETRY_AFTER
-from .supervised import EngineState as EngineState
-from .supervised import Probe as Probe
 from .supervised import Supervised as Supervised
 
 __all__ = (

@@ -17,7 +17,8 @@ import anyio
 from pipeline.errors import EngineUnavailable
 from pipeline.routers import WorkerSet
 
-from .supervised import RETRY_AFTER, Supervised
+from .common import RETRY_AFTER
+from .supervised import Supervised
 
 if TYPE_CHECKING:
     from anyio.abc import TaskStatus

@@ -9,17 +9,29 @@ the health's task group. The package docstring (:mod:`pipeline.health`) says why
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import weakref
-from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, cast, final
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, final
 
 import anyio
 
-from pipeline.context import StateKey
 from pipeline.errors import EngineDead, EngineStalled, EngineUnavailable
+from pipeline.streams import FunctionEngine
+
+from .common import (
+    PROBE_RETRY,
+    PROBE_TIMEOUT,
+    RETRY_AFTER,
+    EngineState,
+    Probe,
+    RestartBudget,
+    close_engine,
+    lost_to,
+    mark_lost,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -28,33 +40,12 @@ if TYPE_CHECKING:
     from pipeline.operator import Engine, Stream
     from pipeline.routers import WorkerSet
 
-__all__ = ("EngineState", "Probe", "Supervised")
+__all__ = ("Supervised",)
 
 logger = logging.getLogger("pipeline.health")
 
 In = TypeVar("In")
 Out = TypeVar("Out")
-
-EngineState = Literal["starting", "ready", "stalled", "failing", "restarting", "dead"]
-"""Where a supervised engine is: ``starting`` (its first engine is being built),
-``ready``, ``stalled`` (no progress with requests waiting), ``failing`` (a probe or canary
-failed), ``restarting`` (it died and is being rebuilt), ``dead`` (beyond recovery)."""
-
-Probe = Callable[["Engine[Any, Any]"], Awaitable[object]]
-"""Sends one small request to the engine it is given and returns once it was answered
-(raises if it was not): the canary, and the test of a stalled or rebuilt engine."""
-
-#: seconds between probes of an engine that is not ready
-PROBE_RETRY: Final = 1.0
-#: how long a probe may take when there is no stall timeout to end it
-PROBE_TIMEOUT: Final = 30.0
-#: how long closing a dead engine may take before its rebuild goes on regardless
-CLOSE_TIMEOUT: Final = 30.0
-#: what a refused client is told to wait (``Retry-After``), seconds
-RETRY_AFTER: Final = 5
-
-#: the engines (by id) a request was already lost to: it does not wait for their restart
-_LOST_TO: Final = StateKey[frozenset[int]]("pipeline.health.lost_to")
 
 
 @final
@@ -106,21 +97,17 @@ class Supervised(Generic[In, Out]):
             raise ValueError(f"stall_timeout must be > 0, got {stall_timeout}")
         if canary_interval < 0:
             raise ValueError(f"canary_interval must be >= 0, got {canary_interval}")
-        if restarts < 0 or not restart_window > 0:
-            raise ValueError("restarts must be >= 0 and restart_window > 0")
         self._engine = engine
         self._factory = factory
         self.name = name
         self.stall_timeout = stall_timeout
         self._probe = probe
         self.canary_interval = canary_interval
-        self._restarts = restarts
-        self._window = restart_window
+        self._budget = RestartBudget(restarts, restart_window)
         self._state: EngineState = "ready" if engine is not None else "starting"
         self._reason: str | None = None if engine is not None else "starting"
-        #: stalls and restarts so far
+        #: stalls so far
         self.stalls = 0
-        self.restarts = 0
         self._outputs = 0  # outputs delivered, ever
         #: each request in flight and its stream (a generator of ours: see ``waiting``)
         self._inflight: weakref.WeakValueDictionary[Context[Any], Any] = (
@@ -131,7 +118,6 @@ class Supervised(Generic[In, Out]):
         self._active_at = -math.inf  # when a request was last in flight
         self._changed: anyio.Event | None = None
         self._listeners: list[Callable[[Supervised[In, Out]], None]] = []
-        self._restart_times: deque[float] = deque()
         self._busy = False  # a probe or rebuild runs
         self._next_probe = -math.inf
         self._closing: Engine[In, Out] | None = None  # a dead engine its rebuild closes
@@ -159,6 +145,11 @@ class Supervised(Generic[In, Out]):
     def reason(self) -> str | None:
         """Why it is not ready (None when it is)."""
         return self._reason
+
+    @property
+    def restarts(self) -> int:
+        """Rebuilds started so far."""
+        return self._budget.spent
 
     @property
     def waiting(self) -> int:
@@ -221,7 +212,7 @@ class Supervised(Generic[In, Out]):
                 self._outputs += 1
                 yield item
         except EngineDead as exc:
-            self._lost(ctx)
+            mark_lost(ctx, self)
             self._died(engine, exc.message)
             raise
         finally:
@@ -237,8 +228,7 @@ class Supervised(Generic[In, Out]):
             state, engine = self._state, self._engine
             if state == "ready" and engine is not None:
                 return engine
-            lost_here = id(self) in ctx.state.get(_LOST_TO, frozenset())
-            if state not in ("starting", "restarting") or lost_here:
+            if state not in ("starting", "restarting") or lost_to(ctx, self):
                 raise EngineUnavailable(
                     f"{self.name} is unavailable: {self._reason}",
                     retry_after=RETRY_AFTER,
@@ -247,9 +237,6 @@ class Supervised(Generic[In, Out]):
             if self._changed is None:
                 self._changed = anyio.Event()
             await self._changed.wait()
-
-    def _lost(self, ctx: Context[Any]) -> None:
-        ctx.state.set(_LOST_TO, ctx.state.get(_LOST_TO, frozenset()) | {id(self)})
 
     # --------------------------------------------------------------------- the watchdog
 
@@ -305,33 +292,28 @@ class Supervised(Generic[In, Out]):
             logger.warning("%s: %s", self.name, why)
             self._set("stalled", why)
         for ctx in list(self._inflight):
-            self._lost(ctx)
+            mark_lost(ctx, self)
             ctx.fail(EngineStalled(f"{self.name}: {why}", request_id=ctx.id))
 
     def _died(self, engine: Engine[In, Out], why: str) -> None:
         """``engine`` died: fail its requests, and rebuild it if the budget allows."""
         if engine is not self._engine or self._state == "dead":
             return  # already handled (several streams report one death)
-        now = anyio.current_time()
-        times = self._restart_times
-        while times and now - times[0] >= self._window:
-            times.popleft()
         self._engine, self._previous = None, engine
         for ctx in list(self._inflight):
-            self._lost(ctx)
+            mark_lost(ctx, self)
             ctx.fail(EngineDead(f"{self.name} died: {why}", request_id=ctx.id))
-        if self._factory is None or len(times) >= self._restarts:
-            budget = (
-                "it has no factory to rebuild it"
-                if self._factory is None
-                else f"{len(times)} restarts within {self._window:g} s already"
-            )
-            self._dead(f"engine died ({why}); beyond recovery: {budget}", engine)
+        spent = (
+            "it has no factory to rebuild it"
+            if self._factory is None
+            else self._budget.spend(anyio.current_time())
+        )
+        if spent is not None:
+            self._dead(f"engine died ({why}); beyond recovery: {spent}", engine)
             return
-        times.append(now)
-        self.restarts += 1
-        logger.warning("%s died (%s): restarting it (%d of %d)", self.name, why, len(times),
-                       self._restarts)  # fmt: skip
+        budget = self._budget
+        logger.warning("%s died (%s): restarting it (%d of %d)", self.name, why,
+                       len(budget.recent), budget.restarts)  # fmt: skip
         self._set("restarting", f"engine died ({why}); restarting")
         self._closing = engine
 
@@ -370,7 +352,8 @@ class Supervised(Generic[In, Out]):
         try:
             limit = PROBE_TIMEOUT if self.stall_timeout is None else math.inf
             with anyio.fail_after(limit):
-                await probe(_Bypass(self, engine))
+                # (counted and watched like any request, never refused)
+                await probe(FunctionEngine(functools.partial(self._open, engine)))
         except EngineDead as exc:
             self._died(engine, exc.message)
             return False
@@ -396,13 +379,15 @@ class Supervised(Generic[In, Out]):
         try:
             closing, self._closing = self._closing, None
             if closing is not None:
-                await _close(closing, self.name)
+                await close_engine(closing, self.name)
             assert self._factory is not None
             while self._state != "dead":
                 try:
                     engine = await self._factory()
                 except Exception as exc:
-                    if not self._budget_left(f"its rebuild failed: {exc!r}"):
+                    spent = self._budget.spend(anyio.current_time())
+                    if spent is not None:
+                        self._dead(f"its rebuild failed: {exc!r}; beyond recovery: {spent}", None)
                         return
                     await anyio.sleep(PROBE_RETRY)
                     continue
@@ -417,27 +402,13 @@ class Supervised(Generic[In, Out]):
         finally:
             self._busy = False
 
-    def _budget_left(self, why: str) -> bool:
-        """Whether another rebuild is within the budget (then it counts); dead if not."""
-        now = anyio.current_time()
-        times = self._restart_times
-        while times and now - times[0] >= self._window:
-            times.popleft()
-        if len(times) >= self._restarts:
-            self._dead(f"{why}; beyond recovery: {len(times)} restarts within "
-                       f"{self._window:g} s already", None)  # fmt: skip
-            return False
-        times.append(now)
-        self.restarts += 1
-        return True
-
     async def aclose(self) -> None:
         """Close the engine serving now (and a dead one not closed yet)."""
         closing, engine = self._closing, self._engine
         self._closing = self._engine = None
         for each in (closing, engine):
             if each is not None:
-                await _close(each, self.name)
+                await close_engine(each, self.name)
 
     # ------------------------------------------------------------- the engine's own
 
@@ -466,31 +437,3 @@ class Supervised(Generic[In, Out]):
 
     def __repr__(self) -> str:
         return f"Supervised({self.name!r}, {self._state})"
-
-
-@final
-class _Bypass(Generic[In, Out]):
-    """The engine as a probe sees it: counted and watched like any request, never refused."""
-
-    __slots__ = ("_engine", "_owner")
-
-    def __init__(self, owner: Supervised[In, Out], engine: Engine[In, Out]) -> None:
-        self._owner = owner
-        self._engine = engine
-
-    def generate(self, ctx: Context[In], /) -> Stream[Out]:
-        return self._owner._open(self._engine, ctx)
-
-
-async def _close(engine: object, name: str) -> None:
-    """Close ``engine`` if it can be; a failure is logged (a dead engine may not close)."""
-    aclose = getattr(engine, "aclose", None)
-    if aclose is None:
-        return
-    with anyio.move_on_after(CLOSE_TIMEOUT) as late:
-        try:
-            await aclose()
-        except Exception:
-            logger.warning("%s: closing the dead engine failed", name, exc_info=True)
-    if late.cancelled_caught:
-        logger.warning("%s: the dead engine did not close within %g s", name, CLOSE_TIMEOUT)
