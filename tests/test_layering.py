@@ -40,6 +40,7 @@ PUBLIC_MODULES = frozenset(
     {
         "pipeline",
         "pipeline.errors",
+        "pipeline.health",
         "pipeline.priority",
         "pipeline.routers",
         "pipeline.testing",
