@@ -24,8 +24,9 @@ import httpx
 import openai
 import psutil
 import pytest
-from server_process import ServerProcess
-from vllm_support import requires_vllm
+
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.vllm_support import requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.time_limit(600)]
 
