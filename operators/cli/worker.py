@@ -76,7 +76,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
     ``config.drain_timeout``); a second one, or a signal before it serves, cancels.
     """
     from operators.contracts.remote_embed import serve_embeddings
-    from operators.contracts.transport import RequestLog, llm_codec
+    from operators.contracts.transport import RequestLog, coalesce_outputs, llm_codec
     from pipeline.transports.nats import NatsTimeouts
     from pipeline.transports.nats import serve as serve_engine
 
@@ -144,6 +144,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         codec=llm_codec(),
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
                         tracer=tracer,
+                        coalesce=coalesce_outputs,
                     )
                     engine.on_change(
                         lambda watched: served.set_ready(watched.ready, watched.reason)

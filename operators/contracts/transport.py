@@ -14,6 +14,8 @@ frontend, in front of the routers, because a Context's state store does not trav
 
 - :func:`llm_codec` is the :class:`~pipeline.transports.codec.DataclassCodec` of this
   layer's hot-path types; a worker and its frontends must use the same one.
+- :func:`coalesce_outputs` merges the token outputs a worker sent together (one BATCH
+  frame) into bursts, so the frontend's graph handles one item where it had several.
 - :class:`RequestLog` counts a worker's requests in flight and logs how each one ended
   (finished, stopped, cancelled, failed) at info level: a cancelled line is how one sees,
   from outside, that a client's disconnect reached the worker.
@@ -62,6 +64,7 @@ __all__ = (
     "RequestLog",
     "RetryElsewhere",
     "WorkerSets",
+    "coalesce_outputs",
     "discover_workers",
     "llm_codec",
 )
@@ -87,6 +90,72 @@ LLM_TYPES: Final = (
 def llm_codec() -> DataclassCodec:
     """A new codec for :data:`LLM_TYPES` (a codec is a buffer: one per event loop)."""
     return DataclassCodec(LLM_TYPES)
+
+
+def coalesce_outputs(outputs: list[EngineOutput]) -> list[EngineOutput]:
+    """``outputs`` (ready together, in order) with each run of consecutive token outputs
+    of one choice merged into one output: a burst, as a speculating engine yields.
+
+    The frontend's graph takes a burst as the tokens one by one: the Backend decodes,
+    counts and checks each token of an output in turn (the stop jail, stop ids, EOS,
+    ``min_tokens``, ``max_tokens``) and cuts a burst at the token that stops it, with its
+    logprobs (aligned with the ids, concatenated here); usage is the sum of the ids;
+    Migration replays every id it has seen. What changes is only how many items carry
+    them, so what a client reads is the same text, logprobs, finish and usage, in fewer
+    events (the SSE writer would have written them in one write anyway). Not merged:
+    another choice's output (the interleaving of choices stays), an output after a finish
+    reason, an output whose text the engine decoded itself (the Backend gives a
+    self-decoded output's text to its first token), one that reports ``cached_tokens``
+    (an attempt's first), encode and prefill results, and outputs with logprobs next to
+    outputs without. The outputs given are not modified.
+    """
+    if len(outputs) < 2:
+        return outputs
+    merged: list[EngineOutput] = []
+    burst: EngineOutput | None = None  # the last merged output, when built here
+    for output in outputs:
+        last = merged[-1] if merged else None
+        if last is None or not _extends(last, output):
+            merged.append(output)
+            continue
+        if last is not burst:  # a copy to extend: the given outputs stay as they were
+            logprobs, top = last.logprobs, last.top_logprobs
+            burst = EngineOutput(
+                list(last.token_ids),
+                None if logprobs is None else list(logprobs),
+                None if top is None else list(top),
+                None,
+                last.index,
+                None,
+                None,
+                None,
+                last.cached_tokens,
+            )
+            merged[-1] = burst
+        burst.token_ids += output.token_ids
+        if burst.logprobs is not None and output.logprobs is not None:
+            burst.logprobs += output.logprobs
+        if burst.top_logprobs is not None and output.top_logprobs is not None:
+            burst.top_logprobs += output.top_logprobs
+        burst.finish_reason = output.finish_reason
+    return merged
+
+
+def _extends(last: EngineOutput, output: EngineOutput) -> bool:
+    """Whether ``output`` can join the burst ``last`` (see :func:`coalesce_outputs`)."""
+    return (
+        output.index == last.index
+        and last.finish_reason is None
+        and last.text is None
+        and output.text is None
+        and output.cached_tokens is None
+        and last.encoder_result is None
+        and last.prefill_result is None
+        and output.encoder_result is None
+        and output.prefill_result is None
+        and (last.logprobs is None) is (output.logprobs is None)
+        and (last.top_logprobs is None) is (output.top_logprobs is None)
+    )
 
 
 @final
@@ -186,7 +255,12 @@ async def discover_workers(
     async with anyio.create_task_group() as tg:
         for role, name in _ROLE_SETS:
             discovery: NatsDiscovery[PreprocessedRequest, EngineOutput] = NatsDiscovery(
-                nc, model=model, role=role, codec=llm_codec(), timeouts=timeouts
+                nc,
+                model=model,
+                role=role,
+                codec=llm_codec(),
+                timeouts=timeouts,
+                coalesce=coalesce_outputs,
             )
             await tg.start(discovery.run, getattr(sets, name))
         try:

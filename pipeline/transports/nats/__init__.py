@@ -12,9 +12,11 @@
   each gets its Context rebuilt (id, payload, deadline, metadata) and is streamed back as
   frames ``[seq, kind, body]`` (START, DATA, BATCH, END, ERR, HB; see :mod:`.wire`). Outputs
   the engine has ready together share one BATCH message; the worker sends what it holds
-  the moment the engine would wait (see :mod:`.serving`). It sends at most the credit
-  its client granted (flow control), and a stream it cuts off (a drain that ran out or
-  was cut short) ends with an ERR frame, so its client migrates it at once.
+  the moment the engine would wait (see :mod:`.serving`), merged into fewer outputs when
+  it was given ``coalesce`` (the LLM layer merges token outputs into bursts). It sends at
+  most the credit its client granted (flow control), and a stream it cuts off (a drain
+  that ran out or was cut short) ends with an ERR frame, so its client migrates it at
+  once.
 * :class:`RemoteEngine` is the client half, an Engine like any other. Errors raised by the
   remote engine come back as the same :mod:`pipeline.errors` type; transport failures
   become :class:`~pipeline.WorkerLost` (``ConnectFailed`` before the stream started,
@@ -85,9 +87,10 @@ nats-server >= 2.11 (per-message TTLs) with JetStream for discovery.
 This module is the package's public face; its modules are internal, one part each:
 :mod:`.wire` (subjects, frames, error bodies, timeouts), :mod:`.connection` and
 :mod:`.bus` (the connection, and what a process knows of it), :mod:`.client` and
-:mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving` and :mod:`.outbox` (the
-worker half), :mod:`.registration`, :mod:`.bucket` (opening and following the discovery
-bucket), :mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
+:mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving`, :mod:`.outbox` and
+:mod:`.keeper` (the worker half), :mod:`.registration`, :mod:`.bucket` (opening the
+discovery bucket), :mod:`.watch` (following it: one watch per connection),
+:mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
 """
 
 from __future__ import annotations

@@ -16,8 +16,13 @@ ask the :class:`Bus` of their connection before they judge a peer by its silence
 
 State is read off the client itself (``is_connected`` and its reconnection count), so a
 connection made by the user's own code works as well as one from :func:`.connect`; the
-callbacks :func:`.connect` installs only add the two log lines an outage deserves (one
-when the connection is lost, one when it is back, with the outage's length).
+callbacks :func:`.connect` installs add the two log lines an outage deserves (one when
+the connection is lost, one when it is back, with the outage's length), and let what must
+act on a reconnection (renew a watch, ask for snapshots) be told of it
+(:meth:`Bus.on_reconnection`) instead of looking every fraction of a second, which is
+what an idle process would otherwise spend its CPU on. On a connection made elsewhere
+nobody tells the Bus, so those look again every :data:`RECONNECT_POLL` seconds
+(:attr:`Bus.informed` says which).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, final
 
 import anyio
@@ -33,12 +39,15 @@ import nats.errors
 if TYPE_CHECKING:
     from nats.aio.client import Client
 
-__all__ = ("POLL", "Bus", "bus_of")
+__all__ = ("POLL", "RECONNECT_POLL", "Bus", "bus_of")
 
 logger = logging.getLogger("pipeline.transports.nats")
 
 #: how often (seconds) something waiting for the bus looks again
 POLL: Final = 0.05
+#: on a connection whose Bus is not told of reconnections (not made by :func:`.connect`),
+#: how often (seconds) what must act on one looks for it
+RECONNECT_POLL: Final = 0.25
 
 _BUSES: weakref.WeakKeyDictionary[Client, Bus] = weakref.WeakKeyDictionary()
 #: what nats-py reports when the connection itself is lost (before it says disconnected)
@@ -70,10 +79,12 @@ class Bus:
         "__weakref__",
         "_connected_once",
         "_down_since",
+        "_listeners",
         "_lost_at",
         "_nc",
         "_reconnects",
         "_up_since",
+        "informed",
         "last_error",
     )
 
@@ -87,6 +98,11 @@ class Bus:
         #: what nats-py last reported through the error callback :func:`.connect` installs
         #: (a permissions violation arrives only there, apart from what it made fail)
         self.last_error: str | None = None
+        #: whether nats-py tells this Bus of reconnections (:func:`.connect` made the
+        #: connection): then :meth:`on_reconnection` callbacks are all it takes to hear of
+        #: one; otherwise look at :attr:`reconnections` every :data:`RECONNECT_POLL` seconds
+        self.informed = False
+        self._listeners: list[Callable[[], None]] = []
 
     def _observe(self) -> None:
         nc = self._nc
@@ -116,6 +132,39 @@ class Bus:
         """Whether the connection is up now."""
         self._observe()
         return self._down_since is None
+
+    @property
+    def reconnections(self) -> int:
+        """How many times the connection came back so far (it changes at each one)."""
+        self._observe()
+        return self._reconnects
+
+    def on_reconnection(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback()`` after each reconnection, once nats-py has subscribed again
+        (only when :attr:`informed`); returns what stops it. It runs in nats-py's
+        reconnection task: it must be quick (set an event)."""
+        self._listeners.append(callback)
+
+        def stop() -> None:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+        return stop
+
+    async def next_reconnection(self, seen: int) -> int:
+        """Wait until :attr:`reconnections` is no longer ``seen``; the new count."""
+        while (count := self.reconnections) == seen:
+            if not self.informed:
+                await anyio.sleep(RECONNECT_POLL)
+                continue
+            back = anyio.Event()
+            stop = self.on_reconnection(back.set)
+            try:
+                if self.reconnections == seen:
+                    await back.wait()
+            finally:
+                stop()
+        return count
 
     def settled(self, settle: float) -> bool:
         """Up, and for at least ``settle`` seconds: a silent peer is silent for real."""
@@ -155,6 +204,8 @@ class Bus:
     async def on_reconnected(self) -> None:
         self._observe()
         logger.warning("the NATS connection is back after %.1fs", time.monotonic() - self._lost_at)
+        for callback in list(self._listeners):
+            callback()
 
     async def on_error(self, exc: Exception) -> None:
         self.last_error = str(exc) or type(exc).__name__

@@ -39,6 +39,8 @@ Out = TypeVar("Out")
 
 NoResponders: TypeAlias = Callable[[Literal["request", "control"]], None]
 """Told which of a worker's subjects NATS found nobody listening on (see RemoteEngine)."""
+Coalesce: TypeAlias = Callable[[list[Any]], list[Any]]
+"""Turns the outputs of one batch into fewer, equivalent ones (see RemoteEngine)."""
 
 
 class RemoteEngineStatistics(NamedTuple):
@@ -80,6 +82,15 @@ class RemoteEngine(Generic[In, Out]):
     :class:`NatsDiscovery` evicts the worker from its WorkerSet there, so that a retry
     never goes back to it, whatever the router's policy.
 
+    ``coalesce`` (optional) is given the outputs of each BATCH frame, the outputs the
+    worker had ready together, and returns what the stream yields for them: fewer outputs
+    that the graph above takes as equivalent (the LLM layer merges consecutive token
+    outputs of one choice into one, as a speculative burst is), so that everything above
+    the transport handles one item where it had several. A worker given the same function
+    merges before it sends (wire version 4), which saves encoding and decoding each output;
+    the client merges what an older worker sends. Flow control counts the worker's
+    outputs either way.
+
     Bus outages: while this process's own connection to NATS is down, a silent worker is
     not a dead one. A stream then waits (no ping, no verdict) for up to
     ``timeouts.outage`` seconds, or its deadline; a request waits to be sent. Once the
@@ -104,6 +115,7 @@ class RemoteEngine(Generic[In, Out]):
         control_subject: str | None = None,
         window: int = DEFAULT_WINDOW,
         on_no_responders: NoResponders | None = None,
+        coalesce: Coalesce | None = None,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1 output, got {window}")
@@ -130,6 +142,7 @@ class RemoteEngine(Generic[In, Out]):
         self.worker_id = worker_id
         self._control = control_subject
         self._on_no_responders = on_no_responders
+        self._coalesce = coalesce
         self._window = window
         self._step = max(1, window // 2)  # outputs read between two grants
         self._codec: Codec = codec if codec is not None else MsgpackCodec()
@@ -220,6 +233,7 @@ class RemoteEngine(Generic[In, Out]):
         finished = False  # END or ERR arrived: the worker is done with this stream
         stop_sent = False
         window, step = self._window, self._step
+        coalesce = self._coalesce
         read = 0  # outputs the consumer has taken
         regrant = step  # ``read`` at which to grant more
         try:
@@ -276,7 +290,12 @@ class RemoteEngine(Generic[In, Out]):
                         continue
                     raise self._status_error(msg, ctx, started=expected > 0)
                 try:
-                    seq, kind, body = codec.decode(data)
+                    frame = codec.decode(data)
+                    if type(frame) is not list or not (
+                        len(frame) == 3 or (len(frame) == 4 and type(frame[3]) is int)
+                    ):
+                        raise ValueError(f"not a frame: {frame!r:.80}")
+                    seq, kind, body = frame[0], frame[1], frame[2]
                 except Exception as exc:
                     raise EngineError(
                         f"cannot decode a frame from {worker or self.subject}: {exc}",
@@ -304,11 +323,18 @@ class RemoteEngine(Generic[In, Out]):
                     elif kind == wire.DATA:
                         yield body
                     else:
+                        # Merged by the worker (wire 4: the count of outputs follows), or
+                        # here (an older worker's batch).
+                        if coalesce is not None and len(frame) == 3:
+                            body = coalesce(body)
                         for item in body:
                             yield item
                             if ctx.is_stopped:
                                 break
-                    read += 1 if kind == wire.DATA else len(body)
+                    if kind == wire.DATA:
+                        read += 1
+                    else:
+                        read += frame[3] if len(frame) > 3 else len(frame[2])
                 elif kind == wire.START:
                     worker = str(body)
                     if control is None:

@@ -74,6 +74,7 @@ async def connect(
         await _abandon(nc)
         raise ConnectFailed(f"cannot connect to NATS at {url}: {exc}") from exc
     _ = bus.connected  # seen up: an outage from now on is one (not a first connection)
+    bus.informed = True  # its callbacks are installed: reconnections are told, not polled
     return nc
 
 

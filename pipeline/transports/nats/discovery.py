@@ -1,12 +1,13 @@
 """Discovery over NATS JetStream KV: :class:`NatsDiscovery`.
 
-A follower of the discovery bucket (:func:`~.bucket.watch_bucket`): each registration
+A follower of the discovery bucket (:func:`~.watch.watch_bucket`): each registration
 under ``<model>.<role>.*`` becomes a :class:`~.client.RemoteEngine` in a WorkerSet. The
 transport as a whole is described in :mod:`pipeline.transports.nats`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -19,9 +20,10 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import wire
-from .bucket import DEFAULT_BUCKET, JetStreamUnavailable, watch_bucket
+from .bucket import DEFAULT_BUCKET, JetStreamUnavailable
 from .bus import bus_of
-from .client import RemoteEngine
+from .client import Coalesce, RemoteEngine
+from .watch import watch_bucket
 from .wire import DEFAULT_NAMESPACE, DEFAULT_WINDOW, NatsTimeouts
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ Out = TypeVar("Out")
 class _Registry(Generic[In, Out]):
     """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""
 
-    __slots__ = ("evicted", "known", "present", "unconfirmed", "unready", "workers")
+    __slots__ = ("evicted", "known", "present", "timer", "unconfirmed", "unready", "workers")
 
     def __init__(self, workers: WorkerSet[In, Out]) -> None:
         self.workers = workers
@@ -57,6 +59,8 @@ class _Registry(Generic[In, Out]):
         #: missing or expired around a NATS outage, when a live worker could not refresh
         #: it either; registering again before then confirms it
         self.unconfirmed: dict[str, float] = {}
+        #: when the first of them is due (a timer, not a poll: idle, nothing wakes)
+        self.timer: asyncio.TimerHandle | None = None
         #: the ids the current watch's replay has shown registered so far; None once the
         #: replay is complete
         self.present: set[str] | None = None
@@ -85,8 +89,8 @@ class NatsDiscovery(Generic[In, Out]):
     reconnection the watch is renewed and the set re-synchronised; a worker whose key
     expired during the outage (it could not refresh it either) stays, with its streams,
     for ``timeouts.ttl + timeouts.settle`` seconds, and is lost only if it does not
-    register again by then. ``codec``, ``timeouts``
-    and ``window`` are the engines' (see :class:`RemoteEngine`). Use either::
+    register again by then. ``codec``, ``timeouts``, ``window``
+    and ``coalesce`` are the engines' (see :class:`RemoteEngine`). Use either::
 
         async with discovery.watch(worker_set):   # returns once the set is in sync
             ...
@@ -104,6 +108,7 @@ class NatsDiscovery(Generic[In, Out]):
         namespace: str = DEFAULT_NAMESPACE,
         timeouts: NatsTimeouts | None = None,
         window: int = DEFAULT_WINDOW,
+        coalesce: Coalesce | None = None,
     ) -> None:
         self._nc = nc
         self.model = model
@@ -113,6 +118,7 @@ class NatsDiscovery(Generic[In, Out]):
         self._namespace = namespace
         self._timeouts = timeouts
         self._window = window
+        self._coalesce = coalesce
         self._filter = f"{wire.escape_token(model)}.{role}.*"
         timing = timeouts if timeouts is not None else NatsTimeouts()
         #: how long after a reconnection a missing registration is given to come back
@@ -152,17 +158,19 @@ class NatsDiscovery(Generic[In, Out]):
                 failures, like a server restart, are retried).
         """
         registry: _Registry[In, Out] = _Registry(worker_set)
-        await watch_bucket(
-            self._nc,
-            self._bucket,
-            self._filter,
-            functools.partial(self._on_entry, registry),
-            on_watch=registry.watching,
-            on_replayed=functools.partial(self._replayed, registry),
-            on_poll=functools.partial(self._expire_unconfirmed, registry),
-            name=f"discovery of {self.model}",
-            task_status=task_status,
-        )
+        try:
+            await watch_bucket(
+                self._nc,
+                self._bucket,
+                self._filter,
+                functools.partial(self._on_entry, registry),
+                on_watch=registry.watching,
+                on_replayed=functools.partial(self._replayed, registry),
+                task_status=task_status,
+            )
+        finally:
+            if registry.timer is not None:
+                registry.timer.cancel()
 
     def _replayed(self, registry: _Registry[In, Out]) -> None:
         """A watch's replay is complete: a worker it did not replay is gone, or (around an
@@ -221,6 +229,7 @@ class NatsDiscovery(Generic[In, Out]):
                 namespace=self._namespace,
                 timeouts=self._timeouts,
                 window=self._window,
+                coalesce=self._coalesce,
                 on_no_responders=functools.partial(self._evict, registry, worker_id),
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -254,17 +263,25 @@ class NatsDiscovery(Generic[In, Out]):
             self._forget(registry, worker_id, lost=lost)
         else:
             registry.unconfirmed[worker_id] = time.monotonic() + self._grace
+            if registry.timer is None:
+                self._expire_later(registry, self._grace)
+
+    def _expire_later(self, registry: _Registry[In, Out], delay: float) -> None:
+        loop = asyncio.get_running_loop()
+        registry.timer = loop.call_later(delay, self._expire_unconfirmed, registry)
 
     def _expire_unconfirmed(self, registry: _Registry[In, Out]) -> None:
-        """Forget the unconfirmed workers whose time to register again is up."""
-        if not registry.unconfirmed:
-            return
+        """Forget the unconfirmed workers whose time to register again is up (a timer
+        calls it when the first is due)."""
+        registry.timer = None
         now = time.monotonic()
         for worker_id, deadline in list(registry.unconfirmed.items()):
             if deadline <= now:
                 del registry.unconfirmed[worker_id]
                 lost = "it did not register again after the NATS outage"
                 self._forget(registry, worker_id, lost=lost)
+        if registry.unconfirmed:
+            self._expire_later(registry, min(registry.unconfirmed.values()) - now)
 
     def _evict(
         self,

@@ -44,6 +44,7 @@ from pipeline.kv_events import KvEvent, KvEventSink, KvSnapshot, event_from_dict
 from pipeline.worker_load import WorkerLoad
 
 from . import wire
+from .bus import bus_of
 from .connection import quietly, settle
 from .wire import DEFAULT_NAMESPACE, control_codec
 
@@ -71,8 +72,6 @@ logger = logging.getLogger(__name__)
 MAX_BUFFERED: Final = 1 << 14
 #: events per message at most (a message costs more than an event's bytes)
 _MAX_BATCH: Final = 64
-#: how often a frontend looks for a reconnection (after which it asks for snapshots)
-_RECONNECT_POLL: Final = 0.25
 #: seconds at most between a load that changed and the message that says it
 LOAD_INTERVAL: Final = 0.05
 #: a snapshot request: its timeout, and how often it is retried (a worker reconnecting)
@@ -299,16 +298,16 @@ class NatsKvEvents:
                 tg.cancel_scope.cancel()
 
     async def _resync_after_reconnections(self, workers: WorkerSet[Any, Any]) -> None:
-        """Ask every member for its snapshot after each reconnection (events were lost)."""
-        nc = self._nc
-        reconnects = nc.stats["reconnects"]
+        """Ask every member for its snapshot after each reconnection (events were lost).
+
+        Told of each reconnection by the connection's Bus (no polling while idle)."""
+        bus = bus_of(self._nc)
+        reconnects = bus.reconnections
         while True:
-            await anyio.sleep(_RECONNECT_POLL)
-            if nc.stats["reconnects"] != reconnects and nc.is_connected:
-                reconnects = nc.stats["reconnects"]
-                logger.info("KV events of %s: reconnected, asking for snapshots", self.model)
-                for worker in workers.members:
-                    self._ask(worker.id)
+            reconnects = await bus.next_reconnection(reconnects)
+            logger.info("KV events of %s: reconnected, asking for snapshots", self.model)
+            for worker in workers.members:
+                self._ask(worker.id)
 
     def statistics(self) -> NatsKvEventsStatistics:
         """Events and snapshots applied, snapshot requests sent, events ignored."""

@@ -17,7 +17,8 @@ import anyio
 from anyio.abc import TaskStatus
 
 from . import wire
-from .bucket import DEFAULT_BUCKET, watch_bucket
+from .bucket import DEFAULT_BUCKET
+from .watch import watch_bucket
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -64,7 +65,6 @@ class NatsModels:
             self._bucket,
             ">",
             functools.partial(self._on_entry, on_model),
-            name="model discovery",
             task_status=task_status,
         )
 

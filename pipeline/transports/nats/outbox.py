@@ -7,7 +7,11 @@ counts of what it sent; :class:`~.serving.StreamServer` decides what to send and
 Frames are described in :mod:`.wire`.
 
 A batch over the server's payload limit is split in halves; an output that cannot be
-encoded fails the stream (EngineError) after the outputs before it went out.
+encoded fails the stream (EngineError) after the outputs before it went out. For a
+client that reads wire version 4, a worker given ``coalesce`` merges each batch's outputs
+before encoding them (the frame then says how many engine outputs it holds, see
+:mod:`.wire`); splitting and the encodable prefix still work on the outputs as the engine
+gave them.
 
 Bus outages. While the worker's connection to NATS is down, frames are not handed to
 nats-py (whose buffer would flush them the moment the connection is back, before the
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
     from pipeline.context import Context
     from pipeline.transports.codec import Codec
 
+    from .client import Coalesce
+
 __all__ = ("Outbox", "Served")
 
 logger = logging.getLogger(__name__)
@@ -66,6 +72,7 @@ class Served:
         "inbox",
         "kill_early",
         "limit",
+        "merging",
         "parked",
         "parked_at",
         "received_ns",
@@ -94,6 +101,7 @@ class Served:
         self.limit: float = math.inf  # outputs the client granted in all (flow control)
         self.credit: anyio.Event | None = None  # set when more is granted, while waiting
         self.beats_out_of_band = False  # heartbeats without a sequence number (wire 3)
+        self.merging = False  # its batches may be merged (wire 4, and a coalesce function)
         #: (seq, frame) held through a bus outage, in order
         self.parked: list[tuple[int, bytes]] | None = None
         self.parked_at = 0.0  # when it was parked (time.monotonic)
@@ -153,11 +161,13 @@ class Outbox:
     """Publishes the frames of a worker's streams; counts what was sent, and the clients
     that went away."""
 
-    __slots__ = ("clients_gone", "codec", "messages", "nc", "outputs", "worker_id")
+    __slots__ = ("clients_gone", "coalesce", "codec", "messages", "nc", "outputs", "worker_id")
 
-    def __init__(self, codec: Codec, worker_id: str) -> None:
+    def __init__(self, codec: Codec, worker_id: str, coalesce: Coalesce | None = None) -> None:
         #: the payload codec (requests are decoded with it too)
         self.codec = codec
+        #: merges a batch's outputs for clients that read wire version 4 (or None)
+        self.coalesce = coalesce
         self.worker_id = worker_id
         #: the worker's connection, set while it serves
         self.nc: Client | None = None
@@ -259,7 +269,12 @@ class Outbox:
         if served.gone or nc is None:
             return
         try:
-            data = self.codec.encode([served.seq, kind, body])
+            frame = [served.seq, kind, body]
+            if kind == BATCH and served.merging and self.coalesce is not None:
+                merged = self.coalesce(body)
+                if len(merged) < len(body):
+                    frame = [served.seq, kind, merged, len(body)]
+            data = self.codec.encode(frame)
         except Exception as exc:
             if kind == BATCH:
                 await self._send_encodable_prefix(served, body)

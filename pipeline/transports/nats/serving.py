@@ -101,6 +101,7 @@ class StreamServer(Generic[In, Out]):
                 served.limit = max(1, int(window))
                 served.retained = deque()
             served.beats_out_of_band = version >= 3
+            served.merging = version >= 4
         except Exception as exc:
             undecodable = EngineError(f"worker {self.worker_id} cannot decode the request: {exc}")
             await self.outbox.send(served, wire.ERR, wire.error_body(undecodable, ""))

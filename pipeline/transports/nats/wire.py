@@ -17,7 +17,8 @@ with no gaps::
 
     START  body: the worker id          first frame, sent before the engine runs
     DATA   body: one output
-    BATCH  body: [output, ...]          two or more outputs, in order (wire version 2)
+    BATCH  body: [output, ...]          two or more outputs, in order (wire version 2);
+                                        [seq, BATCH, body, count]: merged (version 4)
     END    body: None                   the stream finished
     ERR    body: [class name, message, request id, param]
     HB     body: None                   the worker is alive but had nothing to send
@@ -39,6 +40,14 @@ no sequence number): the client counts them as signs of life and never queues th
 paused stream's heartbeats do not pile up either. A worker one version behind ignores the
 window and the CREDIT messages (no flow control, as before); a client one version behind
 sends no window and gets HB frames.
+
+Wire version 4 lets a worker merge the outputs of a BATCH (a worker given a ``coalesce``
+function; the LLM layer merges consecutive token outputs of one choice into one burst):
+a BATCH frame whose outputs were merged carries a fourth element, ``count``, the outputs
+of the engine it holds, which is what flow control counts (CREDIT is in engine outputs
+whichever way they travel). A token then costs its id on the wire, not a tagged record
+to encode and decode. A worker merges only for a client whose request says ``"wire": 4``
+or more.
 
 Bus outages. Frames in flight when the NATS connection of either side breaks are lost (a
 killed nats-server loses what it held). So a worker serving a flow-controlled stream
@@ -101,7 +110,7 @@ HB: Final = 4
 BATCH: Final = 5
 
 #: the wire version this side speaks (see the module docstring)
-WIRE_VERSION: Final = 3
+WIRE_VERSION: Final = 4
 
 STOP: Final = "stop"
 KILL: Final = "kill"

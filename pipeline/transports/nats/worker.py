@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -20,12 +19,12 @@ from pipeline.transports.codec import Codec, MsgpackCodec
 
 from . import wire
 from .bucket import DEFAULT_BUCKET, jetstream_unavailable, open_bucket
-from .bus import bus_of
 from .connection import connect, quietly, settle
+from .keeper import Keeper
 from .outbox import Outbox, Served
 from .registration import Registration
 from .serving import StreamServer
-from .wire import DEFAULT_NAMESPACE, NatsTimeouts, control_codec
+from .wire import DEFAULT_NAMESPACE, NatsTimeouts
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -38,6 +37,8 @@ if TYPE_CHECKING:
 
     from pipeline.operator import Engine
     from pipeline.tracing import Tracer
+
+    from .client import Coalesce
 
 __all__ = ("NatsWorker", "NatsWorkerStatistics", "serve")
 
@@ -82,7 +83,9 @@ class NatsWorker(Generic[In, Out]):
     client, left open) or ``url`` (connected and closed here). ``register=False`` serves
     without discovery (no JetStream needed). ``tracer`` traces every request served
     (:mod:`pipeline.tracing`): a span ``worker`` from its arrival, under the client's span
-    when the request carries a ``traceparent``, and the engine's below it.
+    when the request carries a ``traceparent``, and the engine's below it. ``coalesce``
+    merges the outputs of each batch for clients that read wire version 4 (the LLM layer
+    gives ``operators.contracts.transport.coalesce_outputs``: token outputs into bursts).
     """
 
     def __init__(
@@ -100,6 +103,7 @@ class NatsWorker(Generic[In, Out]):
         timeouts: NatsTimeouts | None = None,
         register: bool = True,
         tracer: Tracer | None = None,
+        coalesce: Coalesce | None = None,
     ) -> None:
         if (nc is None) == (url is None):
             raise ValueError("pass exactly one of nc= (a connected client) or url=")
@@ -117,7 +121,9 @@ class NatsWorker(Generic[In, Out]):
         self.control_subject = subjects.control(self.worker_id)
         #: the model's load-balanced subject (and queue group)
         self.model_subject = subjects.model(model, self.role)
-        self._outbox = Outbox(codec if codec is not None else MsgpackCodec(), self.worker_id)
+        self._outbox = Outbox(
+            codec if codec is not None else MsgpackCodec(), self.worker_id, coalesce
+        )
         self._streams: StreamServer[In, Out] = StreamServer(engine, self._outbox, tracer)
         self._bucket = bucket
         self._timeouts = timeouts if timeouts is not None else NatsTimeouts()
@@ -138,9 +144,11 @@ class NatsWorker(Generic[In, Out]):
         self._tg: anyio.abc.TaskGroup | None = None
         self._stopping: anyio.Event | None = None
         self._drained: anyio.Event | None = None
-        self._served: dict[str, Served] = {}
+        self._keeper = Keeper(self._outbox, self._timeouts)
+        #: the streams being served, by their client's inbox (the keeper's)
+        self._served = self._keeper.served
         self._tokens = itertools.count()
-        self._by_reply: dict[str, Served] = {}
+        self._by_reply = self._keeper.by_reply
         self._gone_prefix = ""
         self._requests = 0
         self._stop_requested = False
@@ -225,6 +233,7 @@ class NatsWorker(Generic[In, Out]):
             nc = await connect(self._url, name=f"llm-pipeline worker {self.worker_id}")
         self._nc = nc
         self._outbox.nc = nc
+        self._keeper.nc = nc
         subscriptions: list[Subscription] = []
         try:
             js = nc.jetstream()
@@ -232,11 +241,11 @@ class NatsWorker(Generic[In, Out]):
             self._gone_prefix = nc.new_inbox()
             async with anyio.create_task_group() as tg:
                 # The task group exists before the first request can arrive.
-                self._tg = tg
+                self._tg = self._keeper.tg = tg
                 try:
                     for subject, queue, callback in (
-                        (self.control_subject, "", self._on_control),
-                        (f"{self._gone_prefix}.*", "", self._on_gone),
+                        (self.control_subject, "", self._keeper.on_control),
+                        (f"{self._gone_prefix}.*", "", self._keeper.on_gone),
                         (self.model_subject, self.model_subject, self._on_request),
                         (self.subject, "", self._on_request),
                     ):
@@ -252,7 +261,7 @@ class NatsWorker(Generic[In, Out]):
                             ) from exc
                         self._js = js
                         tg.start_soon(self._registration.refresh, js, nc, refresh)
-                    tg.start_soon(self._heartbeats)
+                    tg.start_soon(self._keeper.heartbeats)
                     logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)
                     graceful = False
                     try:
@@ -272,7 +281,7 @@ class NatsWorker(Generic[In, Out]):
                             await quietly(subscription.unsubscribe)
                     tg.cancel_scope.cancel()
         finally:
-            self._tg = None
+            self._tg = self._keeper.tg = None
             if self._nc_given is None:
                 with anyio.CancelScope(shield=True):
                     await quietly(nc.close)
@@ -315,40 +324,6 @@ class NatsWorker(Generic[In, Out]):
             with anyio.move_on_after(1.0):
                 await self._drained.wait()
 
-    async def _heartbeats(self) -> None:
-        """Heartbeats for quiet streams; and through a bus outage, park every stream (see
-        :mod:`.outbox`) and cut off those whose clients do not come back for them."""
-        assert self._nc is not None
-        bus = bus_of(self._nc)
-        while True:
-            await anyio.sleep(self._timeouts.heartbeat)
-            down = not bus.connected
-            now = time.monotonic()
-            for served in list(self._served.values()):
-                if down:
-                    served.park()
-                elif served.parked is not None:
-                    if self._abandoned(served, now):
-                        logger.warning(
-                            "worker %s: the client of a stream held through a NATS outage "
-                            "did not come back for it",
-                            self.worker_id,
-                        )
-                        self._outbox.client_gone(served)
-                elif served.ctx is not None and served.seq == served.beat and not served.gone:
-                    await self._outbox.heartbeat(served)
-                served.beat = served.seq
-
-    def _abandoned(self, served: Served, now: float) -> bool:
-        """Whether a parked stream's client had its chance to come back for it: a live one
-        pings within moments of its own reconnection (peers get ``settle`` seconds)."""
-        timeouts = self._timeouts
-        assert self._nc is not None
-        parked_for = now - served.parked_at
-        if parked_for >= timeouts.outage:
-            return True
-        return bus_of(self._nc).settled(2 * timeouts.settle) and parked_for >= 2 * timeouts.settle
-
     # -- NATS callbacks (they run in nats-py's tasks: hand work to our task group at once)
 
     async def _on_request(self, msg: Msg) -> None:
@@ -362,44 +337,8 @@ class NatsWorker(Generic[In, Out]):
         self._served[served.inbox] = served
         self._by_reply[served.reply] = served
         self._requests += 1
+        self._keeper.arrived()
         tg.start_soon(self._serve_one, served, msg.data)
-
-    async def _on_control(self, msg: Msg) -> None:
-        try:
-            op, *args = control_codec.decode(msg.data)
-        except Exception:
-            logger.warning("worker %s: malformed control message %r", self.worker_id, msg.data)
-            return
-        if op == wire.PING:  # [PING, inbox] or [PING, inbox, next seq]
-            served = self._served.get(args[0]) if args else None
-            if msg.reply and self._nc is not None:
-                reply = wire.UNKNOWN if served is None else wire.KNOWN
-                await quietly(self._nc.publish, msg.reply, reply)
-            if served is not None and served.parked is not None and self._tg is not None:
-                # Its client is connected and subscribed again: what was held goes out.
-                next_seq = args[1] if len(args) > 1 and isinstance(args[1], int) else None
-                self._tg.start_soon(self._outbox.resume, served, next_seq)
-            return
-        served = self._served.get(args[-1]) if args else None
-        if served is None:
-            return
-        if op == wire.CREDIT:  # [CREDIT, total, inbox] or [CREDIT, total, next seq, inbox]
-            if isinstance(args[0], int):
-                served.grant(args[0])
-            if len(args) > 2 and isinstance(args[1], int):
-                served.acknowledge(args[1])
-        elif op == wire.KILL:
-            self._outbox.client_gone(served)
-        elif op == wire.STOP:
-            served.stop()
-
-    async def _on_gone(self, msg: Msg) -> None:
-        # A frame reached no subscriber: the client's inbox is gone (it crashed or closed).
-        served = self._by_reply.get(msg.subject)
-        if served is not None and (msg.headers or {}).get("Status") == "503":
-            if served.parked is not None:
-                return  # a frame flushed after an outage, before the client was back
-            self._outbox.client_gone(served)
 
     # -- serving one request
 
@@ -444,6 +383,7 @@ def serve(
     timeouts: NatsTimeouts | None = None,
     register: bool = True,
     tracer: Tracer | None = None,
+    coalesce: Coalesce | None = None,
 ) -> NatsWorker[In, Out]:
     """Expose ``engine`` as a NATS worker for ``model`` in ``role``.
 
@@ -463,4 +403,5 @@ def serve(
         timeouts=timeouts,
         register=register,
         tracer=tracer,
+        coalesce=coalesce,
     )

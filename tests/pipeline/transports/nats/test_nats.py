@@ -186,6 +186,12 @@ FRAMES: dict[str, tuple[list[Any], list[str], type[Exception], str]] = {
         "KeyError: 'x'",
     ),
     "a malformed frame": ([[0, 0, "raw"], "not a frame"], [], EngineError, "cannot decode"),
+    "a merged batch without its count": (
+        [[0, 0, "raw"], [1, 5, ["a", "b"], "two"]],
+        [],
+        EngineError,
+        "cannot decode",
+    ),
     "an unknown kind": ([[0, 0, "raw"], [1, 9, None]], [], StreamDisconnected, "unknown frame"),
 }
 
@@ -337,6 +343,33 @@ async def test_a_slow_first_token_is_not_a_lost_worker(
     async with serving(FunctionEngine(slow_prefill), worker_nc, timeouts=worker_timeouts):
         remote: RemoteEngine[str, str] = RemoteEngine(nc, model="m", timeouts=client_timeouts)
         assert await collect(remote, make_context("request")) == ["first token"]
+
+
+async def test_quiet_streams_get_heartbeats_after_the_worker_was_idle(
+    nc: Client, worker_nc: Client
+) -> None:
+    # The heartbeat loop sleeps while the worker has no stream (an idle worker has nothing
+    # to beat for) and wakes with the next request: each of two quiet streams, one after
+    # the other, gets its heartbeats.
+    timeouts = NatsTimeouts(ttl=1, heartbeat=0.02)
+    quiet = NatsTimeouts(idle=60.0)  # no pings: the stream's only signs of life are beats
+    release = anyio.Event()
+
+    async def one_then_wait(ctx: Context[Any]) -> AsyncIterator[str]:
+        yield "first"
+        await release.wait()
+
+    async with serving(FunctionEngine(one_then_wait), worker_nc, timeouts=timeouts) as worker:
+        remote: RemoteEngine[str, str] = RemoteEngine(nc, model="m", timeouts=quiet)
+        for _ in range(2):
+            release = anyio.Event()
+            async with open_stream(remote, make_context("request")) as stream:
+                assert await anext(stream) == "first"
+                sent = worker.statistics().messages  # START and the output
+                await wait_until(lambda sent=sent: worker.statistics().messages >= sent + 3)
+                release.set()
+                assert [item async for item in stream] == []
+            await wait_until(lambda: worker.statistics().in_flight == 0)  # idle again
 
 
 # -- graceful shutdown -------------------------------------------------------------------------
@@ -713,6 +746,32 @@ async def test_a_server_restart_reconnects_and_resyncs_discovery(
         before.stop()
         await wait_until(lambda: before.worker_id not in workers)
         after.stop()
+
+
+@pytest.mark.time_limit(30)
+async def test_a_registration_lost_in_an_outage_is_forgotten_unless_it_comes_back(
+    nats_server: NatsServer, nc: Client, worker_nc: Client
+) -> None:
+    # After a reconnection a missing registration is doubted, not believed: the worker had
+    # no connection to refresh it with either. A timer (no poll) forgets it once its time
+    # to register again is up; a live worker registers again before then and stays.
+    from pipeline.transports.nats.registration import Registration
+
+    workers: WorkerSet[Any, int] = WorkerSet("m")
+    record = {"id": "ghost", "subject": "nowhere", "control": "nowhere", "model": "m"}
+    ghost = Registration("llm-pipeline-workers", "m.aggregated.ghost", record, ttl=1)
+    async with (
+        NatsDiscovery(nc, model="m", timeouts=FAST).watch(workers),
+        serving(FunctionEngine(three), worker_nc, worker_id="live"),
+    ):
+        await ghost.announce(worker_nc.jetstream())  # never refreshed: it expires
+        await wait_until(lambda: "ghost" in workers and "live" in workers)
+        await anyio.to_thread.run_sync(nats_server.stop)
+        await anyio.sleep(1.5)  # the outage outlasts the ghost's TTL (1 s)
+        await anyio.to_thread.run_sync(nats_server.start)
+        await wait_until(lambda: "ghost" not in workers, within=15.0)
+        assert "live" in workers
+        assert await collect(RemoteEngine(nc, worker_id="live"), make_context("x")) == [1, 2, 3]
 
 
 async def test_model_names_need_not_be_subject_tokens(nc: Client, worker_nc: Client) -> None:

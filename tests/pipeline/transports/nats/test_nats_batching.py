@@ -309,3 +309,112 @@ async def test_a_batch_over_the_payload_limit_is_split(
     assert "over the NATS limit" in str(error)
     assert stats.outputs == 10
     assert 4 < stats.messages < 2 + 10  # split, but still batched
+
+
+async def test_a_merged_batch_over_the_payload_limit_is_split_before_merging(
+    nc: Client, worker_nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(worker_nc, "_max_payload", 1000)
+    texts = [f"{i:03}" * 50 for i in range(11)]  # the first alone, then 10: 1500 bytes merged
+    codec = MsgpackCodec()
+    with bounds():
+        async with serve(
+            burst(texts),
+            nc=worker_nc,
+            model="m",
+            codec=codec,
+            timeouts=QUIET,
+            register=False,
+            coalesce=lambda items: ["".join(items)],
+        ) as worker:
+            remote: RemoteEngine[Any, Any] = RemoteEngine(
+                nc, worker_id=worker.worker_id, codec=codec, timeouts=QUIET
+            )
+            items, error = await outcome(remote, make_context(None))
+            stats = worker.statistics()
+    assert error is None
+    # Halves of the engine's outputs, each merged: 750 bytes fit.
+    assert items == [texts[0], "".join(texts[1:6]), "".join(texts[6:])]
+    assert (stats.messages, stats.outputs) == (5, 11)
+
+
+def joined(items: list[list[int]]) -> list[int]:
+    return [i for item in items for i in item]
+
+
+@pytest.mark.parametrize("where", ["worker", "client"])
+async def test_coalesced_batches_are_one_item_each_and_credit_counts_every_output(
+    nc: Client, worker_nc: Client, where: str
+) -> None:
+    # ``coalesce`` merges a batch's outputs (the LLM layer: token outputs into bursts). A
+    # worker given it merges before sending (wire 4, the frame says how many outputs it
+    # holds); a client given it merges what a worker that does not sends. Flow control
+    # counts the engine's outputs either way: a window smaller than the stream neither
+    # stalls it nor lets the worker run further ahead.
+    batches: list[list[list[int]]] = []
+
+    def coalesce(items: list[Any]) -> list[Any]:
+        batches.append(list(items))
+        return [joined(items)]
+
+    codec = MsgpackCodec()
+    with bounds(max_batch=8):
+        async with serve(
+            burst([[i] for i in range(100)]),
+            nc=worker_nc,
+            model="m",
+            codec=codec,
+            timeouts=QUIET,
+            register=False,
+            coalesce=coalesce if where == "worker" else None,
+        ) as worker:
+            remote: RemoteEngine[Any, Any] = RemoteEngine(
+                nc,
+                worker_id=worker.worker_id,
+                codec=codec,
+                timeouts=QUIET,
+                window=16,
+                coalesce=coalesce if where == "client" else None,
+            )
+            items, error = await outcome(remote, make_context(None))
+            stats = worker.statistics()
+    assert error is None
+    assert joined(items) == list(range(100))
+    # Each BATCH is one item; a DATA frame (the first output, an output alone) another.
+    assert [item for item in items if len(item) > 1] == [joined(batch) for batch in batches]
+    assert all(1 < len(batch) <= 8 for batch in batches)
+    assert len(items) < 50
+    assert stats.outputs == 100
+    assert stats.pauses >= 1  # the window (16) held the worker back, and credit came
+
+
+async def test_a_client_one_version_behind_gets_its_batches_unmerged(
+    nc: Client, worker_nc: Client
+) -> None:
+    # A wire-3 client reads three-element frames only: a merging worker sends it the
+    # outputs as the engine gave them.
+    def coalesce(items: list[Any]) -> list[Any]:
+        return [joined(items)]
+
+    codec = MsgpackCodec()
+    with bounds():
+        async with serve(
+            burst([[i] for i in range(10)]),
+            nc=worker_nc,
+            model="m",
+            codec=codec,
+            timeouts=QUIET,
+            register=False,
+            coalesce=coalesce,
+        ) as worker:
+            inbox = nc.new_inbox()
+            subscription = await nc.subscribe(inbox)
+            request = {"id": "r", "data": None, "timeout": None, "metadata": {}}
+            await nc.publish(worker.subject, codec.encode(request | {"wire": 3}), reply=inbox)
+            frames = []
+            while not frames or frames[-1][1] != wire.END:
+                frames.append(codec.decode((await subscription.next_msg(timeout=5)).data))
+            await subscription.unsubscribe()
+    assert all(len(frame) == 3 for frame in frames)
+    assert [frame[1] for frame in frames] == [wire.START, wire.DATA, wire.BATCH, wire.END]
+    assert frames[2][2] == [[i] for i in range(1, 10)]

@@ -1,9 +1,10 @@
-"""The discovery bucket's watch loop, :func:`watch_bucket`, against a real nats-server.
+"""The discovery bucket's watch, :func:`watch_bucket`, against a real nats-server.
 
 Discovery and the model list are its followers (their own behaviour is tested in
 ``test_nats.py`` and ``tests/operators/cli/test_cli_nats_models.py``); here, what it promises
 them: the replay between ``on_watch`` and ``on_replayed``, ``task_status`` after it, a
-renewed watch (and a new replay) after the server restarts, and a clean stop.
+renewed watch (and a new replay) after the server restarts or when its consumer is gone,
+one watch shared by every follower on a connection, and a clean stop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from nats.aio.client import Client
 from nats.js.kv import KeyValue
 
 from pipeline.transports.nats import JetStreamUnavailable
-from pipeline.transports.nats.bucket import open_bucket, watch_bucket
+from pipeline.transports.nats import connect as pipeline_connect
+from pipeline.transports.nats import watch as watch_module
+from pipeline.transports.nats.bucket import open_bucket
+from pipeline.transports.nats.watch import watch_bucket
 from tests.helpers.nats_server import NatsServer, connect, settle
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
@@ -36,7 +40,6 @@ class Log:
 
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
-        self.polls = 0
         self._changed = anyio.Event()
 
     def _add(self, *event: Any) -> None:
@@ -53,11 +56,6 @@ class Log:
     def on_replayed(self) -> None:
         self._add(*REPLAYED)
 
-    def on_poll(self) -> None:
-        self.polls += 1
-        self._changed.set()
-        self._changed = anyio.Event()
-
     def watching(self, nc: Client, keys: str = ">") -> Callable[..., Any]:
         """``watch_bucket`` with every callback, for ``task_group.start``."""
         return functools.partial(
@@ -68,8 +66,6 @@ class Log:
             self.on_entry,
             on_watch=self.on_watch,
             on_replayed=self.on_replayed,
-            on_poll=self.on_poll,
-            name="test",
         )
 
     async def wait_until(self, condition: Callable[[], bool], within: float = 5.0) -> None:
@@ -115,20 +111,118 @@ async def test_an_empty_bucket_replays_nothing_and_the_watch_starts(nc: Client) 
         tg.cancel_scope.cancel()
 
 
-async def test_on_poll_is_called_while_nothing_arrives(nc: Client) -> None:
-    log = Log()
+async def consumers(nc: Client) -> int:
+    """How many consumers the bucket's stream has on the server."""
+    return len(await nc.jsm().consumers_info(f"KV_{BUCKET}"))
+
+
+async def test_followers_on_one_connection_share_one_watch(nc: Client, worker_nc: Client) -> None:
+    kv = await bucket(worker_nc)
+    await kv.put("a.1", b"one")
+    await kv.put("a.2", b"two")
+    await kv.delete("a.2")
+    first, second, third = Log(), Log(), Log()
     async with anyio.create_task_group() as tg:
-        await tg.start(log.watching(nc))
-        polls = log.polls
-        await log.wait_until(lambda: log.polls >= polls + 3, within=3.0)  # 0.25 s apart
-        assert log.events == [WATCH, REPLAYED]
+        await tg.start(first.watching(nc, "a.*"))
+        await tg.start(second.watching(nc, "b.*"))
+        # A follower that joins a running watch is told the bucket as it stands (values:
+        # a deleted key's marker tells a newcomer nothing).
+        assert second.events == [WATCH, REPLAYED]
+        await kv.put("b.1", b"bee")
+        await second.wait_until(lambda: len(second.events) == 3)  # the watch has it
+        await tg.start(third.watching(nc))
+        assert third.events == [WATCH, put("a.1", "one"), put("b.1", "bee"), REPLAYED]
+        assert await consumers(worker_nc) == 1  # one consumer for the three of them
+
+        await kv.put("a.3", b"three")
+        await third.wait_until(lambda: len(third.events) == 5)
+        await first.wait_until(lambda: len(first.events) == 5)
+        assert first.events[4:] == [put("a.3", "three")]
+        assert second.events[2:] == [put("b.1", "bee")]
+        assert third.events[4:] == [put("a.3", "three")]
+        tg.cancel_scope.cancel()
+
+
+async def test_when_the_follower_that_drives_leaves_the_next_one_drives(
+    nc: Client, worker_nc: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(watch_module, "IDLE_HEARTBEAT", 0.2)
+    kv = await bucket(worker_nc)
+    staying = Log()
+    leaving = anyio.CancelScope()
+
+    async def first(*, task_status: anyio.abc.TaskStatus[None]) -> None:
+        with leaving:
+            await watch_bucket(nc, BUCKET, ">", lambda entry: None, task_status=task_status)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(first)  # the first follower drives the watch
+        await tg.start(staying.watching(nc))
+        leaving.cancel()
+        await kv.put("a.1", b"one")
+        await staying.wait_until(lambda: len(staying.events) == 3)
+        assert staying.events == [WATCH, REPLAYED, put("a.1", "one")]
+        # Renewing the watch is the driver's job: the follower left is driving now.
+        (info,) = await worker_nc.jsm().consumers_info(f"KV_{BUCKET}")
+        await worker_nc.jsm().delete_consumer(f"KV_{BUCKET}", info.name)
+        await staying.wait_until(lambda: staying.events.count(REPLAYED) == 2, within=10.0)
+        assert staying.events[3:] == [WATCH, put("a.1", "one"), REPLAYED]
+        tg.cancel_scope.cancel()
+
+
+async def test_a_callback_that_raises_ends_its_own_follower_only(
+    nc: Client, worker_nc: Client
+) -> None:
+    kv = await bucket(worker_nc)
+    healthy = Log()
+
+    def broken(entry: KeyValue.Entry) -> None:
+        raise ValueError(f"cannot take {entry.key}")
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(healthy.watching(nc))
+        with pytest.RaisesGroup(pytest.RaisesExc(ValueError, match="cannot take a.1")):
+            async with anyio.create_task_group() as inner:
+                await inner.start(functools.partial(watch_bucket, nc, BUCKET, ">", broken))
+                await kv.put("a.1", b"one")
+        await kv.put("a.2", b"two")
+        await healthy.wait_until(lambda: len(healthy.events) == 4)
+        assert healthy.events[2:] == [put("a.1", "one"), put("a.2", "two")]
         tg.cancel_scope.cancel()
 
 
 @pytest.mark.time_limit(30)
-async def test_a_server_restart_renews_the_watch_which_replays_the_bucket_again(
-    nats_server: NatsServer, nc: Client, worker_nc: Client
+async def test_a_consumer_deleted_under_the_watch_is_renewed(
+    nc: Client, worker_nc: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # What the server's heartbeats are for: a consumer gone without a reconnection (an
+    # operator deleted it; the server that held it left a cluster) is noticed when they
+    # stop, and renewed.
+    monkeypatch.setattr(watch_module, "IDLE_HEARTBEAT", 0.2)
+    kv = await bucket(worker_nc)
+    await kv.put("a.1", b"one")
+    log = Log()
+    async with anyio.create_task_group() as tg:
+        await tg.start(log.watching(nc))
+        (info,) = await worker_nc.jsm().consumers_info(f"KV_{BUCKET}")
+        await worker_nc.jsm().delete_consumer(f"KV_{BUCKET}", info.name)
+        await log.wait_until(lambda: log.events.count(REPLAYED) == 2, within=10.0)
+        assert log.events[3:] == [WATCH, put("a.1", "one"), REPLAYED]
+        await kv.put("a.2", b"two")
+        await log.wait_until(lambda: len(log.events) == 7)
+        assert log.events[6:] == [put("a.2", "two")]
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.time_limit(30)
+@pytest.mark.parametrize("told", [False, True], ids=["polled", "told"])
+async def test_a_server_restart_renews_the_watch_which_replays_the_bucket_again(
+    nats_server: NatsServer, nc: Client, worker_nc: Client, told: bool
+) -> None:
+    # A connection made by our connect() tells the watch of its reconnections; any other
+    # is looked at (RECONNECT_POLL).
+    if told:
+        nc = await pipeline_connect(nats_server.url)
     kv = await bucket(worker_nc)
     await kv.put("a.1", b"one")
     log = Log()
@@ -151,6 +245,8 @@ async def test_a_server_restart_renews_the_watch_which_replays_the_bucket_again(
         await log.wait_until(lambda: len(log.events) == 7)
         assert log.events[6:] == [put("a.2", "two")]
         tg.cancel_scope.cancel()
+    if told:
+        await nc.close()
 
 
 async def test_cancelling_the_watch_stops_it(nc: Client, worker_nc: Client) -> None:
@@ -187,8 +283,6 @@ async def test_a_watch_whose_connection_closed_still_stops_cleanly(
         async with anyio.create_task_group() as tg:
             await tg.start(log.watching(closing))
             await closing.close()
-            polls = log.polls
-            await log.wait_until(lambda: log.polls > polls)  # it goes on, quietly
             tg.cancel_scope.cancel()  # stopping the watch fails: logged, not raised
     assert log.events == [WATCH, REPLAYED]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
@@ -53,3 +54,46 @@ async def test_a_first_connection_is_settled_and_a_reconnection_settles_later() 
     assert bus.connected
     assert bus.settled(0.0)
     assert not bus.settled(2.0)  # its peers get time to come back
+
+
+@pytest.mark.parametrize("informed", [True, False], ids=["told", "looked-at"])
+async def test_next_reconnection_returns_after_the_next_reconnection(informed: bool) -> None:
+    # Told by nats-py's callback when connect() made the connection (an idle process
+    # wakes for nothing), looked at every RECONNECT_POLL seconds otherwise.
+    connection = Connection()
+    connection.is_connected = True
+    bus = Bus(connection)
+    bus.informed = informed
+    seen = bus.reconnections
+    counts: list[int] = []
+    async with anyio.create_task_group() as tg:
+
+        async def wait() -> None:
+            counts.append(await bus.next_reconnection(seen))
+
+        tg.start_soon(wait)
+        await anyio.wait_all_tasks_blocked()
+        assert counts == []  # nothing happened yet
+        connection.is_connected = False
+        await bus.on_disconnected()
+        await anyio.wait_all_tasks_blocked()
+        assert counts == []  # down is not back
+        connection.is_connected = True
+        connection.stats["reconnects"] = 1
+        await bus.on_reconnected()
+    assert counts == [1]
+
+
+async def test_a_listener_is_told_each_reconnection_until_stopped() -> None:
+    connection = Connection()
+    connection.is_connected = True
+    bus = Bus(connection)
+    told: list[int] = []
+    stop = bus.on_reconnection(lambda: told.append(connection.stats["reconnects"]))
+    for count in (1, 2):
+        connection.stats["reconnects"] = count
+        await bus.on_reconnected()
+    stop()
+    connection.stats["reconnects"] = 3
+    await bus.on_reconnected()
+    assert told == [1, 2]
