@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from pipeline.routers import Worker, WorkerSet
 
 __all__ = (
+    "IDLE_LOAD_INTERVAL",
     "LOAD_INTERVAL",
     "KvReporter",
     "NatsKvEvents",
@@ -74,6 +75,11 @@ MAX_BUFFERED: Final = 1 << 14
 _MAX_BATCH: Final = 64
 #: seconds at most between a load that changed and the message that says it
 LOAD_INTERVAL: Final = 0.05
+#: ... once the last load said was idle (nothing waiting, prefilling or decoding): an idle
+#: worker then wakes once a second, not twenty times. A request that arrives meanwhile is
+#: still counted by each router that sent it (its own ledger) until the report comes, and
+#: its first KV event (its prompt's blocks stored) publishes at once
+IDLE_LOAD_INTERVAL: Final = 1.0
 #: a snapshot request: its timeout, and how often it is retried (a worker reconnecting)
 _SNAPSHOT_TIMEOUT: Final = 1.0
 _SNAPSHOT_ATTEMPTS: Final = 8
@@ -156,7 +162,7 @@ class NatsKvPublisher:
             await settle(self._nc)
             task_status.started()
             while True:
-                with anyio.move_on_after(math.inf if self._load is None else LOAD_INTERVAL):
+                with anyio.move_on_after(self._interval()):
                     await self._ready.wait()
                 self._ready = anyio.Event()
                 await self._publish_buffered()
@@ -202,6 +208,16 @@ class NatsKvPublisher:
                 continue
             self._events += len(batch)
             self._messages += 1
+
+    def _interval(self) -> float:
+        """How long the publisher may sleep when no event comes: a load to watch is
+        watched closely while there is work, loosely while the last report said none."""
+        if self._load is None:
+            return math.inf
+        said = self._said
+        if said is not None and not (said["prefill"] or said["decoding"] or said["waiting"]):
+            return IDLE_LOAD_INTERVAL
+        return LOAD_INTERVAL
 
     def _load_now(self) -> dict[str, Any] | None:
         """The engine's load now, if it changed since the last one published."""

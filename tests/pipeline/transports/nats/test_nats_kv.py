@@ -47,6 +47,7 @@ from pipeline.transports.nats import (
     serve,
 )
 from pipeline.transports.nats.bucket import DEFAULT_BUCKET, open_bucket
+from pipeline.transports.nats.kv import IDLE_LOAD_INTERVAL
 from pipeline.transports.nats.wire import control_codec
 from tests.helpers.nats_server import NatsServer, connect
 from tests.pipeline.transports.nats.kv_worker_process import BLOCK_SIZE
@@ -389,6 +390,42 @@ async def test_load_reports_reach_the_frontend_with_events_and_alone(
         assert latest is not None
         assert latest.kv_usage == 0.5
         assert latest.at >= before  # stamped when it came, on the frontend's clock
+
+
+class CountedLoad(LoadOnly):
+    """LoadOnly, counting how often the publisher asks for its load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+
+    def load_report(self) -> WorkerLoad:
+        self.asked += 1
+        return self.load
+
+
+async def test_an_idle_worker_is_asked_its_load_loosely_and_a_change_is_still_heard(
+    nc: Client, worker_nc: Client
+) -> None:
+    # While busy the publisher looks every LOAD_INTERVAL; once it said "idle" only every
+    # IDLE_LOAD_INTERVAL (an idle worker's wake-ups: 1 a second instead of 20).
+    engine = CountedLoad()
+    publisher = NatsKvPublisher(engine, nc=worker_nc, model=MODEL, worker_id="w1")  # type: ignore[arg-type]
+    async with frontend(nc) as (workers, feed), anyio.create_task_group() as tg:
+        await tg.start(publisher.run)
+        async with serve(FunctionEngine(two_tokens), nc=worker_nc, model=MODEL, worker_id="w1"):
+            await wait_until(lambda: "w1" in workers)
+            await wait_until(lambda: (said(feed, workers, "w1") or WorkerLoad()).waiting == 1)
+            engine.load = WorkerLoad()  # idle
+            await wait_until(lambda: (said(feed, workers, "w1") or engine.load).waiting == 0)
+            asked = engine.asked
+            window = IDLE_LOAD_INTERVAL * 1.5
+            await anyio.sleep(window)  # (counting wake-ups over a span of time: no event to await)
+            # busy, it would have asked ~30 times in this window; idle, once or twice
+            assert engine.asked - asked <= 2 + 1, engine.asked - asked
+            engine.load = WorkerLoad(prefill_tokens=9, waiting=2)  # busy again: heard
+            await wait_until(lambda: (said(feed, workers, "w1") or WorkerLoad()).waiting == 2)
+        tg.cancel_scope.cancel()
 
 
 async def test_an_engine_without_kv_events_still_reports_its_load(
