@@ -98,6 +98,7 @@ def make_request(
     priority: int = 0,
     lora: str | None = None,
     reasoning_budget: ReasoningBudget | None = None,
+    affinity: str | None = None,
 ) -> PreprocessedRequest:
     """A :class:`~operators.contracts.llm.PreprocessedRequest` for ``token_ids`` (the
     prompt; after a migration, prompt + the ``replayed_tokens`` replayed), every option a
@@ -146,6 +147,7 @@ def make_request(
         priority=priority,
         lora=lora,
         reasoning_budget=reasoning_budget,
+        affinity=affinity,
     )
 
 

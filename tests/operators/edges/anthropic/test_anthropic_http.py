@@ -247,6 +247,14 @@ async def test_keys_are_checked_as_x_api_key_and_as_bearer(template: Path) -> No
         server.stop()
 
 
+async def until_nothing_in_flight(server: ServerProcess) -> None:
+    """Poll the server's in-flight gauge (another process: no event to await) until 0."""
+    with anyio.fail_after(10):
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            while "llm_pipeline_inflight_requests 0.0" not in (await http.get("/metrics")).text:
+                await anyio.sleep(0.02)
+
+
 async def test_max_inflight_is_a_529_and_a_deadline_a_504(template: Path) -> None:
     server = ServerProcess(
         "--chat-template",
@@ -282,6 +290,9 @@ async def test_max_inflight_is_a_529_and_a_deadline_a_504(template: Path) -> Non
                 assert overloaded.value.response.headers["retry-after"] == "1"
             [timed_out] = ended
             assert "timeout_error" in str(timed_out.body)
+            # The error event reaches the client before the server's handler has ended
+            # (and given its slot back): wait for the slot, as a retrying client would.
+            await until_nothing_in_flight(server)
             with pytest.raises(anthropic.InternalServerError) as deadline:
                 await api.messages.create(model="echo", max_tokens=100, messages=USER)
             assert deadline.value.status_code == 504
