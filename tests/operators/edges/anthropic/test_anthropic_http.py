@@ -251,7 +251,7 @@ async def until_nothing_in_flight(server: ServerProcess) -> None:
     """Poll the server's in-flight gauge (another process: no event to await) until 0."""
     with anyio.fail_after(10):
         async with httpx.AsyncClient(base_url=server.url) as http:
-            while "llm_pipeline_inflight_requests 0.0" not in (await http.get("/metrics")).text:
+            while "llm_pipeline_inflight_requests 0.0" not in (await http.get("/metrics")).text:  # noqa: ASYNC110 - another process
                 await anyio.sleep(0.02)
 
 
