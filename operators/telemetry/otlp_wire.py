@@ -4,7 +4,9 @@ Why not OpenTelemetry's SDK encoder: measured on this project's spans (ten per r
 converting to the SDK's ``ReadableSpan`` and encoding took 350-550 µs of CPU per request,
 about 1.5-2 µs per token of a 256-token answer, over the tracing budget (1 µs per token)
 on its own; the generated ``opentelemetry-proto`` messages took ~175 µs. Writing the few
-messages a trace needs by hand takes ~70 µs per request (``benchmarks/bench_tracing.py``).
+messages a trace needs by hand takes ~70 µs per request (``benchmarks/bench_tracing.py``),
+~55 since the attributes a request shares with the ones before it (its stages' names, the
+route, the model, the status) are written once and kept (``_written``).
 The tests decode what this writes with ``opentelemetry-proto``, as a collector does.
 
 Only what spans carry is written (``opentelemetry/proto/trace/v1/trace.proto``)::
@@ -50,8 +52,15 @@ _FLAGS_TAG: Final = b"\x85\x01"
 _PARENT_LOCAL: Final = _pack_fixed32(0x100)
 _PARENT_REMOTE: Final = _pack_fixed32(0x300)
 
-#: every attribute key seen, already written as KeyValue's field 1 (keys repeat)
-_keys: dict[str, bytes] = {}
+#: attributes already written: (tag, key, type, value) -> the tagged KeyValue (the type
+#: because True == 1). Most of a request's attributes (its stages' names, route, model,
+#: status) are those of the request before; unique ones (ids, counts) fill it, so it is
+#: emptied when full
+_written: dict[tuple[bytes, str, type, AttributeValue], bytes] = {}
+#: at most this many in ``_written``
+_MAX_WRITTEN: Final = 4096
+#: the types of value whose KeyValue is kept (floats are rarely repeated, lists unhashable)
+_KEPT: Final = frozenset((str, int, bool))
 
 
 def _varint(value: int) -> bytes:
@@ -91,13 +100,25 @@ def _value(value: AttributeValue) -> bytes:
 
 def _attributes(tag: bytes, attributes: Mapping[str, AttributeValue]) -> bytes:
     parts = []
-    keys = _keys
+    written = _written
+    kept = _KEPT
     for key, value in attributes.items():
-        written = keys.get(key)
-        if written is None:
-            written = keys[key] = _string(b"\x0a", key)
-        parts.append(_delimited(tag, written + _delimited(b"\x12", _value(value))))
+        kind = type(value)
+        if kind not in kept:  # a float, a sequence: written each time
+            parts.append(_key_value(tag, key, value))
+            continue
+        item = (tag, key, kind, value)
+        data = written.get(item)
+        if data is None:
+            if len(written) >= _MAX_WRITTEN:
+                written.clear()
+            data = written[item] = _key_value(tag, key, value)
+        parts.append(data)
     return b"".join(parts)
+
+
+def _key_value(tag: bytes, key: str, value: AttributeValue) -> bytes:
+    return _delimited(tag, _string(b"\x0a", key) + _delimited(b"\x12", _value(value)))
 
 
 def encode_span(span: Span) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import anyio
 import pytest
 from hypothesis import given, settings
@@ -10,6 +12,7 @@ from hypothesis import strategies as st
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.contracts.resumption import continuation
 from operators.engines import DEFAULT_CYCLE_TOKENS, EchoEngine, echo_logprob
+from operators.engines.echo import TOKENS_PER_TURN
 from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import StreamDisconnected, open_stream
@@ -188,6 +191,29 @@ async def test_delay_is_per_step() -> None:
     outputs = await run(EchoEngine(delay_ms=20), make_request([10, 11, 12], n=2))
     assert anyio.current_time() - start >= 0.055
     assert len(outputs) == 6
+
+
+@pytest.mark.parametrize("n", [1, 2])
+async def test_unpaced_streams_share_the_loop_a_turn_every_few_steps(n: int) -> None:
+    # Each stream's outputs, in the order the loop produced them: a stream gives the others
+    # a turn before its first step and then every TOKENS_PER_TURN steps, never in between.
+    order: list[str] = []
+    steps = 3 * TOKENS_PER_TURN + 5
+    prompt = list(range(10, 10 + steps))
+
+    async def consume(name: str) -> None:
+        async with open_stream(EchoEngine(), make_context(make_request(prompt, n=n))) as stream:
+            async for _ in stream:
+                order.append(name)
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume, "a")
+            tg.start_soon(consume, "b")
+    assert sorted(order) == ["a"] * steps * n + ["b"] * steps * n
+    runs = [len(list(run)) for _, run in itertools.groupby(order)]
+    assert max(runs) == TOKENS_PER_TURN * n  # a turn holds the loop for that many steps
+    assert len(runs) >= 2 * (steps // TOKENS_PER_TURN)  # and the streams take turns
 
 
 async def test_from_tokenizer_echoes_a_chat_prompt_without_its_markers() -> None:

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from operators.telemetry import otlp_wire
 from operators.telemetry.otlp import OtlpExporter, otlp_environment
 from operators.telemetry.otlp_wire import encode_request
 from pipeline.tracing import Span, Tracer
@@ -76,6 +77,29 @@ def test_attributes_events_and_status_decode_as_written(
     # the parent's locality: local for the child, remote for the request's first span
     assert got_child.flags & 0x300 == 0x100
     assert got_root.flags & 0x300 == 0x300
+
+
+def test_a_repeated_attribute_is_written_alike_and_true_is_not_one() -> None:
+    # Written KeyValues are kept by (key, type, value): True == 1, but one is a bool.
+    kinds = []
+    for value in (True, 1, True, 1, "1", "1"):
+        span = Tracer().start("s")
+        span.set("k", value)
+        span.end()
+        (got,) = decode(encode_request([span], {})).resource_spans[0].scope_spans[0].spans
+        (kv,) = got.attributes
+        kinds.append((kv.value.WhichOneof("value"), _value(kv.value)))
+    assert kinds == [("bool_value", True), ("int_value", 1)] * 2 + [("string_value", "1")] * 2
+
+
+def test_the_written_attributes_kept_are_bounded() -> None:
+    for index in range(otlp_wire._MAX_WRITTEN + 10):
+        span = Tracer().start("s")
+        span.set("llm_pipeline.request.id", f"id-{index}")
+        span.end()
+        (got,) = decode(encode_request([span], {})).resource_spans[0].scope_spans[0].spans
+        assert _value(got.attributes[0].value) == f"id-{index}"
+        assert len(otlp_wire._written) <= otlp_wire._MAX_WRITTEN
 
 
 def test_a_trace_without_a_parent_has_no_parent_span_id() -> None:
