@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from operators.engines.echo import TOKENS_PER_TURN
 from operators.engines.llama import LlamaOptions, NgramSpeculation
 
 from .defaults import (
@@ -129,6 +130,7 @@ class EngineConfig:
     freeze_after_tokens: int | None = None
     echo_delay_ms: float = 0.0
     echo_cycle: bool = False
+    echo_tokens_per_turn: int = TOKENS_PER_TURN
     model: Path | None = None
     #: the llama engine's options from its flags (--parallel, --step-tokens, ...); its
     #: block size, adapters and transfer secret are this config's (``kv_block_size``,

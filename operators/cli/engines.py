@@ -84,6 +84,7 @@ def make_engine(
             delay_ms=config.echo_delay_ms,
             cycle=config.echo_cycle,
             fail_after_tokens=config.fail_after_tokens,
+            tokens_per_turn=config.echo_tokens_per_turn,
         )
     secret = config.transfer_secret
     cache_blocks = config.mocker_cache_blocks

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from operators.engines import DEFAULT_CYCLE_TOKENS
+from operators.engines.echo import DEFAULT_CYCLE_TOKENS, TOKENS_PER_TURN
 from operators.engines.llama import LlamaOptions, NgramSpeculation
 from operators.engines.remote import KINDS, parse_upstream
 
@@ -230,6 +230,16 @@ def add_engine_options(
         default=0.0,
         metavar="MS",
         help="echo engine: sleep this long before each token",
+    )
+    echo.add_argument(
+        "--echo-tokens-per-turn",
+        type=positive_int,
+        default=TOKENS_PER_TURN,
+        metavar="N",
+        help=(
+            "echo engine without a delay: give the event loop a turn every N tokens (1: every "
+            "token, as an engine waking every stream at each step)"
+        ),
     )
     echo.add_argument(
         "--echo-cycle",

@@ -87,14 +87,16 @@ class EchoEngine:
             chat prompt's markers do not end or pollute the echo.
         vocab_size: when given, alternative ids in ``top_logprobs`` wrap around below it.
         delay_ms: sleep this long before each step (one token for every choice); without
-            a delay the engine gives the event loop a turn every :data:`TOKENS_PER_TURN`
-            steps.
+            a delay the engine gives the event loop a turn every ``tokens_per_turn`` steps.
+        tokens_per_turn: steps between two turns of the loop when unpaced (1: a turn per
+            token, as an engine that wakes every stream at every step; the server's cost
+            per token at high concurrency is then the larger figure in docs/design.md).
         cycle: repeat the echo until ``max_tokens`` (or :data:`DEFAULT_CYCLE_TOKENS`).
         fail_after_tokens: on a request's first attempt (``replayed_tokens == 0``), raise
             :class:`pipeline.StreamDisconnected` after this many steps.
     """
 
-    __slots__ = ("_cycle", "_delay", "_fail_after", "_special", "_vocab_size")
+    __slots__ = ("_cycle", "_delay", "_fail_after", "_per_turn", "_special", "_vocab_size")
 
     #: nothing beyond the base contract: a constrained request is refused, never echoed as
     #: if its constraint held (:func:`operators.contracts.llm.engine_features`)
@@ -108,9 +110,13 @@ class EchoEngine:
         delay_ms: float = 0.0,
         cycle: bool = False,
         fail_after_tokens: int | None = None,
+        tokens_per_turn: int = TOKENS_PER_TURN,
     ) -> None:
         if delay_ms < 0:
             raise ValueError(f"delay_ms must be >= 0, got {delay_ms}")
+        if tokens_per_turn < 1:
+            raise ValueError(f"tokens_per_turn must be >= 1, got {tokens_per_turn}")
+        self._per_turn = tokens_per_turn
         if fail_after_tokens is not None and fail_after_tokens < 0:
             raise ValueError(f"fail_after_tokens must be >= 0, got {fail_after_tokens}")
         self._special = frozenset(special_token_ids)
@@ -127,6 +133,7 @@ class EchoEngine:
         delay_ms: float = 0.0,
         cycle: bool = False,
         fail_after_tokens: int | None = None,
+        tokens_per_turn: int = TOKENS_PER_TURN,
     ) -> EchoEngine:
         """An echo engine that skips ``tokenizer``'s special and end-of-generation ids."""
         return cls(
@@ -135,6 +142,7 @@ class EchoEngine:
             delay_ms=delay_ms,
             cycle=cycle,
             fail_after_tokens=fail_after_tokens,
+            tokens_per_turn=tokens_per_turn,
         )
 
     def _plan(self, request: PreprocessedRequest) -> tuple[Iterator[int], int, FinishReason]:
@@ -187,7 +195,7 @@ class EchoEngine:
         choices = range(max(request.n, 1))
         top_k = request.output.logprobs
         delay = self._delay
-        turn = _loop_turn()
+        turn, per_turn = _loop_turn(), self._per_turn
         fail_after = self._fail_after if request.replayed_tokens == 0 else None
         if count == 0:
             if fail_after == 0:
@@ -205,10 +213,10 @@ class EchoEngine:
                     f"echo engine: injected disconnect after {step} tokens", request_id=ctx.id
                 )
             # Let the rest of the server run: before every step when paced, else once per
-            # TOKENS_PER_TURN steps (a kill is still seen at every step, below).
+            # tokens_per_turn steps (a kill is still seen at every step, below).
             if delay:
                 await anyio.sleep(delay)
-            elif step % TOKENS_PER_TURN == 0:
+            elif step % per_turn == 0:
                 await turn()
             if ctx.is_stopped:
                 return

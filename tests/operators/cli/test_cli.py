@@ -17,6 +17,7 @@ from operators.cli.options import LLAMA_FLAGS
 from operators.cli.serve import run_serve
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
+from operators.engines.echo import TOKENS_PER_TURN
 from operators.engines.llama import LlamaOptions, NgramSpeculation
 from operators.testing import openai_client
 from operators.text.tokenizer import Tokenizer
@@ -54,7 +55,10 @@ def test_every_llama_option_is_a_flag_or_set_when_the_engine_loads() -> None:
     [
         (("--parallel", "0"), "argument --parallel: must be >= 1, got 0"),
         (("--parallel", "-1"), "argument --parallel: must be >= 1"),
-        (("--step-tokens", "8"), "argument --step-tokens: must be >= parallel (4) and >= 16"),
+        (
+            ("--parallel", "4", "--step-tokens", "8"),
+            "argument --step-tokens: must be >= parallel (4) and >= 16",
+        ),
         (("--parallel", "64", "--step-tokens", "32"), "--step-tokens: must be >= parallel (64)"),
         (("--n-ctx", "8"), "argument --n-ctx: must be >= 16, got 8"),
         (("--threads", "0"), "argument --threads: must be >= 1, got 0"),
@@ -70,6 +74,15 @@ def test_bad_llama_options_are_usage_errors_naming_the_flag(
         parse("serve", "--engine", "llama", *argv)
     assert caught.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_echo_turn_is_a_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse("serve").echo_tokens_per_turn == TOKENS_PER_TURN
+    assert parse("serve", "--echo-tokens-per-turn", "1").echo_tokens_per_turn == 1
+    with pytest.raises(SystemExit) as caught:
+        parse("serve", "--echo-tokens-per-turn", "0")
+    assert caught.value.code == 2
+    assert "argument --echo-tokens-per-turn" in capsys.readouterr().err
 
 
 def test_a_llama_engine_gets_the_shared_options_and_its_workers(

@@ -194,15 +194,18 @@ async def test_delay_is_per_step() -> None:
 
 
 @pytest.mark.parametrize("n", [1, 2])
-async def test_unpaced_streams_share_the_loop_a_turn_every_few_steps(n: int) -> None:
+@pytest.mark.parametrize("per_turn", [TOKENS_PER_TURN, 1, 5])
+async def test_unpaced_streams_share_the_loop_a_turn_every_few_steps(n: int, per_turn: int) -> None:
     # Each stream's outputs, in the order the loop produced them: a stream gives the others
-    # a turn before its first step and then every TOKENS_PER_TURN steps, never in between.
+    # a turn before its first step and then every tokens_per_turn steps (by default
+    # TOKENS_PER_TURN), never in between.
     order: list[str] = []
-    steps = 3 * TOKENS_PER_TURN + 5
+    steps = 3 * per_turn + 5
     prompt = list(range(10, 10 + steps))
+    engine = EchoEngine() if per_turn == TOKENS_PER_TURN else EchoEngine(tokens_per_turn=per_turn)
 
     async def consume(name: str) -> None:
-        async with open_stream(EchoEngine(), make_context(make_request(prompt, n=n))) as stream:
+        async with open_stream(engine, make_context(make_request(prompt, n=n))) as stream:
             async for _ in stream:
                 order.append(name)
 
@@ -212,8 +215,13 @@ async def test_unpaced_streams_share_the_loop_a_turn_every_few_steps(n: int) -> 
             tg.start_soon(consume, "b")
     assert sorted(order) == ["a"] * steps * n + ["b"] * steps * n
     runs = [len(list(run)) for _, run in itertools.groupby(order)]
-    assert max(runs) == TOKENS_PER_TURN * n  # a turn holds the loop for that many steps
-    assert len(runs) >= 2 * (steps // TOKENS_PER_TURN)  # and the streams take turns
+    assert max(runs) == per_turn * n  # a turn holds the loop for that many steps
+    assert len(runs) >= 2 * (steps // per_turn)  # and the streams take turns
+
+
+def test_tokens_per_turn_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="tokens_per_turn must be >= 1, got 0"):
+        EchoEngine(tokens_per_turn=0)
 
 
 async def test_from_tokenizer_echoes_a_chat_prompt_without_its_markers() -> None:
