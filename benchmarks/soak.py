@@ -26,10 +26,10 @@ completed with exactly the reference's text, how many ended with an error event 
 why), and the longest stall any of them saw; RSS, threads and open fds of every process
 before and after. While it runs, a line of every process's RSS per 1,000 requests served
 (``--rss-every``) and after each fault: memory that only grows shows as a climb that does
-not level off. (The first ~5,000 requests add 6-8 MiB that do level off: each request
-leaves ~17 objects in reference cycles, which the collector frees only every ~2,700
-requests under ``serve``'s threshold. RSS is a coarse gauge: memory freed after start-up
-stays resident, and a small leak fills it before RSS moves.)
+not level off. (The first ~2,000 requests add ~1 MiB that levels off: caches and pools
+filling. RSS is a coarse gauge: memory freed inside a process stays resident, and a small
+leak fills it before RSS moves; ``llm_pipeline_python_allocated_blocks`` on ``/metrics``
+shows one, see ``tests/operators/cli/test_cli_memory.py``.)
 ``--no-ui`` runs the frontend without its web UI and span buffer: run it both ways to see
 what the UI holds.
 """
