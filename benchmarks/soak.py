@@ -1,7 +1,7 @@
 """A soak: thousands of mixed requests, clients that leave, bad bodies, and faults.
 
     python benchmarks/soak.py [--requests 10000] [--concurrency 32] [--outage 3] \\
-        [--restart-at 0.2] [--kill-at 0.4] [--stop-at 0.6] [--stop-seconds 5]
+        [--restart-at 0.2] [--kill-at 0.4] [--stop-at 0.6] [--stop-seconds 5] [--no-ui]
 
 Starts a ``nats-server``, three ``llm-pipeline worker --engine echo --echo-delay-ms 2``
 processes and ``llm-pipeline serve --nats`` in front of them (and, as the reference of what
@@ -24,7 +24,14 @@ Printed: requests by outcome, HTTP statuses, errors by class, the 5xx count, the
 in-flight gauge at the end; for each fault, the streams in flight when it hit, how many
 completed with exactly the reference's text, how many ended with an error event (and
 why), and the longest stall any of them saw; RSS, threads and open fds of every process
-before and after.
+before and after. While it runs, a line of every process's RSS per 1,000 requests served
+(``--rss-every``) and after each fault: memory that only grows shows as a climb that does
+not level off. (The first ~2,000 requests add ~1 MiB that levels off: caches and pools
+filling. RSS is a coarse gauge: memory freed inside a process stays resident, and a small
+leak fills it before RSS moves; ``llm_pipeline_python_allocated_blocks`` on ``/metrics``
+shows one, see ``tests/operators/cli/test_cli_memory.py``.)
+``--no-ui`` runs the frontend without its web UI and span buffer: run it both ways to see
+what the UI holds.
 """
 
 from __future__ import annotations
@@ -96,6 +103,29 @@ class Fault:
     name: str
     at: float = 0.0  # when it hit (time.monotonic)
     over: float = 0.0  # when it was undone (the server restarted, the worker continued)
+
+
+class Memory:
+    """Prints every process's RSS: each ``every`` requests served, and after each fault."""
+
+    def __init__(self, processes: dict[str, int], every: int) -> None:
+        self.processes = processes
+        self.every = every
+        self.served = 0
+
+    def line(self, when: str) -> None:
+        sizes = []
+        for name, pid in self.processes.items():
+            try:
+                sizes.append(f"{name} {proc_status(pid)['VmRSS'] / 1024:.1f}")
+            except (OSError, KeyError):  # gone, or a zombie (no VmRSS) until it is reaped
+                sizes.append(f"{name} gone")
+        print(f"RSS (MiB) after {when}: {', '.join(sizes)}", flush=True)
+
+    def one_more(self) -> None:
+        self.served += 1
+        if self.every and self.served % self.every == 0:
+            self.line(f"{self.served} requests")
 
 
 class Tally:
@@ -216,7 +246,9 @@ async def one(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None
         tally.outcomes["client exception"] += 1
 
 
-async def drive(url: str, args: argparse.Namespace, triggers: dict[int, Any]) -> Tally:
+async def drive(
+    url: str, args: argparse.Namespace, triggers: dict[int, Any], memory: Memory
+) -> Tally:
     tally = Tally()
     rng = random.Random(args.seed)
     sent = 0
@@ -231,6 +263,7 @@ async def drive(url: str, args: argparse.Namespace, triggers: dict[int, Any]) ->
                 if trigger is not None:
                     asyncio.get_running_loop().run_in_executor(None, trigger)
                 await one(http, random.Random(rng.random()), tally)
+                memory.one_more()
 
         await asyncio.gather(*(client() for _ in range(args.concurrency)))
     return tally
@@ -327,6 +360,10 @@ def main() -> None:
     parser.add_argument("--stop-seconds", type=float, default=5.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--logs", metavar="DIR", help="write each process's log there")
+    parser.add_argument("--no-ui", action="store_true", help="the frontend without its web UI")
+    parser.add_argument(
+        "--rss-every", type=int, default=1_000, metavar="N", help="an RSS line per N served"
+    )
     args = parser.parse_args()
     echo = ["--engine", "echo", "--echo-delay-ms", "2"]
     with tempfile.TemporaryDirectory() as directory, ExitStack() as stack:
@@ -341,9 +378,10 @@ def main() -> None:
             ))[0]
             for i in range(3)
         ]  # fmt: skip
+        ui = ["--no-ui"] if args.no_ui else []
         pid, line = stack.enter_context(
             process(
-                [*CLI, "serve", "--port", "0", "--nats", nats_url, "--log-level", "info"],
+                [*CLI, "serve", "--port", "0", "--nats", nats_url, "--log-level", "info", *ui],
                 ready="serving",
                 stderr=args.logs and f"{args.logs}/frontend.log",
             )
@@ -356,6 +394,8 @@ def main() -> None:
         httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=30)
         processes = {"frontend": pid, **{f"worker {i}": w for i, w in enumerate(workers)}}
         before = {name: proc_status(p) for name, p in processes.items()}
+        memory = Memory(processes, args.rss_every)
+        memory.line(f"the warm-up (frontend {'without' if args.no_ui else 'with'} its UI)")
         faults: list[Fault] = []
 
         def restart() -> None:
@@ -366,10 +406,12 @@ def main() -> None:
             time.sleep(args.outage)
             nats.start()
             fault.over = time.monotonic()
+            memory.line(fault.name)
 
         def kill() -> None:
             faults.append(Fault("worker 0 killed (SIGKILL)", at=time.monotonic()))
             os.kill(workers[0], signal.SIGKILL)
+            memory.line("worker 0 killed (SIGKILL)")
 
         def stop() -> None:
             fault = Fault(f"worker 1 stopped (SIGSTOP) for {args.stop_seconds:g} s")
@@ -379,6 +421,7 @@ def main() -> None:
             time.sleep(args.stop_seconds)
             os.kill(workers[1], signal.SIGCONT)
             fault.over = time.monotonic()
+            memory.line(fault.name)
 
         triggers = {
             int(args.requests * at): action
@@ -387,7 +430,7 @@ def main() -> None:
             if at > 0
         }  # fmt: skip
         started = time.monotonic()
-        tally = asyncio.run(drive(url, args, triggers))
+        tally = asyncio.run(drive(url, args, triggers, memory))
         elapsed = time.monotonic() - started
         time.sleep(1.0)
         after = {name: proc_status(p) for name, p in processes.items() if name != "worker 0"}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import uuid
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast, final, overload
 
@@ -127,13 +128,20 @@ class State:
 
 
 class _Controller:
-    """The cancellation side of one request or one child leg (not public)."""
+    """The cancellation side of one request or one child leg (not public).
+
+    A child holds its parent; the parent holds its children weakly. A leg nobody holds any
+    more has nothing left to stop, and strong links both ways would make every request with
+    a leg a reference cycle, freed only by the garbage collector (which a server runs
+    rarely: ``operators.cli.tuning``).
+    """
 
     __slots__ = (
+        "__weakref__",
+        "_children",
         "_kill_event",
         "_scopes",
         "_stop_event",
-        "children",
         "deadline",
         "failure",
         "killed",
@@ -148,13 +156,17 @@ class _Controller:
         self.parent = parent
         #: why the stream driven under this controller was failed (see :meth:`fail`)
         self.failure: BaseException | None = None
-        self.children: list[_Controller] = []
+        self._children: list[weakref.ref[_Controller]] = []
         self._scopes: list[CancelScope] = []
         self._stop_event: anyio.Event | None = None
         self._kill_event: anyio.Event | None = None
 
+    def children(self) -> list[_Controller]:
+        """The legs spawned under this one that still exist."""
+        return [child for ref in self._children if (child := ref()) is not None]
+
     def stop(self) -> None:
-        for child in self.children:
+        for child in self.children():
             child.stop()
         if not self.stopped:
             self.stopped = True
@@ -171,7 +183,7 @@ class _Controller:
                 scope.cancel()
             if self._kill_event is not None:
                 self._kill_event.set()
-        for child in self.children:
+        for child in self.children():
             child.kill()
         self.stop()
 
@@ -187,7 +199,7 @@ class _Controller:
             driver.failure = error
         for scope in driver._scopes:
             scope.cancel()
-        for child in driver.children:
+        for child in driver.children():
             child.kill()
 
     def bind(self, scope: CancelScope) -> None:
@@ -200,7 +212,7 @@ class _Controller:
 
     def spawn(self, deadline: float) -> _Controller:
         child = _Controller(min(deadline, self.deadline), self)
-        self.children.append(child)
+        self._children.append(weakref.ref(child))
         if self.killed:
             child.kill()
         elif self.stopped:

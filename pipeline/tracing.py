@@ -113,6 +113,7 @@ class Span:
     """
 
     __slots__ = (
+        "_root",
         "_tracer",
         "attributes",
         "end_ns",
@@ -121,7 +122,6 @@ class Span:
         "kind",
         "name",
         "parent_id",
-        "root",
         "sampled",
         "span_id",
         "start_ns",
@@ -151,8 +151,7 @@ class Span:
         #: False when the caller's ``traceparent`` said not to record (exporters skip it)
         self.sampled = sampled
         self.kind: SpanKind = kind
-        #: the first span of this request in this process (itself for that one)
-        self.root: Span = self if root is None else root
+        self._root = root
         self.start_ns = time.time_ns() if start_ns is None else start_ns
         #: 0 until the span ends
         self.end_ns = 0
@@ -168,6 +167,13 @@ class Span:
         """This span as a W3C ``traceparent`` header: what a request sent on carries so
         that the receiver's spans hang under this one."""
         return format_traceparent(self.trace_id, self.span_id, self.sampled)
+
+    @property
+    def root(self) -> Span:
+        """The first span of this request in this process (itself for that one). Not
+        stored as a self-reference: that would make every request's first span a
+        reference cycle, freed only by the garbage collector."""
+        return self if self._root is None else self._root
 
     @property
     def ended(self) -> bool:

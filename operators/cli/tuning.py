@@ -22,8 +22,13 @@ def tune_gc() -> None:
     collection every few dozen tokens, and each full collection walks every object alive,
     the tokenizer's tables and all imported modules included, more of them the more
     streams are in flight. What is loaded at start-up lives as long as the process:
-    ``gc.freeze()`` takes it out of every later collection; the hot path makes few
-    reference cycles, so collecting young objects a hundred times less often costs little.
+    ``gc.freeze()`` takes it out of every later collection. Collecting young objects ~70
+    times less often costs memory only for what is left in reference cycles, freed by
+    nothing but a collection: a request leaves none (the task beside a response ends
+    through a scope of its own, a leg's controller is held weakly by its parent, a first
+    span is not its own root; ``tests/operators/edges/http/test_cyclic_garbage.py``). A
+    request that left ~17 objects in cycles (~2.7 KiB) kept them until each collection,
+    every ~2,700 requests: ~8 MiB more resident memory than needed.
     """
     gc.collect()
     gc.freeze()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 
 import anyio
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from pipeline import Context, State, StateKey, StateKeyError
 from pipeline.testing import make_context
+from tests.helpers.garbage import cyclic_garbage
 
 COUNT = StateKey[int]("count")
 
@@ -164,6 +166,35 @@ def test_parent_stop_and_kill_reach_every_child(action: str) -> None:
     for ctx in [*children, grandchild]:
         assert ctx.is_stopped
         assert ctx.is_killed == (action == "kill")
+
+
+@pytest.mark.parametrize("action", ["stop_generating", "kill"])
+def test_a_leg_held_only_by_its_own_leg_is_still_reached(action: str) -> None:
+    """A parent holds its children weakly: a middle leg nobody holds but its child is
+    still there, and the parent's stop or kill goes through it."""
+    parent = Context.new("p")
+    grandchild = parent.child("middle").child("g")
+    gc.collect()
+    getattr(parent, action)()
+    assert grandchild.is_stopped
+    assert grandchild.is_killed == (action == "kill")
+
+
+def _a_request_with_legs() -> None:
+    ctx = Context.new("request")
+    attempt = ctx.child("attempt")
+    attempt.child("prefill leg").kill()
+    ctx.child("second attempt").stop_generating()
+    ctx.kill()
+    assert attempt.is_killed
+
+
+def test_a_request_with_legs_leaves_no_reference_cycle() -> None:
+    """Parent and children do not hold each other strongly: a request is freed as soon
+    as it is dropped, not at the next collection (which a server runs rarely)."""
+    with cyclic_garbage() as found:
+        _a_request_with_legs()
+    assert not found, found
 
 
 @pytest.mark.parametrize("action", ["stop_generating", "kill"])

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pipeline import Context, Engine, EngineError, Stream, chain, link, named, open_stream
 from pipeline.testing import ScriptedEngine, collect
 from pipeline.tracing import Span, Tracer, format_traceparent, parse_traceparent
+from tests.helpers.garbage import cyclic_garbage
 
 
 class Recorder:
@@ -232,6 +233,27 @@ def test_a_span_ends_once_and_children_keep_the_trace() -> None:
     child.set_error("first")
     child.set_error("second")
     assert child.error == "first"
+
+
+def _a_traced_request(tracer: Tracer) -> None:
+    root = tracer.start("POST /v1/chat/completions")
+    stage = root.child("Migration")
+    engine = stage.child("engine")
+    engine.add_event("first_token")
+    assert root.root is root
+    assert engine.root is root
+    for span in (engine, stage, root):
+        span.end()
+
+
+def test_a_traced_request_leaves_no_reference_cycle() -> None:
+    """A first span is its own root without pointing at itself: its spans are freed as
+    soon as nothing holds them, not at the next collection (which a server runs rarely)."""
+    recorder = Recorder()
+    with cyclic_garbage() as found:
+        _a_traced_request(Tracer(recorder))
+        recorder.spans.clear()
+    assert not found, found
 
 
 def test_tracer_start_without_sinks_records_nothing_anywhere() -> None:

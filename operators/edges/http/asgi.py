@@ -1,16 +1,20 @@
 """The ASGI plumbing every edge shares: reading bodies, writing JSON, a request's identity.
 
 Kept apart from the app's dispatch (:mod:`.app`) and from the SSE writer (:mod:`.sse_writer`):
-the ASGI callable types, the body reader (bounded, notices a client that left), the one-shot
-JSON response and the request's identity (``x-request-id`` and the headers that reach
-``ctx.metadata``). What an error is, is :mod:`.failures`; how it is said, each edge's.
+the ASGI callable types, the body reader (bounded, notices a client that left), the tasks
+beside a response (:class:`Watchers`), the one-shot JSON response and the request's
+identity (``x-request-id`` and the headers that reach ``ctx.metadata``). What an error
+is, is :mod:`.failures`; how it is said, each edge's.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any, Final, TypeAlias
+from types import TracebackType
+from typing import Any, Final, TypeAlias, TypeVarTuple, Unpack
+
+import anyio
 
 from pipeline import Context, InvalidRequest
 
@@ -22,6 +26,7 @@ __all__ = (
     "Receive",
     "Scope",
     "Send",
+    "Watchers",
     "conversation_key",
     "id_header",
     "kill_on_disconnect",
@@ -34,6 +39,8 @@ Scope: TypeAlias = MutableMapping[str, Any]
 Message: TypeAlias = MutableMapping[str, Any]
 Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
+
+Args = TypeVarTuple("Args")
 
 JSON_HEADER: Final = (b"content-type", b"application/json")
 #: the header naming a request's conversation (as ``prompt_cache_key`` does in a body)
@@ -82,6 +89,53 @@ async def kill_on_disconnect(receive: Receive, ctx: Context[Any]) -> None:
         if message["type"] == "http.disconnect":
             ctx.kill()
             return
+
+
+class Watchers:
+    """The tasks that run beside one response (the disconnect watcher, keep-alives), in a
+    task group of their own, and :meth:`cancel` to end them once it is done.
+
+    Each task runs under a cancel scope of its own, and :meth:`cancel` cancels those, not
+    the task group: a task cancelled through its group's scope (a keep-alive always is,
+    the watcher when the server has not yet said the client is gone) ends with its
+    ``CancelledError`` in a reference cycle with its frames (anyio's ``task_done`` keeps
+    it in a local), ~30 objects that only the garbage collector frees, and a server runs
+    it rarely (:func:`operators.cli.tuning.tune_gc`). A task whose own scope is
+    cancelled ends normally and leaves nothing behind.
+    """
+
+    __slots__ = ("_group", "_scopes")
+
+    def __init__(self) -> None:
+        self._group = anyio.create_task_group()
+        self._scopes: list[anyio.CancelScope] = []
+
+    async def __aenter__(self) -> Watchers:
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        return await self._group.__aexit__(kind, exc, tb)
+
+    def start_soon(self, func: Callable[[Unpack[Args]], Awaitable[None]], *args: *Args) -> None:
+        """Run ``func(*args)`` beside the response until :meth:`cancel`."""
+        scope = anyio.CancelScope()
+        self._scopes.append(scope)
+        self._group.start_soon(_within, scope, func, *args)
+
+    def cancel(self) -> None:
+        """End every task started (also one that has not begun to run)."""
+        for scope in self._scopes:
+            scope.cancel()
+
+
+async def _within(
+    scope: anyio.CancelScope, func: Callable[[Unpack[Args]], Awaitable[None]], *args: *Args
+) -> None:
+    with scope:
+        await func(*args)
 
 
 async def send_json(

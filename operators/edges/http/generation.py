@@ -48,6 +48,7 @@ from pipeline.priority import priority_of
 from .admission import Admission
 from .asgi import (
     BodyTooLarge,
+    Watchers,
     conversation_key,
     id_header,
     kill_on_disconnect,
@@ -354,7 +355,7 @@ class Generations:
             headers=headers,
         )
         try:
-            async with anyio.create_task_group() as watcher:
+            async with Watchers() as watcher:
                 watcher.start_soon(kill_on_disconnect, receive, ctx)
                 try:
                     if exchange.stream:
@@ -374,7 +375,7 @@ class Generations:
                 except WriteFailed as exc:
                     failed = exc.__cause__  # re-raised below, not as part of a task group's
                 finally:
-                    watcher.cancel_scope.cancel()
+                    watcher.cancel()
         finally:
             self._contexts.discard(ctx)
             self._aborted.discard(ctx)

@@ -36,10 +36,17 @@ Series::
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
     llm_pipeline_router_hit_blocks_total{worker}     counter, prompt blocks routed to it, held
+    llm_pipeline_python_allocated_blocks             gauge, Python's allocated memory blocks
+
+and the ``process_*`` series (resident memory, CPU, open files). Resident memory cannot
+show a small leak: memory freed inside the process stays resident and absorbs one for a
+long time. The allocated blocks, read at scrape time, can: a request that leaves one object
+behind adds a block per request.
 """
 
 from __future__ import annotations
 
+import sys
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 from typing import Final, final
@@ -337,6 +344,13 @@ class ServerMetrics:
             registry=self.registry,
         )
         ProcessCollector(registry=self.registry)
+        Gauge(
+            "llm_pipeline_python_allocated_blocks",
+            "Memory blocks Python's object allocator has handed out and not had back "
+            "(one per object, and one per dict's or list's storage): a request that leaves "
+            "one object behind adds one per request, where resident memory shows nothing.",
+            registry=self.registry,
+        ).set_function(sys.getallocatedblocks)
         self._request_counters: dict[tuple[str, int, str], Counter] = {}
         self._decision_counters: dict[str, tuple[Counter, Counter]] = {}
         self._models: dict[str, ModelMetrics] = {}

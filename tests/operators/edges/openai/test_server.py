@@ -30,6 +30,7 @@ from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
 from pipeline import CapacityExhausted, Context, EngineError, FunctionEngine
 from pipeline.testing import ScriptedEngine
+from tests.helpers.asgi_call import call_asgi
 from tests.helpers.server_process import ServerProcess, run_cli
 
 pytestmark = pytest.mark.slow
@@ -708,38 +709,6 @@ async def test_drain_refuses_new_requests_and_reports_unhealthy() -> None:
     assert response.status_code == 503
     assert_error(response.json())
     assert health.status_code == 503
-
-
-async def call_asgi(
-    app: OpenAIApp, path: str, body: dict[str, Any], disconnect: anyio.Event | None = None
-) -> list[dict[str, Any]]:
-    """Run one request through the app and return every ASGI message it sent.
-
-    The client "disconnects" when ``disconnect`` is set (never, if it is None).
-    """
-    sent: list[dict[str, Any]] = []
-    requested = False
-    gone = disconnect if disconnect is not None else anyio.Event()
-
-    async def receive() -> dict[str, Any]:
-        nonlocal requested
-        if not requested:
-            requested = True
-            return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
-        await gone.wait()
-        return {"type": "http.disconnect"}
-
-    async def send(message: MutableMapping[str, Any]) -> None:
-        sent.append(dict(message))
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(b"content-type", b"application/json")],
-    }
-    await app(scope, receive, send)
-    return sent
 
 
 async def test_chunks_without_new_text_travel_with_the_next_write() -> None:
