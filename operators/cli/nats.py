@@ -5,12 +5,15 @@ line on stderr and an exit code, never a traceback.
 
 KV events cross NATS here too: a worker publishes its engine's (:func:`publish_kv_events`),
 a ``serve --router kv`` frontend follows them into one index per worker set
-(:func:`follow_kv_events`).
+(:func:`follow_kv_events`); and so does a worker's load, for a planner
+(:func:`publish_load`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -21,11 +24,13 @@ from pipeline import PrefixIndex
 from .defaults import NATS_CONNECT_TIMEOUT
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     from anyio.abc import TaskGroup
     from nats.aio.client import Client
 
+    from operators.contracts.transport import RequestLog
+    from operators.edges.http.metrics import ServerMetrics
     from pipeline import WorkerSet
 
 __all__ = (
@@ -34,7 +39,9 @@ __all__ = (
     "connect_nats",
     "follow_kv_events",
     "one_line",
+    "follow_planner",
     "publish_kv_events",
+    "publish_load",
 )
 
 logger = logging.getLogger(__name__)
@@ -83,6 +90,49 @@ async def publish_kv_events(
     publisher = NatsKvPublisher(engine, nc=nc, model=model, worker_id=worker_id)
     await task_group.start(publisher.run)
     return publisher.active
+
+
+async def publish_load(
+    task_group: TaskGroup, nc: Client, log: RequestLog, engine: Any, *, model: str, worker_id: str
+) -> None:
+    """Publish the worker's load from ``task_group`` whenever ``log`` (the worker's request
+    log) sees it change, with its engine's KV cache usage when the engine tells it
+    (``statistics().kv_cache_usage``: vLLM); start before the worker registers."""
+    from pipeline.transports.nats import NatsLoadPublisher
+
+    statistics = getattr(engine, "statistics", None)
+
+    def load() -> dict[str, Any]:
+        now: dict[str, Any] = log.load()
+        usage = getattr(statistics(), "kv_cache_usage", None) if callable(statistics) else None
+        if isinstance(usage, float):
+            now["kv"] = round(usage, 3)
+        return now
+
+    publisher = NatsLoadPublisher(nc, model=model, worker_id=worker_id, load=load)
+    log.on_change = publisher.changed
+    await task_group.start(publisher.run)
+
+
+async def follow_planner(
+    stack: contextlib.AsyncExitStack, nc: Client, metrics: ServerMetrics
+) -> Callable[[], dict[str, Any] | None]:
+    """A ``serve --nats`` frontend's part in planning, until ``stack`` unwinds: publish what
+    its latency histograms gain (``llm-pipeline planner`` reads them), and follow the
+    planner's status; returns what shows it (None: no planner spoke lately)."""
+    from operators.planner.latency import LatencyReporter
+    from operators.planner.status import PlannerWatch
+    from pipeline.transports.nats import DEFAULT_NAMESPACE
+
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(tg.cancel_scope.cancel)
+    reporter = LatencyReporter(
+        nc, metrics, namespace=DEFAULT_NAMESPACE, frontend=f"serve-{os.getpid()}"
+    )
+    tg.start_soon(reporter.run)
+    watch = PlannerWatch(nc, namespace=DEFAULT_NAMESPACE)
+    await tg.start(watch.run)
+    return watch.last
 
 
 async def follow_kv_events(

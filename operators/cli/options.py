@@ -550,10 +550,10 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_log_level(parser: argparse.ArgumentParser, what: str) -> None:
+def add_log_level(parser: argparse.ArgumentParser, what: str, default: str = "warning") -> None:
     parser.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
-        default="warning",
+        default=default,
         help=f"log level of the {what}'s messages on stderr",
     )

@@ -44,7 +44,7 @@ from .engines import (
 )
 from .insertions import load_insertions
 from .model_graph import engine_and_options
-from .nats import close_nats, connect_nats, follow_kv_events, one_line
+from .nats import close_nats, connect_nats, follow_kv_events, follow_planner, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 
@@ -232,6 +232,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         )
         if discovered is not None:
             discovered.attach(app.models)
+        planner = None if nc is None else await follow_planner(stack, nc, metrics)
         if config.ui:
             attach_ui(
                 app,
@@ -240,6 +241,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 where="in-process" if nc is None else "nats",
                 engine_name=engine_name,
                 exporting=None if exporter is None else exporter.endpoint,
+                planner=planner,
             )
 
         def announce(host: str, port: int) -> None:

@@ -4,7 +4,9 @@ SIGINT/SIGTERM, then a drain.
 The worker serves EngineOutput, never the Backend: the stateful operators stay on the
 frontend, so nothing of a request's state has to cross the wire. An engine that reports
 its prefix cache (``--engine mocker --mocker-cache-blocks N``, the llama engine) also
-publishes its KV events for ``serve --nats --router kv`` frontends.
+publishes its KV events for ``serve --nats --router kv`` frontends. Every worker publishes
+its load when it changes (requests waiting and decoding, prompt tokens queued), for
+``llm-pipeline planner``, and drains when a planner tells it to, as on SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pipeline import link
 from .config import WorkerConfig
 from .defaults import MODEL_ENGINES
 from .engines import load_engine, load_llama, make_engine
-from .nats import close_nats, connect_nats, one_line, publish_kv_events
+from .nats import close_nats, connect_nats, one_line, publish_kv_events, publish_load
 from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -118,8 +120,9 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
                     if nc is None:
                         return 1
+                    log = RequestLog(worker_id)
                     served = serve_engine(
-                        link(RequestLog(worker_id), guarded(engine)),
+                        link(log, guarded(engine)),
                         nc=nc,
                         model=model,
                         role=config.role,
@@ -130,6 +133,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     )
                     try:
                         await publish_kv_events(tg, nc, engine, model=model, worker_id=worker_id)
+                        await publish_load(tg, nc, log, engine, model=model, worker_id=worker_id)
                         if embedder_of(engine) is not None:
                             await serve_embeddings(nc, engine, model=model)
                         async with served:

@@ -73,7 +73,8 @@ class NatsWorker(Generic[In, Out]):
         await task_group.start(serve(engine, url=url, model="smollm2").run)
 
     Entering subscribes and registers the worker for discovery; a normal exit (after
-    :meth:`stop`) is a graceful shutdown: deregister, stop taking requests, let in-flight
+    :meth:`stop`, or a DRAIN control message: :func:`~.drain.drain_worker`) is a graceful
+    shutdown: deregister, stop taking requests, let in-flight
     ones finish for up to ``timeouts.drain`` seconds, then cut off the rest. Exiting by an
     exception or cancellation (a drain cut short) skips the wait. Either way every stream
     cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
@@ -360,6 +361,18 @@ class NatsWorker(Generic[In, Out]):
                 # Its client is connected and subscribed again: what was held goes out.
                 next_seq = args[1] if len(args) > 1 and isinstance(args[1], int) else None
                 self._tg.start_soon(self._outbox.resume, served, next_seq)
+            return
+        if op == wire.DRAIN:  # [DRAIN]: a planner scales this worker down
+            if msg.reply and self._nc is not None:
+                await quietly(self._nc.publish, msg.reply, wire.KNOWN)
+            if not self._stop_requested:
+                logger.info(
+                    "worker %s asked to drain: deregisters and drains %d requests (up to %gs)",
+                    self.worker_id,
+                    len(self._served),
+                    self._timeouts.drain,
+                )
+            self.stop()
             return
         served = self._served.get(args[-1]) if args else None
         if served is None:
