@@ -392,6 +392,13 @@ def add_engine_options(
         help="simulated cost of one decode step (all batched sequences advance one token)",
     )
     mocker.add_argument(
+        "--mocker-decode-ms-per-sequence",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="what each sequence in the batch adds to a step (inter-token latency grows with load)",
+    )
+    mocker.add_argument(
         "--mocker-max-batch",
         type=positive_int,
         default=64,

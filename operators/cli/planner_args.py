@@ -91,7 +91,10 @@ def add_planner_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--nats", required=True, metavar="URL", help="the NATS server of the frontends and workers"
+        "--nats",
+        default=None,
+        metavar="URL",
+        help="the NATS server of the frontends and workers (required)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address of /metrics and /status")
     parser.add_argument(
@@ -214,6 +217,8 @@ def _headroom(text: str) -> float:
 
 def check_planner_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot check of one pool's options (exits with code 2)."""
+    if args.nats is None:  # (not argparse's required=: a --models table gives none)
+        parser.error("the planner needs the NATS server of its workers: --nats URL")
     if (args.model is None) == (getattr(args, "models", None) is None):
         if args.model is None:
             parser.error("give --model NAME (one pool) or --models FILE (several)")

@@ -26,12 +26,23 @@ if TYPE_CHECKING:
 
     from operators.edges.http.metrics import HistogramFamily, ServerMetrics
 
-__all__ = ("SUMMARY_INTERVAL", "Latencies", "LatencyReporter", "delta")
+__all__ = (
+    "MIN_SAMPLES",
+    "SUMMARY_INTERVAL",
+    "Latencies",
+    "LatencyReporter",
+    "LatencyWindows",
+    "delta",
+)
 
 logger = logging.getLogger(__name__)
 
 #: seconds between two summaries of a frontend (when it measured something)
 SUMMARY_INTERVAL: Final = 2.0
+#: latencies below which a p90 is no verdict (they are kept for the next round)
+MIN_SAMPLES: Final = 10
+#: rounds latencies are kept waiting for enough of them (then dropped: too old to judge)
+_CARRY: Final = 5
 
 
 def delta(bounds: tuple[float, ...], before: tuple[int, ...], now: tuple[int, ...]) -> list[Bucket]:
@@ -89,6 +100,41 @@ class Latencies:
 
     def __repr__(self) -> str:
         return f"Latencies(count={self.count}, p90={self.quantile(0.9)})"
+
+
+@final
+class LatencyWindows:
+    """What the frontends measured since it was last judged, by model and kind (``ttft``,
+    ``itl``): a round judges each latency of which there are at least
+    :data:`MIN_SAMPLES` (and starts it over), and keeps the others for the next round
+    (a quiet model's few requests add up), at most five rounds."""
+
+    __slots__ = ("_windows",)
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[str, str], tuple[Latencies, int]] = {}
+
+    def add(self, model: str, kind: str, buckets: Iterable[Bucket]) -> None:
+        """Count these observations of ``model``'s ``kind`` latency."""
+        key = (model, kind)
+        if key not in self._windows:
+            self._windows[key] = (Latencies(), 0)
+        self._windows[key][0].add(buckets)
+
+    def judge(self) -> dict[str, dict[str, float]]:
+        """The p90 of each latency with enough observations, by model and kind; one round
+        older for the others."""
+        judged: dict[str, dict[str, float]] = {}
+        for key, (latencies, rounds) in list(self._windows.items()):
+            p90 = latencies.quantile(0.9) if latencies.count >= MIN_SAMPLES else None
+            if p90 is not None:
+                judged.setdefault(key[0], {})[key[1]] = p90
+                del self._windows[key]
+            elif rounds + 1 >= _CARRY:
+                del self._windows[key]
+            else:
+                self._windows[key] = (latencies, rounds + 1)
+        return judged
 
 
 @final

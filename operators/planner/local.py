@@ -21,8 +21,8 @@ does, and a fresh worker id names each process.
   there ``drain_timeout`` + 10 s later is killed (SIGKILL): a worker that hangs does not
   hold the pool forever.
 
-A simple command (no ``;``, ``&``, ``|``, parentheses, redirections or substitutions, no
-leading ``NAME=value``) is run as ``exec COMMAND``, so the worker is the process the
+A simple command (no ``;``, ``&``, ``|``, parentheses or redirections outside quotes, one
+line, no leading ``NAME=value``) is run as ``exec COMMAND``, so the worker is the process the
 connector started: SIGTERM reaches it alone (not the processes it started itself, a vLLM
 engine core, which it stops in its own time), and its exit code is its own. A compound
 command runs under its shell: SIGTERM goes to the whole process group (the shell dies at
@@ -64,8 +64,10 @@ _LIVED: Final = 60.0
 _GRACE: Final = 10.0
 #: the template's fields
 FIELDS: Final = ("model", "role", "worker_id", "nats", "drain_timeout")
-#: what makes a command compound (run under its shell, not exec'd)
-_COMPOUND: Final = re.compile(r"[;&|()<>`\n]|\$\(")
+#: a shell word that is a control operator or a redirection, and a leading assignment:
+#: what keeps a command from being exec'd
+_OPERATOR: Final = re.compile(r"[();<>|&]+")
+_ASSIGNMENT: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 
 Pool = tuple[str, str]
 
@@ -343,9 +345,17 @@ class LocalConnector:
 
 
 def _simple(command: str) -> bool:
-    """Whether ``command`` is one simple command, which ``exec`` may prefix."""
-    words = command.split(None, 1)
-    return bool(words) and "=" not in words[0] and not _COMPOUND.search(command)
+    """Whether ``command`` is one simple command, which ``exec`` may prefix: no control
+    operator or redirection outside quotes, no newline, no leading assignment."""
+    if "\n" in command:
+        return False
+    try:
+        words = list(shlex.shlex(command, posix=True, punctuation_chars=True))
+    except ValueError:  # unbalanced quotes: let the shell say so
+        return False
+    if not words or _ASSIGNMENT.match(words[0]):
+        return False
+    return not any(_OPERATOR.fullmatch(word) for word in words)
 
 
 def _terminate(slot: _Slot, pid: int) -> None:

@@ -48,7 +48,7 @@ from pipeline.transports.nats import (
     drain_worker,
 )
 
-from .latency import Latencies
+from .latency import LatencyWindows
 from .ledger import LoadLedger
 from .metrics import PlannerMetrics
 from .policy import Decision, Learned, Observation, Policy, decide
@@ -61,12 +61,10 @@ if TYPE_CHECKING:
 
     from .connector import Connector
 
-__all__ = ("MIN_SAMPLES", "Planner")
+__all__ = ("Planner",)
 
 logger = logging.getLogger("operators.planner")
 
-#: latencies measured in a round below which its p90 is no verdict
-MIN_SAMPLES: Final = 10
 #: the last changes of each pool the status document keeps
 _HISTORY: Final = 10
 
@@ -76,11 +74,13 @@ class _PoolState:
     """What the planner keeps of one pool between rounds."""
 
     __slots__ = (
+        "changed_at",
         "history",
         "index",
         "last",
         "learned",
         "observed",
+        "ours",
         "policy",
         "pool",
         "target",
@@ -106,6 +106,10 @@ class _PoolState:
         self.last: Decision | None = None
         self.observed: tuple[float | None, float | None, float | None] = (None, None, None)
         self.history: deque[dict[str, Any]] = deque(maxlen=_HISTORY)
+        #: when a worker last joined or left the serving set (anyio's clock)
+        self.changed_at = -math.inf
+        #: the ids of the workers the connector runs or ran that are still registered
+        self.ours: set[str] = set()
 
 
 @final
@@ -137,7 +141,7 @@ class Planner:
         self._namespace = namespace
         self.metrics = metrics if metrics is not None else PlannerMetrics()
         self._ledger = LoadLedger()
-        self._latencies: dict[str, dict[str, Latencies]] = {}
+        self._latencies = LatencyWindows()
         self._loads = NatsLoads(nc, self._on_load, namespace=namespace)
         self._rounds = 0
         for state in self._pools:
@@ -174,6 +178,7 @@ class Planner:
         )
 
         def joined(worker_id: str, joined: bool) -> None:
+            state.changed_at = anyio.current_time()
             if joined:
                 if not self._ledger.knows(worker_id):
                     tg.start_soon(self._loads.ask, model, worker_id)
@@ -199,15 +204,14 @@ class Planner:
             logger.warning("planner: ignoring a latency summary: %s", exc)
             return
         for model, kinds in summary.items():
-            found = self._latencies.setdefault(model, {kind: Latencies() for kind in KINDS})
             for kind, buckets in kinds.items():
-                found[kind].add(buckets)
+                self._latencies.add(model, kind, buckets)
 
     # -- one round
 
     async def _round(self) -> None:
         now = anyio.current_time()
-        latencies, self._latencies = self._latencies, {}
+        latencies = self._latencies.judge()
         self._rounds += 1
         for state in self._pools:
             measured = latencies.get(state.pool.model, {})
@@ -219,18 +223,21 @@ class Planner:
                 )
         await self._publish_status()
 
-    async def _plan(self, state: _PoolState, now: float, measured: Mapping[str, Latencies]) -> None:
+    async def _plan(self, state: _PoolState, now: float, measured: Mapping[str, float]) -> None:
         pool = state.pool
         managed = [
             w for w in self._connector.list() if (w.model, w.role) == (pool.model, pool.role)
         ]
-        leaving = {w.worker_id for w in managed if w.state == "leaving"}
         own = [w.worker_id for w in managed if w.state != "leaving"]
-        serving = [w.id for w in state.workers.members if w.id not in leaving]
+        registered = [worker.id for worker in state.workers.members]
+        # A worker of ours no longer running (leaving, or dead with its key not expired
+        # yet) serves nobody; one never ours is someone else's, and serves.
+        state.ours = state.ours.intersection(registered).union(w.worker_id for w in managed)
+        serving = [wid for wid in registered if wid in own or wid not in state.ours]
         external = len(set(serving).difference(own))
         numbers = self._ledger.take(serving, now)
         load = None if numbers is None else pool.load(numbers)
-        ttft, itl = (_p90(measured.get(kind)) for kind in KINDS)
+        ttft, itl = (measured.get(kind) for kind in KINDS)
         targets = state.policy.targets
         seen = Observation(
             now=now,
@@ -239,6 +246,7 @@ class Planner:
             load=load,
             ttft_p90=ttft if targets.ttft_p90 is not None else None,
             itl_p90=itl if targets.itl_p90 is not None else None,
+            settled=now - state.changed_at >= self._interval,
         )
         decision, state.learned = decide(state.policy, state.learned, seen)
         state.last = decision
@@ -310,12 +318,14 @@ class Planner:
 
     def status(self) -> dict[str, Any]:
         """The status document (also published on ``{ns}.planner.status``): each pool's
-        targets, bounds, workers, load, learned capacity, observed latencies and last
-        changes."""
+        targets, bounds, workers, load, learned capacity, observed latencies, last changes
+        and the workers its connector runs (restarts, what it last said of each)."""
         pools = []
+        managed = self._connector.list()
         for state in self._pools:
             policy, last = state.policy, state.last
             load, ttft, itl = state.observed
+            mine = [w for w in managed if (w.model, w.role) == (state.pool.model, state.pool.role)]
             pools.append(
                 {
                     "model": state.pool.model,
@@ -337,6 +347,15 @@ class Planner:
                     if last is None
                     else {"reason": last.reason, "verdict": last.verdict},
                     "changes": list(state.history),
+                    "managed": [
+                        {
+                            "id": w.worker_id,
+                            "state": w.state,
+                            "restarts": w.restarts,
+                            "detail": w.detail,
+                        }
+                        for w in mine
+                    ],
                 }
             )
         return {
@@ -355,12 +374,6 @@ class Planner:
     def __repr__(self) -> str:
         pools = ", ".join(f"{s.pool.model}/{s.pool.role}" for s in self._pools)
         return f"Planner({pools})"
-
-
-def _p90(latencies: Latencies | None) -> float | None:
-    if latencies is None or latencies.count < MIN_SAMPLES:
-        return None
-    return latencies.quantile(0.9)
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -10,7 +10,8 @@ give the same :class:`Decision`, so the rule is tested on its own with a simulat
 
 **What it learns.** A pool's capacity is a per-worker load: the most requests in flight per
 worker at which the targets still hold. It is never configured; it is bracketed by what
-the planner saw, on a settled fleet (as many workers serving as asked for):
+the planner saw, on a settled fleet (as many workers serving as asked for, the same ones
+through the whole interval):
 
 - *good*: per-worker loads at which the targets were met (the capacity is at least that);
 - *bad*: per-worker loads at which a target was missed (the capacity is below that).
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 __all__ = (
@@ -75,12 +76,14 @@ Reason = Literal[
     "cooldown",
     "starting",
     "at_max",
+    "confirming",
     "steady",
 ]
 """Why a :class:`Decision` is what it is: a step up (``min_workers``, ``ttft_missed``,
 ``itl_missed``, ``predicted``), a step down (``max_workers``, ``idle``, ``headroom``), or a
 hold (``cooldown``: a change waits for the cool-down; ``starting``: a step up waits for the
-workers asked for earlier; ``at_max``: a target is missed at ``max_workers``; ``steady``)."""
+workers asked for earlier; ``at_max``: a target is missed at ``max_workers``;
+``confirming``: a target was missed in this round only; ``steady``)."""
 
 #: every reason, in the order of :data:`Reason` (the metric's label values)
 REASONS: tuple[Reason, ...] = get_args(Reason)
@@ -142,6 +145,9 @@ class Policy:
     cooldown: float = 30.0
     #: seconds an observation counts towards the learned capacity
     memory: float = 600.0
+    #: rounds in a row a target must be missed before the miss counts (one round's
+    #: p90 can be noise: a slow client, a pause; a miss the load causes persists)
+    confirm: int = 2
 
     def __post_init__(self) -> None:
         if self.min_workers < 1:
@@ -156,6 +162,8 @@ class Policy:
             raise ValueError(f"cooldown must be >= 0, got {self.cooldown!r}")
         if not self.memory > 0:
             raise ValueError(f"memory must be > 0, got {self.memory!r}")
+        if self.confirm < 1:
+            raise ValueError(f"confirm must be >= 1 round, got {self.confirm!r}")
         if self.targets.ttft_p90 is None and self.targets.itl_p90 is None:
             raise ValueError("give a TTFT target, an ITL target or both")
 
@@ -178,6 +186,9 @@ class Observation:
     ttft_p90: float | None = None
     #: the p90 of the inter-token latency over the interval, in seconds (None: too few)
     itl_p90: float | None = None
+    #: whether the same workers served through the whole interval (a latency measured
+    #: while one joined or left says nothing of either fleet: nothing is learned from it)
+    settled: bool = True
 
     @property
     def per_worker(self) -> float | None:
@@ -201,6 +212,9 @@ class Learned:
     bad: tuple[tuple[float, float], ...] = ()
     #: when the pool's size last changed (the cool-down runs from there)
     changed_at: float = -math.inf
+    #: rounds in a row a target was missed (rounds without a verdict between them count
+    #: neither way)
+    misses: int = 0
 
     @property
     def capacity(self) -> float | None:
@@ -221,7 +235,7 @@ class Learned:
         elif verdict == "missed":
             bad = (*((t, x) for t, x in bad if x < per_worker), (now, per_worker))
             good = tuple((t, x) for t, x in good if x < per_worker)
-        return Learned(good, bad, self.changed_at)
+        return replace(self, good=good, bad=bad)
 
     def forget(self, before: float) -> Learned:
         """These brackets without what was seen before ``before``."""
@@ -229,7 +243,7 @@ class Learned:
             return self
         good = tuple(entry for entry in self.good if entry[0] >= before)
         bad = tuple(entry for entry in self.bad if entry[0] >= before)
-        return Learned(good, bad, self.changed_at)
+        return replace(self, good=good, bad=bad)
 
 
 def _any_before(entries: Iterable[tuple[float, float]], before: float) -> bool:
@@ -259,20 +273,27 @@ class Decision:
 
 
 def decide(policy: Policy, learned: Learned, seen: Observation) -> tuple[Decision, Learned]:
-    """The pool's size after ``seen``, and what the planner knows of it now (see the
-    module docstring for the rule)."""
-    verdict, missed = policy.targets.verdict(seen.ttft_p90, seen.itl_p90)
+    """The pool's size after ``seen``, and what the planner knows of it now (see the module
+    docstring for the rule)."""
+    said, missed = policy.targets.verdict(seen.ttft_p90, seen.itl_p90)
+    misses = learned.misses + 1 if said == "missed" else 0 if said == "met" else learned.misses
+    learned = replace(learned.forget(seen.now - policy.memory), misses=misses)
+    # a miss counts once confirmed; until then it neither teaches nor adds a worker
+    verdict: Verdict = "none" if said == "missed" and misses < policy.confirm else said
     per_worker = seen.per_worker
-    learned = learned.forget(seen.now - policy.memory)
-    if per_worker is not None and per_worker > 0 and seen.workers == seen.target:
+    if per_worker and seen.settled and seen.workers == seen.target:
         learned = learned.remember(seen.now, per_worker, verdict)
     target, reason = _rule(policy, learned, seen, verdict, missed)
+    if reason == "steady" and verdict != said:
+        reason = "confirming"
+    if said == "missed" and reason in ("idle", "headroom"):  # never down on a pending miss
+        target, reason = seen.target, "confirming"
     if target != seen.target:
-        learned = Learned(learned.good, learned.bad, seen.now)
+        learned = replace(learned, changed_at=seen.now)
     decision = Decision(
         target,
         reason,
-        verdict,
+        said,
         per_worker,
         learned.capacity,
         learned.limit,

@@ -19,7 +19,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from hypothesis import given, settings
@@ -118,14 +118,14 @@ def test_below_the_minimum_it_starts_workers_at_once() -> None:
 
 
 def test_a_miss_waits_for_the_workers_already_asked_for() -> None:
-    policy = Policy(targets=TARGETS, cooldown=0)
+    policy = Policy(targets=TARGETS, cooldown=0, confirm=1)
     seen = Observation(now=100.0, workers=1, target=2, load=10.0, ttft_p90=MISSED)
     decision, _ = decide(policy, Learned(), seen)
     assert (decision.target, decision.reason) == (2, "starting")
 
 
 def test_a_miss_at_the_maximum_holds_and_says_so() -> None:
-    policy = Policy(targets=TARGETS, max_workers=2)
+    policy = Policy(targets=TARGETS, max_workers=2, confirm=1)
     seen = Observation(now=100.0, workers=2, target=2, load=10.0, ttft_p90=MISSED)
     decision, _ = decide(policy, Learned(), seen)
     assert (decision.target, decision.reason, decision.verdict) == (2, "at_max", "missed")
@@ -149,7 +149,7 @@ def test_unknown_load_never_scales_down() -> None:
 
 
 def test_itl_is_judged_like_ttft() -> None:
-    policy = Policy(targets=Targets(itl_p90=0.05), cooldown=0)
+    policy = Policy(targets=Targets(itl_p90=0.05), cooldown=0, confirm=1)
     seen = Observation(now=10.0, workers=1, target=1, load=3.0, ttft_p90=9.0, itl_p90=0.08)
     decision, _ = decide(policy, Learned(), seen)
     assert (decision.target, decision.reason) == (2, "itl_missed")
@@ -165,6 +165,7 @@ def test_itl_is_judged_like_ttft() -> None:
         ({"min_workers": 3, "max_workers": 2}, "max_workers (2) must be >= min_workers (3)"),
         ({"headroom": 1.0}, "headroom must be in [0, 1)"),
         ({"cooldown": -1.0}, "cooldown must be >= 0"),
+        ({"confirm": 0}, "confirm must be >= 1 round"),
         ({"targets": Targets()}, "give a TTFT target, an ITL target or both"),
     ],
 )
@@ -179,7 +180,36 @@ def test_a_target_must_be_positive() -> None:
 
 
 def test_every_reason_is_listed_once() -> None:
-    assert len(set(REASONS)) == len(REASONS) == 11
+    assert len(set(REASONS)) == len(REASONS) == 12
+
+
+def test_a_miss_counts_once_confirmed_by_the_next_round() -> None:
+    policy = Policy(targets=TARGETS, cooldown=0, confirm=2)
+    learned = Learned().remember(0.0, 1.0, "met")
+
+    def round_(now: float, ttft: float | None, learned: Learned) -> tuple[Decision, Learned]:
+        seen = Observation(now=now, workers=2, target=2, load=6.0, ttft_p90=ttft)
+        return decide(policy, learned, seen)
+
+    decision, learned = round_(1.0, MISSED, learned)
+    assert (decision.target, decision.reason, decision.verdict) == (2, "confirming", "missed")
+    assert learned.limit is None  # not learned either
+    decision, learned = round_(2.0, MET, learned)  # a met round starts over
+    assert (decision.target, decision.reason, learned.misses) == (2, "steady", 0)
+    decision, learned = round_(3.0, MISSED, learned)
+    decision, learned = round_(4.0, None, learned)  # a round without a verdict counts neither way
+    assert learned.misses == 1
+    decision, learned = round_(5.0, MISSED, learned)
+    assert (decision.target, decision.reason) == (3, "ttft_missed")
+    assert learned.limit == 3.0
+
+
+def test_a_pending_miss_stops_a_step_down() -> None:
+    policy = Policy(targets=TARGETS, cooldown=0, confirm=2)
+    learned = Learned().remember(0.0, 10.0, "met")
+    seen = Observation(now=1.0, workers=3, target=3, load=3.0, ttft_p90=MISSED)
+    decision, _ = decide(policy, learned, seen)
+    assert (decision.target, decision.reason) == (3, "confirming")
 
 
 # -- properties -------------------------------------------------------------------------------
@@ -202,6 +232,7 @@ def scenarios(draw: st.DrawFn) -> dict[str, object]:
             headroom=headroom,
             cooldown=draw(st.sampled_from([0.0, 5.0, 30.0])),
             memory=draw(st.sampled_from([60.0, 600.0])),
+            confirm=draw(st.sampled_from([1, 2, 3])),
         ),
         "start": draw(st.integers(min_workers, max_workers)),
         "capacity": draw(st.floats(0.5, 20.0)),
@@ -243,9 +274,9 @@ def test_a_steady_load_never_oscillates(scenario: dict[str, object]) -> None:
     assert isinstance(start, int)
     assert isinstance(interval, float)
     pool = Pool(policy, learned=_learned(scenario["stale"]), target=start, serving=start)  # type: ignore[arg-type]
-    pool.learned = Learned(pool.learned.good, pool.learned.bad, changed_at=-math.inf)
+    pool.learned = replace(pool.learned, changed_at=-math.inf)
     verdict = _adversary(scenario["capacity"], scenario["band"], scenario["noise"])  # type: ignore[arg-type]
-    settling = 2 * policy.max_workers * (policy.cooldown + 2 * interval) + 2 * interval
+    settling = 2 * policy.max_workers * (policy.cooldown + (policy.confirm + 1) * interval)
     steps = int((settling + policy.memory + 180.0) / interval) + 1
     end = run(pool, [float(scenario["load"])] * steps, interval, verdict)  # type: ignore[arg-type]
 
@@ -272,7 +303,8 @@ def test_a_steady_load_ends_within_its_targets_unless_at_the_maximum(
     start = scenario["start"]
     assert isinstance(start, int)
     pool = Pool(policy, learned=_learned(scenario["stale"]), target=start, serving=start)  # type: ignore[arg-type]
-    steps = int((2 * policy.max_workers * (policy.cooldown + 2 * interval)) / interval) + 3
+    settling = 2 * policy.max_workers * (policy.cooldown + (policy.confirm + 1) * interval)
+    steps = int(settling / interval) + policy.confirm + 2
     run(pool, [load] * steps, interval, knee(capacity))
     assert pool.target == policy.max_workers or load / pool.target <= capacity
     if load == 0:
@@ -309,3 +341,16 @@ def test_what_is_learned_stays_consistent(
         elif verdict == "missed":
             assert bads[-1] == per_worker
             assert all(x < per_worker for x in goods)
+
+
+def test_nothing_is_learned_while_the_fleet_changes() -> None:
+    policy = Policy(targets=TARGETS, cooldown=0, confirm=1)
+    for settled, workers, target in ((False, 2, 2), (True, 1, 2)):
+        seen = Observation(
+            now=10.0, workers=workers, target=target, load=8.0, ttft_p90=MISSED, settled=settled
+        )
+        _, learned = decide(policy, Learned(), seen)
+        assert learned.limit is None
+    seen = Observation(now=10.0, workers=2, target=2, load=8.0, ttft_p90=MISSED)
+    _, learned = decide(policy, Learned(), seen)
+    assert learned.limit == 4.0
