@@ -161,7 +161,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.parse:
-        sys.path.insert(0, str(ROOT))
         parse_times(args.parse, args.rounds)
         return
     apis = args.apis.split(",")

@@ -36,8 +36,8 @@ import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.mocker import MockerEngine
-from operators.routing.kv_blocks import request_block_ids
-from pipeline import Context, KvRouter, LeastLoaded, RoundRobin, Router, WorkerSet, open_stream
+from operators.routing.kv_policy import llm_kv_router
+from pipeline import Context, LeastLoaded, RoundRobin, Router, WorkerSet, open_stream
 from pipeline.prefix_index import KvEvent, PrefixIndex
 from pipeline.routers import RoutingPolicy
 
@@ -69,11 +69,8 @@ def build(router: str, args: argparse.Namespace) -> tuple[Router[Any, Any], list
         index = PrefixIndex()
         for engine in engines:
             engine.kv_events = _sink(index, engine.worker_id)
-        policy = KvRouter(
-            index,
-            request_block_ids(args.block_size),
-            overlap_weight=args.overlap_weight,
-            seed=0,
+        policy = llm_kv_router(
+            index, block_size=args.block_size, overlap_weight=args.overlap_weight, seed=0
         )
     elif router == "round-robin":
         policy = RoundRobin()
@@ -146,7 +143,7 @@ def main() -> None:
     parser.add_argument("--cache-blocks", type=int, default=1024, help="per worker")
     parser.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     parser.add_argument("--decode-ms-per-step", type=float, default=2.0)
-    parser.add_argument("--overlap-weight", type=float, default=1.0)
+    parser.add_argument("--overlap-weight", type=float, default=2.0)
     parser.add_argument("--stagger-ms", type=float, default=50.0)
     parser.add_argument(
         "--think-ms", type=float, default=200.0, help="mean pause between turns (exponential)"

@@ -1,6 +1,6 @@
 """Disaggregated against aggregated serving with the real model, over NATS, mixed prompts.
 
-    .venv/bin/python benchmarks/bench_llama_disagg.py [--requests 24] [--concurrency 4] \\
+    .venv/bin/python -m benchmarks.bench_llama_disagg [--requests 24] [--concurrency 4] \\
         [--long-tokens 600] [--short-tokens 40] [--long-every 4] [--max-tokens 32] \\
         [--setups disagg aggregated aggregated-x2-kv] [--reps 2]
 
@@ -22,6 +22,9 @@ prompt token, milliseconds per transfer and per 1,000 tokens).
 
 On a 2-core machine the workers share the cores: this measures the mechanism and its
 costs, not the capacity a separate prefill machine would add.
+
+It runs as a module from the repository's root (``-m``), which puts the root on the import
+path: the nats-server is started by the tests' own helper, ``tests.helpers.nats_server``.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from typing import IO, Any
 
 import httpx
 
+from tests.helpers.nats_server import NatsServer
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests" / "pipeline" / "transports"))
-from nats_server import NatsServer  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 SECRET = "bench-secret"

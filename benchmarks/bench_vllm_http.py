@@ -59,7 +59,6 @@ def free_port() -> int:
 
 
 def default_model() -> Path:
-    sys.path.insert(0, str(HERE.parent))
     from operators.engines.vllm import default_model_dir
 
     return default_model_dir()

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +57,9 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     tokens: int = 0
     error: str | None = None
+    #: ``usage.prompt_tokens``, and its ``prompt_tokens_details.cached_tokens`` (None: not said)
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
 
 
 _HEADERS, _SIZE, _DATA, _DATA_END, _TRAILER, _FIXED = range(6)
@@ -217,6 +219,11 @@ class _Connection(asyncio.Protocol):
             tokens = self._api.tokens_of(event)
             if tokens:
                 result.tokens = tokens
+                usage: Any = event.get("usage") or {}
+                result.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                details = usage.get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens") if isinstance(details, dict) else None
+                result.cached_tokens = cached if isinstance(cached, int) else None
         if result.status != 200:
             result.error = f"HTTP {result.status}"
         elif not result.tokens:
@@ -279,7 +286,8 @@ class Workload:
     host: str
     port: int
     path: str
-    payload: bytes
+    #: one request per API key (workers take turns: worker i sends payloads[i % n])
+    payloads: tuple[bytes, ...]
     markers: tuple[bytes, bytes]
     reuse: bool
     api: Api
@@ -322,19 +330,22 @@ def build_workload(args: argparse.Namespace) -> Workload:
     body = request_body(args.api, args.model, prompt, args.max_tokens, args.store)
     data = json.dumps(body).encode()
     connection = b"keep-alive" if args.reuse_connections else b"close"
-    payload = (
-        b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-        b"Accept: text/event-stream\r\nConnection: %s\r\nContent-Length: %d\r\n\r\n"
-        % (path.encode(), host.encode(), port, connection, len(data))
-    ) + data
-    return Workload(host, port, path, payload, markers, args.reuse_connections, api)
+    payloads = []
+    for key in args.api_key or [None]:
+        auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
+        payloads.append(
+            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Accept: text/event-stream\r\n%sConnection: %s\r\nContent-Length: %d\r\n\r\n"
+            % (path.encode(), host.encode(), port, auth, connection, len(data))
+            + data
+        )
+    return Workload(host, port, path, tuple(payloads), markers, args.reuse_connections, api)
 
 
 def build_prompt(tokens: int) -> str:
     """A prompt of ``tokens`` tokens for the bundled tokenizer (when importable)."""
     words = [f" w{i % 97}" for i in range(tokens * 2)]
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from operators.text.tokenizer import Tokenizer
     except ImportError:
         return "".join(words[: tokens // 2]).strip()
@@ -346,8 +357,9 @@ def build_prompt(tokens: int) -> str:
 class Worker:
     """One request at a time, on its own connection (kept alive unless ``reuse`` is off)."""
 
-    def __init__(self, workload: Workload) -> None:
+    def __init__(self, workload: Workload, number: int = 0) -> None:
         self._workload = workload
+        self._payload = workload.payloads[number % len(workload.payloads)]
         self._connection: _Connection | None = None
 
     async def connect(self) -> None:
@@ -370,7 +382,7 @@ class Worker:
                 results.append(RequestResult(error=f"connect: {exc}"))
                 continue
             assert self._connection is not None
-            result = await self._connection.request(self._workload.payload)
+            result = await self._connection.request(self._payload)
             results.append(result)
             if not self._workload.reuse or not result.ok:
                 await self.close()
@@ -399,7 +411,7 @@ def percentile(values: list[float], q: float) -> float:
 
 async def main_async(args: argparse.Namespace) -> dict[str, object]:
     workload = build_workload(args)
-    workers = [Worker(workload) for _ in range(args.concurrency)]
+    workers = [Worker(workload, number) for number in range(args.concurrency)]
     if args.reuse_connections:
         await asyncio.gather(*(worker.connect() for worker in workers))
     if args.warmup:
@@ -483,6 +495,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="keep connections alive between requests",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="send 'Authorization: Bearer KEY' (repeatable: the workers take turns)",
     )
     parser.add_argument("--server-pid", type=int, default=None, help="for CPU accounting")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -1,10 +1,12 @@
 """KV-aware routing in one process: each turn of a conversation goes where its prefix is.
 
 Three simulated workers (:class:`MockerEngine` with a prefix cache) report the blocks
-they cache as KV events into one :class:`PrefixIndex`; a :class:`KvRouter` reads it and
-sends each request to the worker that would have to prefill the least, weighed against
-its load. Two conversations, three turns each: every turn after the first lands on the
-worker that served the conversation's previous turn, and finds that turn's prompt cached.
+they cache as KV events into one :class:`PrefixIndex`; a :class:`KvRouter` reads it
+(:func:`llm_kv_router`: one that reads LLM requests) and sends each request to the worker
+that would have to prefill the least, weighed against its load (prompt tokens it has
+queued, sequences it holds: the mockers report theirs). Two conversations, three turns
+each: every turn after the first lands on the worker that served the conversation's
+previous turn, and finds that turn's prompt cached.
 
 Over NATS the same index is fed by the workers' published events (``llm-pipeline serve
 --nats URL --router kv``); in-process, ``serve --router kv --decode-workers 3`` wires this.
@@ -20,9 +22,9 @@ import anyio
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest, StopConditions
 from operators.engines.mocker import MockerEngine
-from operators.routing.kv_blocks import request_block_ids
+from operators.routing.kv_policy import llm_kv_router
 from operators.text.tokenizer import Tokenizer
-from pipeline import Context, KvEvent, KvRouter, PrefixIndex, Router, WorkerSet
+from pipeline import Context, KvEvent, PrefixIndex, Router, WorkerSet
 from pipeline.testing import collect
 
 BLOCK_SIZE = 16
@@ -51,9 +53,9 @@ async def main() -> None:
         engine.kv_events = feed(index, engine.worker_id)
 
     decisions: list[tuple[str, int, int]] = []
-    policy = KvRouter(
+    policy = llm_kv_router(
         index,
-        request_block_ids(BLOCK_SIZE),
+        block_size=BLOCK_SIZE,
         seed=0,
         on_decision=lambda worker, hit, miss: decisions.append((worker, hit, miss)),
     )

@@ -17,9 +17,10 @@ Backward, every operator sees the engine's outputs on their way out:
 * the EncoderRouter runs image requests on an encode worker first, when there are any;
 * the PrefillRouter runs the prompt on a prefill worker first, when there are any.
 
-An engine that does not declare constrained decoding (``engine.features``) gets a
-:class:`~operators.contracts.constraint_guard.ConstraintGuard` in front of it: a request with
-``response_format`` or a required tool call is then a 400, not an answer that ignored it.
+An engine that does not declare constrained decoding or reasoning budgets
+(``engine.features``) gets a :class:`~operators.contracts.constraint_guard.ConstraintGuard` in
+front of it: a request with ``response_format``, a required tool call or a reasoning budget
+is then a 400 naming the field, not an answer that ignored it.
 
 The graph is a value before it is an engine: :func:`default_stages` gives the six named
 stages (:class:`Stages`), which a user splices (``insert_before``/``insert_after`` a named
@@ -59,9 +60,8 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, 
 from pipeline import Engine, LinkError, Operator, chain, link, named
 
 from .backend import Backend
-from .contracts.constraint_guard import ConstraintGuard
+from .contracts.constraint_guard import GUARDED, ConstraintGuard
 from .contracts.llm import (
-    CONSTRAINED_DECODING,
     BackendOutput,
     EngineOutput,
     PreprocessedRequest,
@@ -180,7 +180,8 @@ class Stages:
     #: operators inserted before each point, front to back
     before: Mapping[Point, tuple[_AnyOperator, ...]] = field(default_factory=dict)
     #: what the engine supports (None: what ``link``'s engine declares, ``engine.features``);
-    #: without constrained decoding a ConstraintGuard refuses constrained requests
+    #: without constrained decoding or reasoning budgets a ConstraintGuard refuses the
+    #: requests that ask for them
     engine_features: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
@@ -281,13 +282,29 @@ class Stages:
         to the right anyway, so the nesting builds the same chain as one flat call.
         """
         at = self.before.get
+        return link(
+            chain(*at("preprocessor", ())),
+            named("preprocessor", self.preprocessor),
+            chain(*at("parser", ())),
+            named("parser", self.parser),
+            self.link_tokens(engine),
+        )
+
+    def link_tokens(
+        self, engine: Engine[PreprocessedRequest, EngineOutput]
+    ) -> Engine[PreprocessedRequest, BackendOutput]:
+        """The graph below the parser: token requests in, the Backend's outputs out
+        (Migration, the Backend's stop rules on ids and text, the routers, the engine, and
+        what was inserted there). What the tokens-in/tokens-out edge serves: no template, no
+        tokenizing, no parsing of the text."""
+        at = self.before.get
         features = self.engine_features
         if features is None:
             features = engine_features(engine)
         guard = (
             chain()
-            if CONSTRAINED_DECODING in features
-            else chain(ConstraintGuard(type(engine).__name__))
+            if GUARDED <= features
+            else chain(ConstraintGuard(type(engine).__name__, features=features))
         )
         routers = link(
             chain(*at("encoder_router", ())),
@@ -299,10 +316,6 @@ class Stages:
             engine,
         )
         return link(
-            chain(*at("preprocessor", ())),
-            named("preprocessor", self.preprocessor),
-            chain(*at("parser", ())),
-            named("parser", self.parser),
             chain(*at("migration", ())),
             named("migration", self.migration),
             chain(*at("backend", ())),
@@ -388,6 +401,7 @@ def default_stages(
             images=images,
             tool_format=tools,
             adapters=adapters,
+            reasoning=reasoning,
         ),
         parser=OutputParsers(tools, reasoning),
         migration=Migration(migration_limit, max_seq_len=max_model_len, on_event=on_migration),

@@ -52,6 +52,7 @@ from .edges.openai.preprocessor import OpenAIPreprocessor
 from .edges.openai.server import OpenAIApp
 from .edges.openai.tokenize import tokenize_routes
 from .edges.responses import ResponsesEdge
+from .edges.tokens import TokensEdge
 from .graph import GraphOptions, Point, default_stages
 from .telemetry import SpanBuffer
 from .ui import WorkerGroups, attach_ui
@@ -124,8 +125,8 @@ def build_model(
         lora = lora_engine_of(engine)
     if lora is not None:
         graph_options.setdefault("adapters", lora.loras)
-    stages = default_stages(tokenizer, model_name=name, **graph_options)
-    graph = stages.insert(before or {}).link(engine)
+    stages = default_stages(tokenizer, model_name=name, **graph_options).insert(before or {})
+    graph = stages.link(engine)
     preprocessor = stages.preprocessor
     context = getattr(engine, "n_ctx", None)  # (the llama engine's context length)
     return ServedModel(
@@ -136,6 +137,7 @@ def build_model(
         embedder=embedder if embedder is not None else embedder_of(engine),
         context=context if isinstance(context, int) else None,
         lora=lora,
+        tokens=stages.link_tokens(engine),
     )
 
 
@@ -235,7 +237,6 @@ def build_app(
     graph_options.setdefault("on_migration", metrics.count_migration)
     served = []
     groups: dict[str, WorkerSet[Any, Any] | None] = {}
-    reasoning = False
     for name, spec in specs.items():
         options: GraphOptions = {**graph_options, **spec.options}
         merged = {**(before or {}), **(spec.before or {})}
@@ -251,7 +252,6 @@ def build_app(
                 **options,
             )
         )
-        reasoning = reasoning or options.get("reasoning_parser") is not None
         found = _worker_groups(spec.engine, options)
         if found is not None:
             prefix = "" if len(specs) == 1 else f"{name} "
@@ -270,7 +270,7 @@ def build_app(
         models=served,
         metrics=metrics,
         guard=guard,
-        edges=[ResponsesEdge(responses_store, reasoning=reasoning), anthropic, *edges],
+        edges=[ResponsesEdge(responses_store), anthropic, TokensEdge(), *edges],
         openai_routes=routes,
         tracer=tracer,
     )

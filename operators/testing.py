@@ -46,6 +46,7 @@ from .contracts.llm import (
     MultimodalItem,
     OutputOptions,
     PreprocessedRequest,
+    ReasoningBudget,
     SamplingOptions,
     StopConditions,
     Tool,
@@ -96,6 +97,7 @@ def make_request(
     prefill_result: dict[str, Any] | None = None,
     priority: int = 0,
     lora: str | None = None,
+    reasoning_budget: ReasoningBudget | None = None,
 ) -> PreprocessedRequest:
     """A :class:`~operators.contracts.llm.PreprocessedRequest` for ``token_ids`` (the
     prompt; after a migration, prompt + the ``replayed_tokens`` replayed), every option a
@@ -143,6 +145,7 @@ def make_request(
         constraint=constraint,
         priority=priority,
         lora=lora,
+        reasoning_budget=reasoning_budget,
     )
 
 

@@ -11,7 +11,10 @@ The parts:
 - :mod:`pipeline.routers` — Engines that pick a worker per request from a WorkerSet;
   :class:`KvRouter` (:mod:`pipeline.kv_routing`) is the policy that prefers the worker
   caching a request's prefix, per a :class:`PrefixIndex` fed by KV events
-  (:mod:`pipeline.prefix_index`).
+  (:mod:`pipeline.prefix_index`), weighing each worker's load in prompt tokens
+  (:class:`WorkerLoad`, what it reports; :class:`LoadLedger`, what this router sent it:
+  :mod:`pipeline.worker_load`) and keeping named conversations on their worker
+  (:class:`Affinity`).
 - :mod:`pipeline.priority` — who goes first among waiting requests (priority, then
   arrival, with aging), for every queue that admits requests.
 - :mod:`pipeline.kv_tier` — :class:`KvTier`: where an engine keeps KV blocks evicted from
@@ -28,6 +31,7 @@ from ``operators``.
 
 from __future__ import annotations
 
+from .affinity import Affinity as Affinity
 from .context import Context as Context
 from .context import State as State
 from .context import StateKey as StateKey
@@ -76,8 +80,11 @@ from .routers import WorkerSet as WorkerSet
 from .routers import WorkerSetStatistics as WorkerSetStatistics
 from .streams import FunctionEngine as FunctionEngine
 from .streams import open_stream as open_stream
+from .worker_load import LoadLedger as LoadLedger
+from .worker_load import WorkerLoad as WorkerLoad
 
 __all__ = (
+    "Affinity",
     "CapacityExhausted",
     "ConnectFailed",
     "Context",
@@ -100,6 +107,7 @@ __all__ = (
     "KvTier",
     "LeastLoaded",
     "LinkError",
+    "LoadLedger",
     "MemoryDiscovery",
     "MemoryKvTier",
     "Operator",
@@ -117,6 +125,7 @@ __all__ = (
     "Stream",
     "StreamDisconnected",
     "Worker",
+    "WorkerLoad",
     "WorkerLost",
     "WorkerSet",
     "WorkerSetStatistics",

@@ -25,6 +25,7 @@ import anyio
 
 from .errors import CapacityExhausted
 from .priority import PriorityQueue, admission_key, priority_of
+from .worker_load import PREDICTED_PREFILL, LoadLedger
 
 if TYPE_CHECKING:
     from .context import Context
@@ -55,15 +56,18 @@ MembershipListener = Callable[[str, bool], None]
 
 @final
 class Worker(Generic[In, Out]):
-    """One member of a WorkerSet: an id, its engine, and its in-flight request count."""
+    """One member of a WorkerSet: an id, its engine, its in-flight request count, and the
+    ledger of what routers sent it (:class:`~pipeline.worker_load.LoadLedger`)."""
 
-    __slots__ = ("engine", "id", "in_flight")
+    __slots__ = ("engine", "id", "in_flight", "ledger")
 
     def __init__(self, worker_id: str, engine: Engine[In, Out]) -> None:
         self.id = worker_id
         self.engine = engine
         #: requests currently streaming from this worker
         self.in_flight = 0
+        #: the requests sent it, their predicted prefill, and when (the KV router's load)
+        self.ledger = LoadLedger()
 
     def __repr__(self) -> str:
         return f"Worker({self.id!r}, in_flight={self.in_flight})"
@@ -434,13 +438,24 @@ class Router(Generic[In, Out]):
         if span is not None:
             span.set("llm_pipeline.worker.id", worker.id)
             span.set("llm_pipeline.worker.set", self.workers.name)
+        state = ctx.state
+        ledger = worker.ledger
+        if PREDICTED_PREFILL in state:
+            predicted = state.pop(PREDICTED_PREFILL)
+            now = anyio.current_time()
+            sent = ledger.sent(predicted.tokens, now, predicted.blocks, predicted.prompt)
+        else:
+            sent = ledger.sent(0.0, anyio.current_time())
         worker.in_flight += 1
         try:
             async with aclosing(worker.engine.generate(ctx)) as stream:
                 async for item in stream:
+                    if sent.prefilling:  # the first output: its prefill is done
+                        ledger.prefilled(sent)
                     yield item
         finally:
             worker.in_flight -= 1
+            ledger.ended(sent)
 
     def statistics(self) -> WorkerSetStatistics:
         """The worker set's statistics."""

@@ -10,9 +10,11 @@
    (contracts/ and text/ at the ground, the API edges and the engines never of each other,
    the entry points on top); within edges/, the shared plumbing (http/) knows no API and no
    edge imports one beside it but the OpenAI edge (what the graph speaks).
-4. Every import of a project module names one that exists, and a name it has: a module that
-   moves leaves no alias behind, and mypy does not read tests/, benchmarks/ or scripts/,
-   where a stale path in a function body would only fail when that code runs.
+4. Every import of a project module (the tests' helpers too) names one that exists, and a
+   name it has: a module that moves leaves no alias behind, and mypy does not read tests/,
+   benchmarks/ or scripts/, where a stale path in a function body would only fail when that
+   code runs. Nothing there edits ``sys.path``: tests/ and each folder in it are packages, so
+   a helper imports by its dotted name (``tests.helpers.server_process``) from the root.
 5. No import circles among the project's own modules (operators/ and pipeline/): two
    modules that import each other, directly or around a longer loop, are one module in
    two files (each can be read, tested and changed only with the other).
@@ -463,6 +465,7 @@ EDGE_MAY_IMPORT: dict[str, frozenset[str]] = {
     "openai": frozenset({"http"}),
     "responses": frozenset({"http", "openai"}),
     "anthropic": frozenset({"http", "openai"}),
+    "tokens": frozenset({"http", "openai"}),
 }
 
 
@@ -524,8 +527,8 @@ def test_operators_modules_import_only_their_floor_and_below(path: Path) -> None
 
 # -- 4. every import names something that exists -----------------------------------------
 
-#: the packages whose modules the project imports by path
-PROJECT_PACKAGES = frozenset({"operators", "pipeline"})
+#: the packages whose modules the project imports by path (``tests`` for the tests' helpers)
+PROJECT_PACKAGES = frozenset({"operators", "pipeline", "tests"})
 
 
 def _module_source(module: str) -> Path | None:
@@ -603,6 +606,8 @@ def missing_imports(source: str, module: str, package: bool = False) -> list[str
         ("from operators.tokenizer import Tokenizer", True),
         ("from operators.text.tokenizer import Tokeniser", True),
         ("def f():\n    from operators.edges.openai.guard import Guard", True),
+        ("from tests.helpers.server_process import ServerProcess", False),
+        ("from tests.operators.server_process import ServerProcess", True),
     ],
 )
 def test_the_missing_import_checker_itself(source: str, bad: bool) -> None:
@@ -630,6 +635,54 @@ def test_the_missing_import_checker_reads_names_bound_in_blocks() -> None:
 def test_the_project_imports_only_modules_and_names_that_exist(path: Path) -> None:
     missing = missing_imports(path.read_text(), *_module_name(path))
     assert not missing, f"{_relative(path)} imports what does not exist: " + "; ".join(missing)
+
+
+def sys_path_edits(source: str) -> list[str]:
+    """The lines of ``source`` that change ``sys.path`` (assign to it or call its methods)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            targets = [node.func.value]
+        for target in targets:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if ast.unparse(target) == "sys.path":
+                lines.append(f"line {node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return lines
+
+
+@pytest.mark.parametrize(
+    ("source", "bad"),
+    [
+        ("import sys\nsys.path.insert(0, 'x')", True),
+        ("import sys\nsys.path[:0] = ['x']", True),
+        ("import sys\nsys.path += ['x']", True),
+        ("import sys\nsys.path.append('x')", True),
+        ("import sys\nfound = [p for p in sys.path if p]\nsys.argv.append('x')", False),
+    ],
+)
+def test_the_sys_path_checker_itself(source: str, bad: bool) -> None:
+    assert bool(sys_path_edits(source)) == bad
+
+
+def test_no_test_benchmark_script_or_example_edits_sys_path() -> None:
+    edits = {
+        _relative(path): found
+        for path in _sources("tests", "examples", "benchmarks", "scripts")
+        if (found := sys_path_edits(path.read_text()))
+    }
+    assert not edits, f"sys.path edited (import by dotted name instead): {edits}"
+
+
+def test_every_test_folder_is_a_package() -> None:
+    # A folder without __init__.py would be imported by its files' bare names again (and a
+    # folder named like an installed package, nats/, would shadow it).
+    folders = {path.parent for path in _sources("tests")}
+    missing = sorted(_relative(f) for f in folders if not (f / "__init__.py").is_file())
+    assert not missing, f"test folders without __init__.py: {missing}"
 
 
 # -- 5. no import circles ----------------------------------------------------------------------

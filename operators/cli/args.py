@@ -31,12 +31,14 @@ from .options import (
     add_engine_options,
     add_log_level,
     api_key,
+    balance,
     fraction,
     non_negative_float,
     non_negative_int,
     port,
     positive_float,
     positive_int,
+    weight,
     worker_id,
 )
 from .planner_args import add_planner_command, check_planner_args
@@ -191,10 +193,41 @@ def build_parser() -> argparse.ArgumentParser:
     workers.add_argument(
         "--kv-overlap-weight",
         "--kv-overlap-score-weight",  # Dynamo's name
-        type=non_negative_float,
-        default=1.0,
+        type=weight,
+        default=2.0,
         metavar="W",
-        help="--router kv: the cost of one block to prefill, in requests in flight",
+        help=(
+            "--router kv: the cost of one prompt token to prefill, against one of a worker's "
+            "queued work (2: paid by the request and by every request queued after it)"
+        ),
+    )
+    workers.add_argument(
+        "--kv-decode-weight",
+        type=weight,
+        default=16.0,
+        metavar="TOKENS",
+        help="--router kv: prompt tokens of prefill one sequence a worker holds is worth",
+    )
+    workers.add_argument(
+        "--router-balance",
+        type=balance,
+        default=1.5,
+        metavar="B",
+        help=(
+            "--router kv: while a worker is idle, a busy one that received more than B times "
+            "its share of the recent requests is passed over (0: never)"
+        ),
+    )
+    workers.add_argument(
+        "--affinity-ttl",
+        type=non_negative_float,
+        default=300.0,
+        metavar="SECONDS",
+        help=(
+            "--router kv: a conversation named by prompt_cache_key or the x-session-affinity "
+            "header stays on its worker while its load allows, until SECONDS after its last "
+            "request (0: never)"
+        ),
     )
     workers.add_argument(
         "--kv-restore-cost",
@@ -293,6 +326,20 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     guard.add_argument(
+        "--api-keys",
+        dest="api_keys_file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help=(
+            "a TOML file of [[key]] tables, each an API key with its terms: name, key (or "
+            "key_sha256), and optionally priority, requests_per_minute, tokens_per_minute, "
+            "max_inflight, models (names or globs), share (its weight when requests wait) "
+            "and admin (see the README's Tenants). Reloaded on SIGHUP (a bad file is logged "
+            "and the keys stay as they were); with --nats, the limits hold across frontends"
+        ),
+    )
+    guard.add_argument(
         "--admin-api-key",
         action="append",
         default=None,
@@ -327,8 +374,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help=(
-            "most generation requests in flight; more get 503 with Retry-After (Anthropic's "
-            "API: 529) (None: no limit)"
+            "most generation requests in flight; more wait (--max-queued) or get 503 with "
+            "Retry-After (Anthropic's API: 529) (None: no limit)"
+        ),
+    )
+    guard.add_argument(
+        "--max-queued",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help=(
+            "generation requests that may wait for a slot of --max-inflight, admitted by "
+            "priority and, within one, fairly by API key (each in proportion to its "
+            "share); a newcomer that would go before the last waiting one takes its place"
         ),
     )
     guard.add_argument(

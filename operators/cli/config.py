@@ -211,9 +211,17 @@ class ServeConfig:
     decode_workers: int = 1
     #: how a request picks one of the in-process decode/aggregated workers
     router: RouterName = "round-robin"
-    kv_overlap_weight: float = 1.0
+    #: --router kv's cost of a prompt token to prefill, against one of queued work
+    kv_overlap_weight: float = 2.0
     kv_restore_cost: float = 0.1
+    #: --router kv's prompt tokens one sequence a worker holds is worth
+    kv_decode_weight: float = 16.0
+    #: --router kv: a busy worker over this many times its share is passed over for an idle one
+    router_balance: float = 1.5
     router_temperature: float = 0.0
+    #: seconds a conversation (``prompt_cache_key``, ``x-session-affinity``) sticks to its
+    #: worker after its last request (0: never)
+    affinity_ttl: float = 300.0
     prefill_workers: int = 0
     encode_workers: int = 0
     disagg_min_prompt_tokens: int = 0
@@ -226,10 +234,14 @@ class ServeConfig:
     api_keys: tuple[str, ...] = ()
     #: keys that may also see every key's requests in the status view (API keys too)
     admin_api_key: tuple[str, ...] = ()
+    #: ``--api-keys FILE``: the keys with their terms (:mod:`operators.edges.http.tenants`)
+    api_keys_file: Path | None = None
     #: web origins whose pages may call the server from a browser (CORS; ``*``: any)
     allowed_origins: tuple[str, ...] = ()
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_inflight: int | None = None
+    #: generation requests that may wait for a slot of max_inflight
+    max_queued: int = 0
     request_timeout: float | None = None
     drain_timeout: float = DEFAULT_DRAIN_TIMEOUT
     log_level: LogLevel = "warning"

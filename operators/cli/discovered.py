@@ -101,13 +101,13 @@ class DiscoveredModels:
                 discover_workers(self._nc, model=name) as workers,
                 anyio.create_task_group() as tg,
             ):
-                kv_indexes = None
+                kv_feeds = None
                 if config.router == "kv":
-                    kv_indexes = await follow_kv_events(
+                    kv_feeds = await follow_kv_events(
                         tg, self._nc, model=name, sets=(workers.decode, workers.prefill)
                     )
                 engine, options, groups = engine_and_options(
-                    config, self._tokenizer, workers, None, self._metrics, kv_indexes
+                    config, self._tokenizer, workers, None, self._metrics, kv_feeds
                 )
                 options["on_migration"] = self._metrics.count_migration
                 served = build_model(

@@ -11,11 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from operators.contracts.constraint_guard import GUARDED
 from operators.contracts.llm import CONSTRAINED_DECODING, EngineOutput, PreprocessedRequest
 from operators.edges.openai.images import ImagePolicy
 from operators.engines.mocker import MockerStatistics
 from operators.telemetry.engine_metrics import watch_prefill
-from pipeline import Engine, PrefixIndex, Router, WorkerSet
+from operators.telemetry.router_metrics import watch_routers
+from pipeline import Engine, KvRouter, PrefixIndex, Router, WorkerSet
 
 from .engines import worker_set
 from .output_options import output_options
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from pipeline import RoutingPolicy
 
     from .config import ServeConfig
+    from .nats import KvFeed
 
 __all__ = ("engine_and_options",)
 
@@ -43,7 +46,7 @@ def engine_and_options(
     workers: WorkerSets | None,
     engine: _Engine | None,
     metrics: ServerMetrics | None = None,
-    kv_indexes: Sequence[PrefixIndex] | None = None,
+    kv_feeds: Sequence[KvFeed] | None = None,
     local: tuple[_Workers, _Workers | None] | None = None,
 ) -> tuple[_Engine, GraphOptions, WorkerGroups | None]:
     """The engine to put behind the default graph, the graph's options, and the worker
@@ -61,8 +64,8 @@ def engine_and_options(
     a round-robin Router over ``workers.decode`` whose retries avoid the workers already
     tried (:class:`~operators.contracts.transport.RetryElsewhere`) and that waits
     ``config.worker_wait`` seconds for a member. Under ``--router kv`` it routes by the
-    (decode, prefill) ``kv_indexes`` instead, fed by the workers' KV events over NATS
-    (unfed ones when not given), and so does the PrefillRouter.
+    (decode, prefill) ``kv_feeds`` instead, fed by the workers' KV events and load reports
+    over NATS (unfed ones when not given), and so does the PrefillRouter.
     """
     encode: _Workers | None
     prefill: _Workers | None
@@ -105,15 +108,24 @@ def engine_and_options(
 
         policy: RoutingPolicy = RetryElsewhere()
         if config.router == "kv":
-            decode_index, prefill_index = kv_indexes or (PrefixIndex(), PrefixIndex())
-            policy = remote_kv_policy(config, decode_index, metrics)
-            prefill_policy = remote_kv_policy(config, prefill_index, metrics)
+            if kv_feeds:
+                decode_feed, prefill_feed = kv_feeds
+                policy = remote_kv_policy(config, decode_feed.prefixes, metrics, decode_feed.report)
+                prefill_policy = remote_kv_policy(
+                    config, prefill_feed.prefixes, metrics, prefill_feed.report
+                )
+            else:  # (unfed: a graph built without NATS)
+                policy = remote_kv_policy(config, PrefixIndex(), metrics)
+                prefill_policy = remote_kv_policy(config, PrefixIndex(), metrics)
         engine = Router(workers.decode, policy, wait=config.worker_wait)
         encode, prefill = workers.encode, workers.prefill
         groups = {"decode": workers.decode, "prefill": prefill, "encode": encode}
-        # Remote workers check constraints themselves: the llama engine honours them, the
-        # echo and mocker engines refuse them with a 400 that travels back by name.
-        features = frozenset({CONSTRAINED_DECODING})
+        # Remote workers check constraints and reasoning budgets themselves (each behind
+        # its own guard): the llama engine honours them, the echo and mocker engines refuse
+        # them with a 400 that travels back by name.
+        features = GUARDED
+    if metrics is not None:  # the llm_pipeline_router_* series of every routed set
+        _watch(config, metrics, engine, prefill, prefill_policy)
     options: GraphOptions = {
         **output_options(config),
         "max_model_len": config.max_model_len,
@@ -146,3 +158,29 @@ def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int,
         return found
 
     return counts
+
+
+def _watch(
+    config: ServeConfig,
+    metrics: ServerMetrics,
+    engine: _Engine,
+    prefill: _Workers | None,
+    prefill_policy: RoutingPolicy | None,
+) -> None:
+    """Register the routed sets (the decode Router's, the prefill one) for the router
+    series, each with what its KV router (if any) weighs a worker by."""
+    collector = watch_routers(metrics.registry)
+    routed: list[tuple[_Workers, Any]] = []
+    if isinstance(engine, Router):
+        routed.append((engine.workers, engine.policy))
+    if prefill is not None:
+        routed.append((prefill, prefill_policy))
+    model = config.model_name
+    for workers, policy in routed:
+        kv = getattr(policy, "policy", policy)  # (inside a RetryElsewhere)
+        name = workers.name
+        label = name if name.startswith(model) else f"{model} {name}".strip()
+        if isinstance(kv, KvRouter):
+            collector.watch(workers, kv.work, kv.report, label=label)
+        else:
+            collector.watch(workers, label=label)

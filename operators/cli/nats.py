@@ -5,8 +5,8 @@ line on stderr and an exit code, never a traceback.
 
 KV events cross NATS here too: a worker publishes its engine's (:func:`publish_kv_events`),
 a ``serve --router kv`` frontend follows them into one index per worker set
-(:func:`follow_kv_events`); and so does a worker's load, for a planner
-(:func:`publish_load`).
+(:func:`follow_kv_events`), with the load reports the workers send along, which a planner
+reads too (:func:`publish_load`: a worker's one source of load reports).
 """
 
 from __future__ import annotations
@@ -15,16 +15,17 @@ import contextlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
-from pipeline import PrefixIndex
+from pipeline import PrefixIndex, Worker, WorkerLoad
 
 from .defaults import NATS_CONNECT_TIMEOUT
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Iterable
 
     from anyio.abc import TaskGroup
     from nats.aio.client import Client
@@ -34,12 +35,13 @@ if TYPE_CHECKING:
     from pipeline import WorkerSet
 
 __all__ = (
+    "KvFeed",
     "OneLineErrors",
     "close_nats",
     "connect_nats",
     "follow_kv_events",
-    "one_line",
     "follow_planner",
+    "one_line",
     "publish_kv_events",
     "publish_load",
 )
@@ -95,22 +97,28 @@ async def publish_kv_events(
 async def publish_load(
     task_group: TaskGroup, nc: Client, log: RequestLog, engine: Any, *, model: str, worker_id: str
 ) -> None:
-    """Publish the worker's load from ``task_group`` whenever ``log`` (the worker's request
-    log) sees it change, with its engine's KV cache usage when the engine tells it
-    (``statistics().kv_cache_usage``: vLLM); start before the worker registers."""
+    """Tell the worker's load from ``task_group``: the engine's own report when it makes one
+    (``load_report()``: exact), else what ``log`` (the worker's request log) counts; start
+    before the worker registers.
+
+    One source, one publisher per message: an engine that reports its load and KV events
+    has its reports ride along the KV events already (:func:`publish_kv_events`), so the
+    :class:`~pipeline.transports.nats.NatsLoadPublisher` here only answers a planner that
+    asks; otherwise it also publishes whenever ``log`` sees the load change (a frontend's
+    KV router and a planner read either the same way, :class:`pipeline.WorkerLoad`).
+    """
     from pipeline.transports.nats import NatsLoadPublisher
 
-    statistics = getattr(engine, "statistics", None)
+    report = getattr(engine, "load_report", None)
 
     def load() -> dict[str, Any]:
-        now: dict[str, Any] = log.load()
-        usage = getattr(statistics(), "kv_cache_usage", None) if callable(statistics) else None
-        if isinstance(usage, float):
-            now["kv"] = round(usage, 3)
-        return now
+        now = report() if callable(report) else None
+        return now.to_dict() if isinstance(now, WorkerLoad) else log.load()
 
     publisher = NatsLoadPublisher(nc, model=model, worker_id=worker_id, load=load)
-    log.on_change = publisher.changed
+    rides_along = callable(report) and hasattr(engine, "kv_snapshot")  # see NatsKvPublisher
+    if not rides_along:
+        log.on_change = publisher.changed
     await task_group.start(publisher.run)
 
 
@@ -135,20 +143,30 @@ async def follow_planner(
     return watch.last
 
 
+class KvFeed(NamedTuple):
+    """What the KV router of one worker set reads, fed over NATS."""
+
+    #: the blocks each member holds (its KV events)
+    prefixes: PrefixIndex
+    #: each member's last load report (None: none heard)
+    report: Callable[[Worker[Any, Any]], WorkerLoad | None]
+
+
 async def follow_kv_events(
     task_group: TaskGroup, nc: Client, *, model: str, sets: Iterable[WorkerSet[Any, Any]]
-) -> list[PrefixIndex]:
+) -> list[KvFeed]:
     """One index per worker set, fed from ``task_group`` by the KV events its members
-    publish (see :class:`~pipeline.transports.nats.NatsKvEvents`); returns once every
-    current member was asked for its snapshot."""
+    publish, and their load reports (see :class:`~pipeline.transports.nats.NatsKvEvents`);
+    returns once every current member was asked for its snapshot."""
     from pipeline.transports.nats import NatsKvEvents
 
-    indexes = []
+    feeds = []
     for workers in sets:
         index = PrefixIndex()
-        await task_group.start(NatsKvEvents(nc, model=model, index=index).run, workers)
-        indexes.append(index)
-    return indexes
+        events = NatsKvEvents(nc, model=model, index=index)
+        await task_group.start(events.run, workers)
+        feeds.append(KvFeed(index, events.load_report))
+    return feeds
 
 
 class OneLineErrors(logging.Filter):

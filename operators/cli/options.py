@@ -10,6 +10,7 @@ naming the flag: :data:`LLAMA_FLAGS`).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = (
     "LLAMA_FLAGS",
     "add_engine_options",
     "api_key",
+    "balance",
     "lora_adapter",
     "add_log_level",
     "fraction",
@@ -41,6 +43,7 @@ __all__ = (
     "positive_float",
     "positive_int",
     "upstream",
+    "weight",
     "worker_id",
 )
 
@@ -92,6 +95,20 @@ def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:  # also rejects NaN
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def weight(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def balance(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or 1 <= value < math.inf):  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a number >= 1, got {text}")
     return value
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from operators.routing.kv_blocks import request_block_ids
+from operators.routing.kv_policy import llm_kv_router
 from pipeline import (
     KvEvent,
     KvEventSink,
@@ -29,6 +29,7 @@ from pipeline import (
     Random,
     RoundRobin,
     Worker,
+    WorkerLoad,
     WorkerSet,
 )
 
@@ -38,19 +39,18 @@ if TYPE_CHECKING:
 
     from .config import ServeConfig
 
-__all__ = ("remote_kv_policy", "routing_policy", "upstream_policy")
+__all__ = ("Report", "kv_router", "remote_kv_policy", "routing_policy", "upstream_policy")
+
+#: where a KV router reads a worker's own report of its load
+Report = Callable[[Worker[Any, Any]], WorkerLoad | None]
 
 
 def routing_policy(
-    config: ServeConfig,
-    workers: WorkerSet[Any, Any],
-    metrics: ServerMetrics | None = None,
-    *,
-    load: Callable[[Worker[Any, Any]], float] | None = None,
+    config: ServeConfig, workers: WorkerSet[Any, Any], metrics: ServerMetrics | None = None
 ) -> RoutingPolicy:
-    """The policy ``config.router`` names over ``workers``; ``kv`` decisions are counted in
-    ``metrics`` (hit and miss blocks, decisions per worker) and weigh each worker's
-    ``load`` (None: its requests in flight)."""
+    """The policy ``config.router`` names over ``workers``; ``kv`` weighs each worker's
+    load as its engine reports it (``load_report()``) and counts its decisions in
+    ``metrics`` (hit and miss blocks, decisions per worker)."""
     name = config.router
     if name == "round-robin":
         return RoundRobin()
@@ -67,53 +67,57 @@ def routing_policy(
             index.remove_worker(worker.id)
     else:  # members that join later (an upstream that came up) report too
         workers.listen(_joiner(index, workers))
-    return _kv_router(config, index, metrics, approximate=not reporting, load=load)
+    return kv_router(config, index, metrics, approximate=not reporting)
 
 
 def upstream_policy(
     config: ServeConfig, workers: WorkerSet[Any, Any], metrics: ServerMetrics | None = None
 ) -> RoutingPolicy:
-    """The policy over ``--engine remote``'s upstreams: ``config.router``'s, weighing each
-    upstream's load as its server reports it (``reported_load``), retrying elsewhere."""
+    """The policy over ``--engine remote``'s upstreams: ``config.router``'s (under ``kv``,
+    weighing each upstream's load as its server reports it), retrying elsewhere."""
     from operators.contracts.retry_elsewhere import RetryElsewhere
-    from operators.engines.remote import reported_load
 
-    return RetryElsewhere(routing_policy(config, workers, metrics, load=reported_load))
+    return RetryElsewhere(routing_policy(config, workers, metrics))
 
 
 def remote_kv_policy(
-    config: ServeConfig, index: PrefixIndex, metrics: ServerMetrics | None = None
+    config: ServeConfig,
+    index: PrefixIndex,
+    metrics: ServerMetrics | None = None,
+    report: Report | None = None,
 ) -> RoutingPolicy:
     """``--router kv`` over discovered workers: a KvRouter reading ``index`` (fed by the
-    workers' KV events over NATS) among the workers a request has not tried yet."""
+    workers' KV events over NATS) and ``report`` (their load reports, over NATS too) among
+    the workers a request has not tried yet."""
     from operators.contracts.retry_elsewhere import RetryElsewhere
 
-    return RetryElsewhere(_kv_router(config, index, metrics, approximate=False))
+    return RetryElsewhere(kv_router(config, index, metrics, approximate=False, report=report))
 
 
-def _kv_router(
+def kv_router(
     config: ServeConfig,
     index: PrefixIndex,
     metrics: ServerMetrics | None,
     *,
     approximate: bool,
-    load: Callable[[Worker[Any, Any]], float] | None = None,
+    report: Report | None = None,
 ) -> KvRouter:
-    return KvRouter(
+    """The KV router ``config`` asks for over ``index``; ``report`` reads a worker's load
+    report (None: its engine's ``load_report()``)."""
+    options: dict[str, Any] = {} if report is None else {"report": report}
+    return llm_kv_router(
         index,
-        request_block_ids(config.engine.kv_block_size),
+        block_size=config.engine.kv_block_size,
         overlap_weight=config.kv_overlap_weight,
         restore_cost=config.kv_restore_cost,
+        decode_weight=config.kv_decode_weight,
+        balance=config.router_balance,
         temperature=config.router_temperature,
+        affinity_ttl=config.affinity_ttl,
         approximate=approximate,
         on_decision=None if metrics is None else metrics.count_kv_decision,
-        load=_in_flight if load is None else load,
+        **options,
     )
-
-
-def _in_flight(worker: Worker[Any, Any]) -> float:
-    """The KV router's default load: the requests this router has in flight there."""
-    return worker.in_flight
 
 
 def _joiner(index: PrefixIndex, workers: WorkerSet[Any, Any]) -> Callable[[str, bool], None]:

@@ -21,7 +21,6 @@ import anyio
 
 from operators.contracts.adapters import EveryWorker
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
-from operators.edges.http.guard import Guard
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.http.models import Models
 from operators.edges.responses import MemoryResponseStore
@@ -29,9 +28,9 @@ from operators.graph import default_graph
 from operators.serving import ModelSpec, build_app, serve
 from operators.telemetry import SpanBuffer, make_tracer, tracing_options
 from operators.ui import attach_ui
-from pipeline import Engine, PrefixIndex, WorkerSet
+from pipeline import Engine, WorkerSet
 
-from .config import ServeConfig, key_priorities
+from .config import ServeConfig
 from .defaults import MODEL_ENGINES
 from .discovered import DiscoveredModels
 from .engines import (
@@ -43,8 +42,9 @@ from .engines import (
     watch_upstreams,
 )
 from .insertions import load_insertions
+from .keys import guard, open_budgets, reloader
 from .model_graph import engine_and_options
-from .nats import close_nats, connect_nats, follow_kv_events, follow_planner, one_line
+from .nats import KvFeed, close_nats, connect_nats, follow_kv_events, follow_planner, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from operators.text.tokenizer import Tokenizer
     from operators.ui import WorkerGroups
 
-__all__ = ("build_graph", "guard", "run_serve")
+__all__ = ("build_graph", "run_serve")
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
 _Engine = Engine[PreprocessedRequest, EngineOutput]
@@ -90,17 +90,6 @@ def build_graph(
     options["on_migration"] = metrics.count_migration
     before = load_insertions(config.insert_before)
     return default_graph(engine, tokenizer, model_name=config.model_name, before=before, **options)
-
-
-def guard(config: ServeConfig) -> Guard:
-    """The protections ``serve`` was asked for."""
-    return Guard(
-        api_keys=key_priorities(config.api_keys),
-        max_inflight=config.max_inflight,
-        request_timeout=config.request_timeout,
-        admin_keys=config.admin_api_key,
-        allowed_origins=config.allowed_origins,
-    )
 
 
 async def _load_llama_sets(
@@ -170,6 +159,11 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         print(f"llm-pipeline: {problem}", file=sys.stderr)
         return 2
     try:
+        protections = guard(config)
+    except ValueError as exc:  # the keys file (naming its line), a key given twice
+        print(f"llm-pipeline: {exc}", file=sys.stderr)
+        return 2
+    try:
         tokenizers = await _tokenizers(config, tokenizer)
     except Exception as exc:  # tokenizers raises plain Exception for a missing file
         print(f"llm-pipeline: cannot load a model's tokenizer: {exc}", file=sys.stderr)
@@ -211,6 +205,11 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 )
             if nc is not None:
                 store = await _nats_store(nc, config, megabytes)
+            if nc is not None and config.api_keys_file is not None:
+                try:
+                    protections.budgets = await open_budgets(nc, stack)
+                except Exception as exc:  # nats-py's errors, a server without JetStream
+                    raise _Unavailable(f"cannot share the keys' limits: {exc}") from exc
         except _Unavailable as exc:
             print(f"llm-pipeline: {exc}", file=sys.stderr)
             return 1
@@ -223,7 +222,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             stack.callback(exporter.shutdown)  # last: what the drain's requests recorded
         app = build_app(
             models=specs,
-            guard=guard(config),
+            guard=protections,
             metrics=metrics,
             responses_store=store,
             tracer=tracer,
@@ -244,6 +243,8 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 planner=planner,
             )
 
+        path = config.api_keys_file
+
         def announce(host: str, port: int) -> None:
             url = f"http://{_display_host(host)}:{port}"
             if discovered is not None:
@@ -263,6 +264,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             log_level=config.log_level,
             drain_timeout=config.drain_timeout,
             max_header_bytes=config.max_header_bytes,
+            on_hangup=None if path is None else reloader(path, protections),
         )
     return 0
 
@@ -308,7 +310,7 @@ async def _served_models(
     for model, tokenizer in zip(config.served, tokenizers, strict=True):
         name = model.model_name
         workers: WorkerSets | None = None
-        kv_indexes: list[PrefixIndex] | None = None
+        kv_feeds: list[KvFeed] | None = None
         embedder: Embedder | None = None
         loaded: Any = None
         local: tuple[_Workers, _Workers | None] | None = None
@@ -325,7 +327,7 @@ async def _served_models(
             if model.router == "kv":  # fed by the KV events the workers publish
                 tg = await stack.enter_async_context(anyio.create_task_group())
                 stack.callback(tg.cancel_scope.cancel)
-                kv_indexes = await follow_kv_events(
+                kv_feeds = await follow_kv_events(
                     tg, nc, model=name, sets=(workers.decode, workers.prefill)
                 )
         elif model.engine.engine == "llama":
@@ -360,7 +362,7 @@ async def _served_models(
             stack.push_async_callback(loaded.aclose)
             engines.append(loaded)
         engine, options, found = engine_and_options(
-            model, tokenizer, workers, loaded, metrics, kv_indexes, local
+            model, tokenizer, workers, loaded, metrics, kv_feeds, local
         )
         if not specs:
             engine_name = type(engine).__name__

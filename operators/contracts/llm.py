@@ -18,6 +18,7 @@ from typing import Any, Final, Literal, Protocol
 __all__ = (
     "CONSTRAINED_DECODING",
     "LORA",
+    "REASONING_BUDGET",
     "BackendOutput",
     "Constraint",
     "Embedder",
@@ -28,6 +29,7 @@ __all__ = (
     "MultimodalItem",
     "OutputOptions",
     "PreprocessedRequest",
+    "ReasoningBudget",
     "SamplingOptions",
     "StopConditions",
     "Tool",
@@ -134,6 +136,36 @@ CONSTRAINED_DECODING: Final = "constrained_decoding"
 """The feature an engine declares when it honours ``PreprocessedRequest.constraint``."""
 
 
+@dataclass(slots=True, frozen=True, kw_only=True)
+class ReasoningBudget:
+    """At most ``tokens`` reasoning tokens per choice: past them the engine makes the model
+    end its reasoning by forcing its end marker (``end``), one token a step.
+
+    The markers are the model's reasoning format's (the parser's, ``--reasoning-parser``),
+    as token ids of the model's own tokenizer, so an engine needs no parser and no text to
+    count: tokens after ``start`` (or from the first one, when the prompt leaves the
+    reasoning ``open``) are reasoning until ``end``. A choice may reason more than once; the
+    budget is for all of it together. :mod:`operators.engines._reasoning_budget` counts.
+    """
+
+    #: the request field that asked (``thinking_token_budget``, ``reasoning_effort``), for
+    #: an engine that cannot end reasoning (a 400 naming it)
+    param: str
+    #: the most reasoning tokens a choice may generate
+    tokens: int
+    #: the end marker's ids: forced, in order, once the budget is spent
+    end: tuple[int, ...]
+    #: the start marker's ids (empty: reasoning only where the prompt leaves it open)
+    start: tuple[int, ...] = ()
+    #: whether the model starts inside its reasoning (the template opened it)
+    open: bool = False
+
+
+REASONING_BUDGET: Final = "reasoning_budget"
+"""The feature an engine declares when it honours ``PreprocessedRequest.reasoning_budget``
+(it can force the end marker's tokens)."""
+
+
 LORA: Final = "lora"
 """The feature an engine declares when it runs requests with adapters
 (``PreprocessedRequest.lora``) and loads them: it is then a :class:`LoraEngine`."""
@@ -236,6 +268,13 @@ class PreprocessedRequest:
     priority: int = 0
     #: the adapter (LoRA) to run with, by name (None: the base model)
     lora: str | None = None
+    #: how many tokens each choice may reason (None: as many as it likes); an engine that
+    #: cannot end reasoning raises ``InvalidRequest(param=reasoning_budget.param)``
+    reasoning_budget: ReasoningBudget | None = None
+    #: the conversation it belongs to (OpenAI's ``prompt_cache_key``, the
+    #: ``x-session-affinity`` header): a KV router keeps a conversation on one worker while
+    #: that worker's load allows, a remote engine passes it on to its server
+    affinity: str | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -86,18 +86,24 @@ class PrefixCache:
         prefix cached under one adapter is another prefix under any other)."""
         return block_hashes(token_ids, self.block_size, parent=adapter_salt(adapter))
 
-    def lookup(self, blocks: Sequence[int], prompt_tokens: int) -> int:
-        """Prompt tokens of a request found in the cache: its leading held blocks.
-
-        Touches those blocks (they are about to be read) and counts the request's computed
-        and cached tokens; ``prompt_tokens`` is the request's whole prefill.
-        """
+    def held(self, blocks: Sequence[int]) -> int:
+        """How many leading ``blocks`` the cache holds now (a look: nothing is touched or
+        counted; the load report's estimate of a queued prompt)."""
         held = self._blocks
         hit = 0
         for block in blocks:
             if block not in held:
                 break
             hit += 1
+        return hit
+
+    def lookup(self, blocks: Sequence[int], prompt_tokens: int) -> int:
+        """Prompt tokens of a request found in the cache: its leading held blocks.
+
+        Touches those blocks (they are about to be read) and counts the request's computed
+        and cached tokens; ``prompt_tokens`` is the request's whole prefill.
+        """
+        hit = self.held(blocks)
         self._touch(blocks[:hit])
         cached = min(hit * self.block_size, prompt_tokens)
         self.cached_tokens += cached

@@ -73,7 +73,8 @@ def event_batch_type() -> Any:
     vLLM: a batch is an array ``[ts, events, data_parallel_rank]``, each event a map tagged
     with its class name (``{"type": "BlockStored", ...}``). Only the fields the translator
     reads are declared (others are skipped), each with a default (newer vLLMs may drop
-    some). ``tests/operators/test_vllm_parts.py`` decodes vLLM's own encoding with it."""
+    some). ``tests/operators/engines/vllm/test_vllm_parts.py`` decodes vLLM's own encoding
+    with it."""
     global _BATCH_TYPE
     if _BATCH_TYPE is not None:
         return _BATCH_TYPE

@@ -48,8 +48,9 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal, NamedTuple, fin
 import anyio
 
 from operators.contracts.llm import EngineOutput, FinishReason, PreprocessedRequest
-from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected
+from pipeline import EngineError, InvalidRequest, KvSnapshot, StreamDisconnected, WorkerLoad
 
+from ._load_meter import LoadMeter
 from ._mock_tokens import TokenSource, embeddings, top_logprobs
 from ._prefix_cache import DEFAULT_BLOCK_SIZE, KvEventSink, PrefixCache
 from ._step_clock import StepClock
@@ -125,6 +126,7 @@ class MockerEngine:
         "_decode_s",
         "_fail_after",
         "_max_batch",
+        "_meter",
         "_prefill_s",
         "_secret",
         "_slots",
@@ -184,6 +186,7 @@ class MockerEngine:
         self._slots = anyio.Semaphore(max_batch)
         self._waiting = 0
         self._cache = PrefixCache(block_size, cache_blocks, kv_events) if cache_blocks else None
+        self._meter = LoadMeter()
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, **options: Any) -> MockerEngine:
@@ -200,6 +203,12 @@ class MockerEngine:
             prefill_tokens=0 if cache is None else cache.computed_tokens,
             cached_prompt_tokens=0 if cache is None else cache.cached_tokens,
         )
+
+    def load_report(self) -> WorkerLoad:
+        """Its load now, for the KV router: prompt tokens queued for prefill (a queued
+        prompt's cached blocks looked up on arrival), sequences decoding and before their
+        first token."""
+        return self._meter.report()
 
     @property
     def kv_events(self) -> KvEventSink | None:
@@ -316,9 +325,16 @@ class MockerEngine:
             )
         cache = self._cache if plan.prefill_tokens and self.role != "encode" else None
         blocks = cache.block_ids(request.token_ids, request.lora) if cache is not None else []
+        estimate = plan.prefill_tokens
+        if cache is not None:
+            estimate -= min(cache.held(blocks) * cache.block_size, len(request.token_ids))
+        metered = self._meter.arrived(estimate)
         self._waiting += 1
         try:
             await self._slots.acquire()
+        except BaseException:
+            metered.close()
+            raise
         finally:
             self._waiting -= 1
         span = ctx.span
@@ -328,6 +344,7 @@ class MockerEngine:
         if cache is not None:  # leading cached blocks skip prefill (not the images)
             hit = cache.lookup(blocks, len(request.token_ids))
             plan = plan._replace(prefill_tokens=plan.prefill_tokens - hit)
+            metered.adjust(plan.prefill_tokens)
         clock = self._clock
         first, last = clock.join(anyio.current_time(), plan.prefill_tokens, max(plan.length, 1))
         try:
@@ -358,6 +375,7 @@ class MockerEngine:
                 if ctx.is_stopped:
                     return
                 if emitted == 0:
+                    metered.prefilled()
                     if cache is not None:
                         cache.store(blocks)  # prefilled: the prompt's blocks are now cached
                     if span is not None:
@@ -392,6 +410,7 @@ class MockerEngine:
         finally:
             clock.leave(anyio.current_time(), first, last, plan.prefill_tokens)
             self._slots.release()
+            metered.close()
 
     def __repr__(self) -> str:
         options = [

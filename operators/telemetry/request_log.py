@@ -7,10 +7,13 @@ HTTP status, the token counts, the time to first token and the duration::
 
     {"time": "2026-01-02T03:04:05.678Z", "level": "info", "logger": "llm_pipeline.requests",
      "message": "POST /v1/chat/completions 200", "request_id": "...", "trace_id": "...",
-     "model": "echo", "status": 200, "tokens": 12, "prompt_tokens": 30,
+     "model": "echo", "key": "team-a", "status": 200, "tokens": 12, "prompt_tokens": 30,
      "completion_tokens": 12, "ttft_ms": 3.1, "duration_ms": 20.4, ...}
 
-``tokens`` is the tokens generated (``completion_tokens``, as in usage). Lines go where
+``tokens`` is the tokens generated (``completion_tokens``, as in usage); ``key`` the name
+of the request's API key (never the key; null without keys); ``arrival`` and
+``admission`` where the request's arrival and admission fall in the frontend's numbering
+of admission events (the order the fair queue let requests in). Lines go where
 the other log records go (stderr), at level info whatever ``--log-level`` says: asking
 for a line per request is asking for them.
 """
@@ -77,6 +80,7 @@ def request_fields(span: Span) -> dict[str, Any]:
         "method": attributes.get("http.request.method"),
         "path": attributes.get("url.path"),
         "model": attributes.get("gen_ai.request.model"),
+        "key": attributes.get("llm_pipeline.request.key"),
         "status": attributes.get("http.response.status_code"),
         "tokens": completion,
         "prompt_tokens": attributes.get("gen_ai.usage.input_tokens"),
@@ -85,6 +89,8 @@ def request_fields(span: Span) -> dict[str, Any]:
         "finish_reasons": attributes.get("gen_ai.response.finish_reasons"),
         "ttft_ms": round(ttft * 1e3, 3) if isinstance(ttft, float) else None,
         "duration_ms": round((span.end_ns - span.start_ns) / 1e6, 3),
+        "arrival": attributes.get("llm_pipeline.admission.arrival"),
+        "admission": attributes.get("llm_pipeline.admission.order"),
         "error": span.error,
     }
 

@@ -7,9 +7,10 @@ counted for it beyond what the metrics and the span buffer already hold. ::
      "in_flight": 1, "waiting": 0,
      "requests_total": 40, "output_tokens_total": 5120,
      "kv": {"hit_blocks": 10, "miss_blocks": 30, "hit_rate": 0.25, "source": "router"},
-     "workers": [{"id": "decode-0", "role": "aggregated", "in_flight": 1, "where": "in-process"}],
-     (an upstream's row: "where": "vllm at http://10.0.0.5:8000",
-      "load": {"running": 3, "waiting": 0}, as the server last reported)
+     "workers": [{"id": "decode-0", "role": "aggregated", "in_flight": 1, "where": "in-process",
+                  "routed": 40}],
+     (an upstream's row: "where": "vllm at http://10.0.0.5:8000"; a worker that reports its
+      load, as it last did: "load": {"prefill_tokens": 900, "decoding": 3, "waiting": 1})
      "tracing": {"recording": true, "exporting": "http://collector:4318/v1/traces"},
      "planner": null, or the planner's last status (``serve --nats`` with a planner):
          {"interval_s": 10, "age_s": 3.2, "pools": [{"model", "role", "targets":
@@ -28,7 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, final
 
 from operators.edges.http.request_span import REQUEST_OWNER
-from pipeline import WorkerSet
+from pipeline import WorkerLoad, WorkerSet
 
 if TYPE_CHECKING:
     from operators.edges.openai.server import OpenAIApp
@@ -42,9 +43,10 @@ WorkerGroups: TypeAlias = Mapping[str, "WorkerSet[Any, Any] | None"]
 
 
 def worker_rows(groups: WorkerGroups, where: str) -> list[dict[str, Any]]:
-    """One row per member of ``groups``: id, role, requests in flight, ``where`` it runs
-    (an engine that says where it is, an upstream server, says it instead: its ``where``),
-    and the load it last reported (``load``), when it reports one."""
+    """One row per member of ``groups``: id, role, requests in flight, requests routed to
+    it, ``where`` it runs (an engine that says where it is, an upstream server, says it
+    instead: its ``where``), and the load it last reported (``load``), when it reports
+    one."""
     rows: list[dict[str, Any]] = []
     for role, workers in groups.items():
         if workers is None:
@@ -59,8 +61,13 @@ def worker_rows(groups: WorkerGroups, where: str) -> list[dict[str, Any]]:
             }
             load = getattr(w.engine, "load_report", None)
             report = load() if callable(load) else None
-            if report is not None:
-                row["load"] = {"running": report.running, "waiting": report.waiting}
+            if isinstance(report, WorkerLoad):
+                row["load"] = {
+                    "prefill_tokens": report.prefill_tokens,
+                    "decoding": report.decoding,
+                    "waiting": report.waiting,
+                }
+            row["routed"] = w.ledger.sent_total
             rows.append(row)
     return rows
 

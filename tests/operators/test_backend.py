@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
-from byte_tokenizer import ByteTokenizer, reference_text
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from operators.text.stop_jail import find_stop
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, EngineError, FunctionEngine, StreamDisconnected, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
+from tests.helpers.byte_tokenizer import ByteTokenizer, reference_text
 
 EOS = ByteTokenizer.EOS
 

@@ -7,7 +7,6 @@ import itertools
 from collections.abc import AsyncIterator
 
 import pytest
-from byte_tokenizer import ByteTokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,6 +31,7 @@ from pipeline import (
     link,
 )
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
+from tests.helpers.byte_tokenizer import ByteTokenizer
 
 PROMPT = [900, 901, 902]
 

@@ -367,12 +367,13 @@ async def test_a_failed_check_leaves_the_callers_task_working(
     assert await collect(link(Upper(), ScriptedEngine(["x"])), make_context("req")) == ["X"]
 
 
+#: the repository's root, where ``python -c`` imports this module by its dotted name
+ROOT = Path(__file__).resolve().parents[2]
 #: check every broken operator above on each backend, then collect and exit
 _CHECK_BROKEN_AND_EXIT = """
-import gc, sys
+import gc
 import anyio
-sys.path.insert(0, sys.argv[1])
-import test_check_operator as broken
+import tests.pipeline.test_check_operator as broken
 from pipeline.testing import check_operator
 
 async def main():
@@ -395,9 +396,9 @@ gc.collect()
 def test_the_streams_of_failed_checks_end_before_their_loop_closes() -> None:
     # A refusing operator's stream once outlived its loop: finalized at interpreter exit,
     # it printed "Exception ignored in: <async_generator ...>" after pytest's summary.
-    here = str(Path(__file__).parent)
     run = subprocess.run(
-        [sys.executable, "-c", _CHECK_BROKEN_AND_EXIT, here],
+        [sys.executable, "-c", _CHECK_BROKEN_AND_EXIT],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,

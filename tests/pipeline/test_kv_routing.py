@@ -63,13 +63,16 @@ def test_load_and_prefix_trade_off_by_the_overlap_weight() -> None:
     index = PrefixIndex()
     index.stored("a", ids("ab"))
     workers = pool("a", "b")
-    workers[0].in_flight = 3
-    # a: 2 blocks to prefill + 3 in flight = 5; b: 4 to prefill + 0 = 4
-    assert choose(KvRouter(index, prompt_ids), workers, "abcd") == "b"
-    # weight 2: a = 4 + 3 = 7, b = 8 + 0 = 8
-    assert choose(KvRouter(index, prompt_ids, overlap_weight=2.0), workers, "abcd") == "a"
+    workers[0].in_flight = 3  # (a worker reporting nothing: its requests, decode_weight each)
+    # weight 1: a = 2 tokens to prefill + 3 sequences = 5; b = 4 to prefill + 0 = 4
+    policy = KvRouter(index, prompt_ids, overlap_weight=1.0, decode_weight=1.0)
+    assert choose(policy, workers, "abcd") == "b"
+    # weight 2, the default: a = 4 + 3 = 7, b = 8 + 0 = 8
+    assert choose(KvRouter(index, prompt_ids, decode_weight=1.0), workers, "abcd") == "a"
     # weight 0: only load counts
     assert choose(KvRouter(index, prompt_ids, overlap_weight=0.0), workers, "abcd") == "b"
+    # a sequence is worth 16 prompt tokens by default: 4 + 48 against 8
+    assert choose(KvRouter(index, prompt_ids), workers, "abcd") == "b"
 
 
 def test_a_custom_load_function_replaces_requests_in_flight() -> None:
@@ -113,7 +116,7 @@ def test_softmax_sampling_picks_lower_costs_more_often_in_proportion() -> None:
     index.stored("b", ids("abc"))  # cost 1
     index.stored("c", ids("ab"))  # cost 2
     workers = pool("a", "b", "c")
-    policy = KvRouter(index, prompt_ids, temperature=1.0, seed=11)
+    policy = KvRouter(index, prompt_ids, overlap_weight=1.0, temperature=1.0, seed=11)
     draws = 4000
     counts = Counter(choose(policy, workers, "abcd") for _ in range(draws))
     weights = {"a": 1.0, "b": math.exp(-1.0), "c": math.exp(-2.0)}
@@ -283,8 +286,8 @@ def test_bad_arguments_are_refused_by_name(arguments: dict[str, Any], message: s
 def test_repr_names_the_mode() -> None:
     policy = KvRouter(PrefixIndex(), prompt_ids, approximate=True, ttl=30)
     assert repr(policy) == (
-        "KvRouter(weight=1, restore_cost=0.1, temperature=0, approximate ttl=30s stride=8, "
-        "PrefixIndex(0 blocks, {}))"
+        "KvRouter(weight=2, restore_cost=0.1, decode_weight=16, balance=1.5, temperature=0, "
+        "approximate ttl=30s stride=8, PrefixIndex(0 blocks, {}))"
     )
 
 
@@ -362,7 +365,11 @@ def test_a_host_hit_weighs_between_a_device_hit_and_a_miss() -> None:
     index.apply("miss", KvStored(tuple(ids("sys"))))
     decisions: list[tuple[str, int, int]] = []
     policy = KvRouter(
-        index, prompt_ids, restore_cost=0.25, on_decision=lambda *d: decisions.append(d)
+        index,
+        prompt_ids,
+        overlap_weight=1.0,
+        restore_cost=0.25,
+        on_decision=lambda *d: decisions.append(d),
     )
     prompt = "sys-conversation!"
     assert choose(policy, pool("device", "host", "miss"), prompt) == "device"
@@ -370,7 +377,9 @@ def test_a_host_hit_weighs_between_a_device_hit_and_a_miss() -> None:
     assert decisions[-1] == ("host", 16, 1)  # its lower-tier blocks count as hits
     # host: 1 miss + 13 restored * 0.25 + its load; miss: 14 misses
     loads = {"host": 3.0, "miss": 0.0}
-    busy = KvRouter(index, prompt_ids, restore_cost=0.25, load=lambda w: loads[w.id])
+    busy = KvRouter(
+        index, prompt_ids, overlap_weight=1.0, restore_cost=0.25, load=lambda w: loads[w.id]
+    )
     assert choose(busy, pool("host", "miss"), prompt) == "host"
     loads["host"] = 14 - 3.25 + 0.01
     assert choose(busy, pool("host", "miss"), prompt) == "miss"

@@ -393,10 +393,13 @@ function renderWorkers(workers) {
       row.append(name);
       cell(row, worker.role);
       cell(row, String(worker.in_flight));
-      const load = worker.load; // an upstream server's own report
+      const load = worker.load; // what the worker (an upstream server) last said of its load
       cell(
         row,
-        load ? `${worker.where} (${load.running} running, ${load.waiting} waiting)` : worker.where,
+        load
+          ? `${worker.where} (${load.decoding} decoding, ${load.waiting} starting, ` +
+              `${load.prefill_tokens} prompt tokens queued)`
+          : worker.where,
       );
       return row;
     }),

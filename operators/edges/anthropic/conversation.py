@@ -11,6 +11,11 @@ The forward half of the Anthropic edge::
     stop_sequences -> stop; tools -> function tools; tool_choice auto/any/tool/none ->
     auto/required/named/none (disable_parallel_tool_use: parallel_tool_calls false);
     metadata.user_id -> user
+    thinking enabled, budget_tokens N -> thinking_token_budget N (the engine ends the
+                                         reasoning past N tokens)
+    thinking disabled                 -> reasoning_effort "none" (the template's
+                                         enable_thinking false)
+    thinking adaptive                 -> nothing (the model reasons as it does)
 
 so the chat template, the tool-call parser, the stop jail and migration work as for chat.
 """
@@ -150,8 +155,13 @@ def chat_request(request: CountTokensRequest, *, stream: bool = False) -> ChatCo
     if choice is not None and choice.disable_parallel_tool_use:
         parallel = False
     fields: dict[str, Any] = {}
+    thinking = request.thinking
+    if thinking is not None and thinking.type == "enabled":
+        fields["thinking_token_budget"] = thinking.budget_tokens
+    elif thinking is not None and thinking.type == "disabled":
+        fields["reasoning_effort"] = "none"
     if isinstance(request, MessagesRequest):
-        fields = {
+        fields |= {
             "max_tokens": request.max_tokens,
             "stop": request.stop_sequences,
             "temperature": request.temperature,

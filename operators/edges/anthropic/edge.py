@@ -5,6 +5,8 @@
     POST /v1/messages               MessagesRequest --[chat request]--> graph --> AnthropicReply
     POST /v1/messages/count_tokens  the same conversion, through the preprocessor only:
                                     {"input_tokens": the prompt tokens the message would use}
+                                    (metered: a request of its key's requests per minute,
+                                    none of its tokens)
 
 Anthropic's clients send their key as ``x-api-key`` (the app's guard takes it as well as
 ``Authorization: Bearer``) and the API version as ``anthropic-version``; a version header
@@ -133,7 +135,7 @@ class AnthropicEdge:
 
         return [
             Route(MESSAGES, _POST, create, ANTHROPIC_ERRORS),
-            Route(COUNT_TOKENS, _POST, count_tokens, ANTHROPIC_ERRORS),
+            Route(COUNT_TOKENS, _POST, count_tokens, ANTHROPIC_ERRORS, metered=True),
         ]
 
 

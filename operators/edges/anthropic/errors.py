@@ -8,39 +8,55 @@ Anthropic's (its SDK maps each to its error class: ``BadRequestError``,
 
     invalid_request      400 invalid_request_error
     unauthorized         401 authentication_error
+    forbidden            403 permission_error
     not_found            404 not_found_error
     method_not_allowed   405 invalid_request_error
     too_large            413 request_too_large
     unsupported_media_type / headers_too_large   415 / 431 invalid_request_error
+    rate_limited         429 rate_limit_error (a key's limit; with retry-after)
     overloaded           529 overloaded_error (max_inflight; with retry-after)
     unavailable          529 overloaded_error (no worker now, shutting down)
     timeout              504 timeout_error
     internal             500 api_error
 
-The graph speaks chat's field names; :func:`translate` gives this API's (``stop`` is
-``stop_sequences``, a prompt too long is ``messages``). A stream that fails after it
-started ends with ``event: error`` carrying the same object.
+A key's limits travel in Anthropic's headers (:meth:`AnthropicErrors.rate_headers`), on a
+429 and on every answer to a limited key: ``anthropic-ratelimit-requests-limit``,
+``-remaining`` and ``-reset`` (an RFC 3339 moment: when the bucket is full again), and the
+same three for ``-tokens``.
+
+The graph speaks chat's field names; :func:`translate` gives this API's, in the field
+blamed and in the message (``stop`` is ``stop_sequences``, a prompt too long is
+``messages``, a reasoning budget ``thinking.budget_tokens``, reasoning turned off
+``thinking.type``). A stream that fails after it started ends with ``event: error``
+carrying the same object.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import orjson
 
-from operators.edges.http.failures import ApiError, ErrorKind, Rendered, error_headers
+from operators.edges.http.failures import ApiError, ErrorKind, Rendered, Rewording, error_headers
+from operators.edges.http.limits import Standing, rfc3339
+
+if TYPE_CHECKING:
+    from operators.edges.http.limits import Rates
 
 __all__ = ("ANTHROPIC_ERRORS", "AnthropicErrors", "error_event", "translate")
 
 _STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
     "invalid_request": (400, "invalid_request_error"),
     "unauthorized": (401, "authentication_error"),
+    "forbidden": (403, "permission_error"),
     "not_found": (404, "not_found_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "too_large": (413, "request_too_large"),
     "unsupported_media_type": (415, "invalid_request_error"),
     "headers_too_large": (431, "invalid_request_error"),
+    "rate_limited": (429, "rate_limit_error"),
     "overloaded": (529, "overloaded_error"),
     "unavailable": (529, "overloaded_error"),
     "timeout": (504, "timeout_error"),
@@ -51,22 +67,32 @@ _PARAMS: Final[Mapping[str, str]] = {
     "stop": "stop_sequences",
     "prompt": "messages",
     "max_completion_tokens": "max_tokens",
+    "reasoning_effort": "thinking.type",  # (only thinking: disabled sets an effort: none)
+    "thinking_token_budget": "thinking.budget_tokens",
 }
+#: ... and in messages
+_REWORD: Final = Rewording(
+    _PARAMS, {"the prompt": "the messages", "tool_choice 'required'": "tool_choice 'any'"}
+)
 
 
 def translate(error: ApiError) -> ApiError:
-    """``error`` with the field it blames named as this API names it."""
+    """``error`` with the field it blames named as this API names it, in ``param`` and in
+    its message."""
     param = error.param
-    if param is None:
+    named = param
+    if param is not None:
+        head = param.partition(".")[0]
+        if head == "messages":  # the chat messages' numbering is not the turns' (system, tools)
+            named = "messages"
+        elif head in _PARAMS:
+            named = _PARAMS[head]
+    message = _REWORD(error.message)
+    if named == param and message == error.message:
         return error
-    head = param.partition(".")[0]
-    if head == "messages":  # the chat messages' numbering is not the turns' (system, tools)
-        named = "messages"
-    elif head in _PARAMS:
-        named = _PARAMS[head]
-    else:
-        return error
-    return ApiError(error.kind, error.message, named, error.code, error.retry_after, error.allow)
+    return ApiError(
+        error.kind, message, named, error.code, error.retry_after, error.allow, error.rates
+    )
 
 
 def _object(error: ApiError, request_id: str | None) -> dict[str, object]:
@@ -95,10 +121,34 @@ class AnthropicErrors:
     __slots__ = ()
 
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
-        """``error`` as a whole response."""
+        """``error`` as a whole response (a 429 with the key's limits)."""
         error = translate(error)
         status = _STATUS[error.kind][0]
-        return Rendered(status, orjson.dumps(_object(error, request_id)), error_headers(error))
+        headers = error_headers(error)
+        if error.rates is not None:
+            headers += self.rate_headers(error.rates)
+        return Rendered(status, orjson.dumps(_object(error, request_id)), headers)
+
+    def rate_headers(self, rates: Rates) -> tuple[tuple[bytes, bytes], ...]:
+        """A key's limits as Anthropic tells them: ``anthropic-ratelimit-{requests,tokens}-
+        {limit,remaining,reset}``."""
+        now = time.time()
+        return _rate_headers("requests", rates.requests, now) + _rate_headers(
+            "tokens", rates.tokens, now
+        )
+
+
+def _rate_headers(
+    kind: str, standing: Standing | None, now: float
+) -> tuple[tuple[bytes, bytes], ...]:
+    if standing is None:
+        return ()
+    prefix = b"anthropic-ratelimit-" + kind.encode()
+    return (
+        (prefix + b"-limit", b"%d" % standing.limit),
+        (prefix + b"-remaining", b"%d" % standing.remaining),
+        (prefix + b"-reset", rfc3339(now + standing.reset).encode()),
+    )
 
 
 #: the one instance (the style has no state)

@@ -7,11 +7,12 @@ Anthropic's Messages API, as far as a self-hosted model can honour it: ``model``
 ``tool_use``, ``tool_result``, and ``thinking`` blocks handed back), ``system`` (a string
 or text blocks), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, ``stream``,
 ``tools`` (``name``, ``description``, ``input_schema``), ``tool_choice`` (``auto``,
-``any``, ``tool`` with ``name``, ``none``; ``disable_parallel_tool_use``) and
-``metadata``. What the API has and this server cannot do (server tools such as web search,
-``container``, ``mcp_servers``, extended ``thinking`` budgets, documents, a final
-assistant turn to continue) is a 400 naming the field. Integers are bounded as on every
-edge (:data:`~operators.edges.openai.protocol.base.MAX_INT`).
+``any``, ``tool`` with ``name``, ``none``; ``disable_parallel_tool_use``), ``metadata``
+and ``thinking`` (:class:`ThinkingConfig`: a budget the engine enforces, reasoning turned
+off through the chat template, or the model's own way). What the API has and this server
+cannot do (server tools such as web search, ``container``, ``mcp_servers``, documents,
+``output_config``, a final assistant turn to continue) is a 400 naming the field. Integers
+are bounded as on every edge (:data:`~operators.edges.http.schema.MAX_INT`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ from operators.edges.http.schema import (
     invalid,
     kind,
     parse_body,
+    refused,
     unique_names,
 )
+from operators.edges.openai.unsupported import ALLOWED_CALLERS, DEFER_LOADING
 
 __all__ = (
     "Base64Source",
@@ -51,6 +54,7 @@ __all__ = (
     "MessagesRequest",
     "TextBlock",
     "ThinkingBlock",
+    "ThinkingConfig",
     "Tool",
     "ToolChoice",
     "ToolResultBlock",
@@ -200,12 +204,23 @@ class MessageParam(Model):
 
 
 class Tool(Model):
-    """A client tool: its name, description and the JSON schema of its input."""
+    """A client tool: its name, description and the JSON schema of its input
+    (``cache_control``, ``strict`` and ``eager_input_streaming`` accepted: the server caches
+    prefixes by itself; a call's input is checked as on every edge, and streamed once whole)."""
 
     type: Literal["custom"] | None = None
     name: str = Field(pattern=_NAME_PATTERN)
     description: str | None = None
     input_schema: JsonObject
+    cache_control: JsonObject | None = None
+    strict: Bool | None = None
+    eager_input_streaming: Bool | None = None
+    defer_loading: Annotated[Bool | None, refused(DEFER_LOADING)] = None
+    allowed_callers: Annotated[list[str] | None, refused(ALLOWED_CALLERS)] = None
+    input_examples: Annotated[
+        list[JsonObject] | None,
+        refused(Unsupported("the model is not shown a tool's 'input_examples'", NOTHING)),
+    ] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -238,6 +253,45 @@ _System = Annotated[
 ]
 
 
+class ThinkingConfig(Model):
+    """``thinking``: how the model reasons (its thinking blocks are always shown).
+
+    - ``enabled`` with ``budget_tokens``: at most that many reasoning tokens; past them the
+      engine makes the model end its reasoning (chat's ``thinking_token_budget``). Any
+      budget of 1 or more is taken (Anthropic's own models want 1024), below ``max_tokens``.
+    - ``disabled``: reasoning turned off through the chat template (``enable_thinking``:
+      chat's ``reasoning_effort: "none"``); refused where the template cannot.
+    - ``adaptive``: the model decides, as it always does here.
+    """
+
+    type: Annotated[
+        Literal["enabled", "disabled", "adaptive"],
+        refused(
+            Unsupported(
+                "thinking must be enabled (with budget_tokens), disabled or adaptive "
+                "('between_tools' is not supported)",
+                ("enabled", "disabled", "adaptive"),
+            )
+        ),
+    ]
+    budget_tokens: Count | None = None
+    display: Annotated[
+        Literal["summarized", "omitted"] | None,
+        refused(
+            Unsupported(
+                "thinking is shown as the model wrote it ('omitted' is not supported)",
+                (None, "summarized"),
+            )
+        ),
+    ] = None
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise invalid("thinking.budget_tokens", "enabled thinking needs 'budget_tokens'")
+        return self
+
+
 class CountTokensRequest(Model):
     """The body of ``POST /v1/messages/count_tokens``: a Messages request without the
     generation settings."""
@@ -247,6 +301,12 @@ class CountTokensRequest(Model):
     system: _System | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    # Accepted, and change nothing about the answer: the server caches prompt prefixes by
+    # itself, and has no workspaces or user profiles.
+    cache_control: JsonObject | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
     @model_validator(mode="after")
     def _fits_together(self) -> CountTokensRequest:
@@ -293,6 +353,18 @@ class MessagesRequest(CountTokensRequest):
     #: own field: the clients send it in ``extra_body``
     priority: Priority | None = None
 
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        thinking = self.thinking
+        budget = None if thinking is None else thinking.budget_tokens
+        if budget is not None and budget >= self.max_tokens:
+            raise invalid(
+                "thinking.budget_tokens",
+                f"'thinking.budget_tokens' ({budget}) must be less than 'max_tokens' "
+                f"({self.max_tokens}): the answer needs room after the thinking",
+            )
+        return self
+
     @property
     def user(self) -> str | None:
         """``metadata.user_id``."""
@@ -314,16 +386,20 @@ def invalid_tool(kind: object) -> PydanticCustomError:
 
 #: field -> the rule: what the API has and this server cannot do
 UNSUPPORTED: Final[Mapping[str, Unsupported]] = {
-    "thinking": Unsupported(
-        "extended thinking with a budget is not supported (a model that reasons shows its "
-        "thinking blocks anyway)",
-        (*NOTHING, {"type": "disabled"}),
-    ),
     "container": Unsupported("containers are not supported", NOTHING),
     "mcp_servers": Unsupported("MCP servers are not supported", NOTHING),
     "context_management": Unsupported("context management is not supported", NOTHING),
     "service_tier": Unsupported(
         "only service_tier 'auto' is supported", (None, "auto", "standard_only")
+    ),
+    "output_config": Unsupported(
+        "'output_config' (effort, format) is not supported: use thinking.budget_tokens",
+        NOTHING,
+    ),
+    "speed": Unsupported("only speed 'standard' is supported", (None, "standard")),
+    "diagnostics": Unsupported("prompt-cache diagnostics are not supported", NOTHING),
+    "inference_geo": Unsupported(
+        "'inference_geo' is not supported: inference runs where this server runs", NOTHING
     ),
 }
 

@@ -14,8 +14,15 @@
 - :mod:`.sse_writer` — when a stream's bytes leave (coalesced writes, keep-alives).
 - :mod:`.failures` — what went wrong, in no API's words (:class:`~.failures.ApiError`),
   and the :class:`~.failures.ErrorStyle` each edge says it in.
-- :mod:`.guard`, :mod:`.metrics`, :mod:`.asgi`, :mod:`.runner` — the protections, the
-  Prometheus series, the ASGI helpers, serving with uvicorn.
+- :mod:`.admission` — one admission for every edge: a key's limits, a slot of
+  ``max_inflight`` or a fair wait for one, tokens reserved and settled; over
+  :mod:`.tenants` (the keys and their terms), :mod:`.limits` (the bucket arithmetic),
+  :mod:`.reservation` (the tokens a request may use),
+  :mod:`.budgets` / :mod:`.nats_budgets` (where each key's use is kept),
+  :mod:`.fair_queue` (who goes first), :mod:`.ledger` and :mod:`.usage` (each key's usage,
+  ``GET /v1/usage``).
+- :mod:`.guard`, :mod:`.metrics`, :mod:`.asgi`, :mod:`.cors`, :mod:`.runner` — the
+  protections, the Prometheus series, the ASGI helpers, CORS, serving with uvicorn.
 
 It knows no API: ``tests/test_layering.py`` keeps every edge out of it.
 """

@@ -3,11 +3,14 @@
 ::
 
     request --> CORS (an allowed Origin: its headers; a preflight: 204)
-            --> route (exact path, else a {name} template) --> API key (guarded routes)
+            --> route (exact path, else a {name} template) --> API key (guarded routes):
+                its Tenant (call.tenant: its name, limits, models)
             --> a JSON route's body must say content-type: application/json (else 415)
+            --> a metered route: admitted on its key's limits (429), settled after
             --> the edge's handler --> its model (app.models) --> that model's graph
             --> llm_pipeline_requests_total{endpoint, status, model}
     GET /health, GET /metrics: the app's own, never guarded
+    GET /v1/usage: each key's usage (:mod:`.usage`)
 
 The app knows no API and routes every API by model the same way (:mod:`.models`: each
 model its own graph; an unknown model is a 404 in the edge's words). Each
@@ -30,10 +33,12 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, TypeVarTuple
 import anyio
 import anyio.to_thread
 
-from .asgi import Message, Receive, Scope, Send, send_json
+from .asgi import Receive, Scope, Send, send_json
+from .cors import answer_preflight, with_cors
 from .failures import (
     ClientGone,
     ErrorStyle,
+    Refusal,
     method_not_allowed,
     not_json,
     unauthorized,
@@ -41,11 +46,14 @@ from .failures import (
 )
 from .generation import Generations
 from .guard import Guard
+from .ledger import UsageLedger
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
 from .routes import Call, Edge, Prepare, Route
 from .schema import OFF_LOOP_BYTES
 from .sse_writer import CLIENT_GONE
+from .tenants import ANONYMOUS, Tenant
+from .usage import usage_routes
 
 if TYPE_CHECKING:
     from pipeline import Engine
@@ -60,10 +68,6 @@ Ts = TypeVarTuple("Ts")
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
 #: methods whose body a JSON route reads
 _WITH_BODY: Final = frozenset({"POST", "PUT", "PATCH"})
-#: what a CORS preflight is told (the headers a browser may send: the SDKs' own too)
-_CORS_METHODS: Final = b"GET, POST, DELETE, OPTIONS"
-_CORS_EXPOSED: Final = b"x-request-id, retry-after"
-_CORS_MAX_AGE: Final = b"600"
 
 Pages: TypeAlias = Callable[[Scope, Receive, Send], Awaitable[int | None]]
 """A handler of the GET paths no edge serves (the web UI): the status it answered with, or
@@ -116,12 +120,15 @@ class EdgeApp:
         self.metrics = metrics if metrics is not None else ServerMetrics()
         #: what answers the GET paths no edge serves (the web UI), or None
         self.pages = pages
+        #: each key's usage, by model and minute (``GET /v1/usage``)
+        self.ledger = UsageLedger()
         self._generations = Generations(
             self._models,
             guard=self._guard,
             metrics=self.metrics,
             max_body_bytes=max_body_bytes,
             tracer=tracer,
+            ledger=self.ledger,
         )
         #: large bodies are parsed off the event loop, one at a time (created on first use)
         self._limiter: anyio.CapacityLimiter | None = None
@@ -130,6 +137,8 @@ class EdgeApp:
         for edge in edges:
             for route in edge.routes(self):
                 self._add(route)
+        for route in usage_routes(self.ledger, errors):
+            self._add(route)
 
     def _add(self, route: Route) -> None:
         segments = tuple(route.path.strip("/").split("/"))
@@ -265,16 +274,16 @@ class EdgeApp:
         origin, content_type, preflight = _headers(scope)
         if origin is not None and self._guard.cors and self._guard.origin_allowed(origin):
             if method == "OPTIONS" and preflight is not None:
-                await _preflight(send, origin, scope)
+                await answer_preflight(send, origin, scope)
                 self.metrics.count_request("other", 204)
                 return
-            send = _with_cors(send, origin)
+            send = with_cors(send, origin)
         if path == "/health" or path == "/metrics":
             await self._own(path, method, send)
             return
         found = self._match(path)
         if found is None:
-            if path.startswith("/v1/") and not await self._admitted(scope, send, self._errors):
+            if path.startswith("/v1/") and await self._admitted(scope, send, self._errors) is None:
                 self.metrics.count_request("other", 401)
                 return
             answered = None
@@ -290,9 +299,13 @@ class EdgeApp:
         methods, params = found
         route = methods.get("GET" if method == "HEAD" else method)
         any_route = route if route is not None else next(iter(methods.values()))
-        if any_route.guarded and not await self._admitted(scope, send, any_route.errors):
-            self.metrics.count_request(any_route.endpoint, 401)
-            return
+        tenant = ANONYMOUS
+        if any_route.guarded:
+            found_tenant = await self._admitted(scope, send, any_route.errors)
+            if found_tenant is None:
+                self.metrics.count_request(any_route.endpoint, 401)
+                return
+            tenant = found_tenant
         if route is None:
             error = method_not_allowed(path, methods.allowed())
             rendered = any_route.errors.render(error)
@@ -305,24 +318,46 @@ class EdgeApp:
             self.metrics.count_request(route.endpoint, rendered.status)
             return
         owner = self._guard.owner(scope) if self._guard.requires_key else ""
-        call = Call(scope, receive, send, params, owner)
+        call = Call(scope, receive, send, params, owner, tenant=tenant)
+        if route.metered:
+            status = await self._metered(route, call)
+        else:
+            try:
+                status = await route.handler(call)
+            except ClientGone:
+                status = CLIENT_GONE
+        self.metrics.count_request(route.endpoint, status, call.model)
+
+    async def _metered(self, route: Route, call: Call) -> int:
+        """Serve ``call`` on a metered route: admitted on its key's limits first (a 429 in
+        the route's words), settled once the handler answered."""
+        try:
+            ticket = await self._generations.admission.enter(call.tenant, call.receive)
+        except Refusal as exc:
+            rendered = route.errors.render(exc.error)
+            await send_json(call.send, rendered.status, rendered.body, rendered.headers)
+            return rendered.status
+        call.ticket = ticket
+        status = 500
         try:
             status = await route.handler(call)
         except ClientGone:
             status = CLIENT_GONE
-        self.metrics.count_request(route.endpoint, status, call.model)
+        finally:
+            ticket.model = call.model
+            await ticket.settle(status)
+        return status
 
-    async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> bool:
-        """Whether the request may go on (no keys, or a valid one); a 401 otherwise."""
-        if not self._guard.requires_key:
-            return True
-        allowed, presented = self._guard.check_key(scope)
-        if allowed:
-            return True
+    async def _admitted(self, scope: Scope, send: Send, errors: ErrorStyle) -> Tenant | None:
+        """The request's tenant (no keys: :data:`~.tenants.ANONYMOUS`); None, after a 401,
+        when it presented no valid key."""
+        tenant, presented = self._guard.identify(scope)
+        if tenant is not None:
+            return tenant
         rendered = errors.render(unauthorized(presented))
         await send_json(send, rendered.status, rendered.body, rendered.headers)
         self.metrics.rejected.labels("invalid_api_key").inc()
-        return False
+        return None
 
     async def _own(self, path: str, method: str, send: Send) -> None:
         """``/health`` and ``/metrics``: open to probes and scrapers, GET only."""
@@ -370,44 +405,6 @@ def _is_json(content_type: bytes | None) -> bool:
 
 def _text(value: bytes | None) -> str | None:
     return None if value is None else value.decode("latin-1")[:100]
-
-
-def _cors_headers(origin: bytes) -> list[tuple[bytes, bytes]]:
-    return [
-        (b"access-control-allow-origin", origin),
-        (b"vary", b"origin"),
-        (b"access-control-expose-headers", _CORS_EXPOSED),
-    ]
-
-
-def _with_cors(send: Send, origin: bytes) -> Send:
-    """``send``, adding the CORS headers to the response's head (only the head: nothing
-    is done per token)."""
-
-    async def send_with_cors(message: Message) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *_cors_headers(origin)]}
-        await send(message)
-
-    return send_with_cors
-
-
-async def _preflight(send: Send, origin: bytes, scope: Scope) -> None:
-    """A CORS preflight from an allowed origin: the methods, and the headers it asked for."""
-    asked = b""
-    for name, value in scope.get("headers", ()):
-        if name == b"access-control-request-headers":
-            asked = value
-    headers = [
-        *_cors_headers(origin),
-        (b"access-control-allow-methods", _CORS_METHODS),
-        (b"access-control-max-age", _CORS_MAX_AGE),
-        (b"content-length", b"0"),
-    ]
-    if asked:
-        headers.append((b"access-control-allow-headers", asked))
-    await send({"type": "http.response.start", "status": 204, "headers": headers})
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _models(

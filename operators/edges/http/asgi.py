@@ -9,18 +9,20 @@ JSON response and the request's identity (``x-request-id`` and the headers that 
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, Final, TypeAlias
 
 from pipeline import Context, InvalidRequest
 
 __all__ = (
     "JSON_HEADER",
+    "SESSION_AFFINITY",
     "BodyTooLarge",
     "Message",
     "Receive",
     "Scope",
     "Send",
+    "conversation_key",
     "id_header",
     "kill_on_disconnect",
     "read_body",
@@ -34,6 +36,10 @@ Receive: TypeAlias = Callable[[], Awaitable[Message]]
 Send: TypeAlias = Callable[[Message], Awaitable[None]]
 
 JSON_HEADER: Final = (b"content-type", b"application/json")
+#: the header naming a request's conversation (as ``prompt_cache_key`` does in a body)
+SESSION_AFFINITY: Final = "x-session-affinity"
+#: the longest conversation key (the schema's ``MAX_CONVERSATION_KEY``)
+_MAX_CONVERSATION_KEY: Final = 1024
 #: what a client's ``x-request-id`` may look like (it becomes the request's id)
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 #: request headers kept out of ``ctx.metadata`` (secrets)
@@ -111,6 +117,21 @@ def request_identity(scope: Scope) -> tuple[str | None, dict[str, str]]:
             param="x-request-id",
         )
     return request_id, metadata
+
+
+def conversation_key(metadata: Mapping[str, str]) -> str | None:
+    """The conversation the ``x-session-affinity`` header names (None: none).
+
+    Raises:
+        InvalidRequest: an empty one, or one over 1024 characters.
+    """
+    key = metadata.get(SESSION_AFFINITY)
+    if key is not None and not 0 < len(key) <= _MAX_CONVERSATION_KEY:
+        raise InvalidRequest(
+            f"the {SESSION_AFFINITY} header must be 1 to {_MAX_CONVERSATION_KEY} characters",
+            param=SESSION_AFFINITY,
+        )
+    return key
 
 
 def id_header(ctx: Context[Any]) -> tuple[tuple[bytes, bytes]]:

@@ -11,22 +11,30 @@ from the same ``ApiError("overloaded", ...)``.
 :func:`describe_failure` is the one mapping from the exceptions a request can raise to an
 ``ApiError``::
 
+    Refusal                           its ApiError
     InvalidRequest                    invalid_request (param)
     CapacityExhausted, WorkerLost     unavailable
     EngineError, RequestError         internal, the error's message
     anything else                     internal, a generic message (logged with its traceback)
 
 A handler refuses a request by raising :class:`Refusal` (an ``ApiError`` as an exception).
+The graph blames chat's field names; an edge of another API says them its own way, in the
+``param`` and in the message (:class:`Rewording`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import math
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final, Literal, Protocol, final
+from typing import TYPE_CHECKING, Final, Literal, Protocol, final
 
 from pipeline import CapacityExhausted, EngineError, InvalidRequest, RequestError, WorkerLost
+
+if TYPE_CHECKING:
+    from .limits import Limit, Rates
 
 __all__ = (
     "INTERNAL_MESSAGE",
@@ -36,12 +44,15 @@ __all__ = (
     "ErrorStyle",
     "Refusal",
     "Rendered",
+    "Rewording",
     "at_capacity",
     "body_too_large",
     "describe_failure",
     "draining",
     "error_headers",
     "method_not_allowed",
+    "rate_headers",
+    "rate_limited",
     "shut_down",
     "timed_out",
     "headers_too_large",
@@ -58,11 +69,13 @@ INTERNAL_MESSAGE: Final = "The server had an error while processing your request
 ErrorKind = Literal[
     "invalid_request",  # the request is malformed (400)
     "unauthorized",  # a missing or wrong API key (401)
+    "forbidden",  # the key may not do this (403)
     "not_found",  # an unknown path, model or stored object (404)
     "method_not_allowed",  # the path answers other methods (405)
     "too_large",  # the body is over the limit (413)
     "unsupported_media_type",  # a body that is not of the content type the route takes (415)
     "headers_too_large",  # the request's headers are over the limit (431)
+    "rate_limited",  # the key is over one of its limits (429)
     "overloaded",  # admission control: too many requests in flight
     "unavailable",  # no worker now, a worker lost, the server shutting down
     "timeout",  # the request ran past its deadline
@@ -85,6 +98,8 @@ class ApiError:
     retry_after: int | None = None
     #: what the response must allow (a 405's ``Allow`` header)
     allow: str | None = None
+    #: the key's limits, for the headers each API tells them in (a 429's, exactly)
+    rates: Rates | None = None
 
 
 @final
@@ -119,18 +134,64 @@ class ErrorStyle(Protocol):
         ...
 
 
+@final
+class Rewording:
+    """An error message with chat's field names said as another API says them.
+
+    ``fields``: chat's name -> the API's, replaced wherever a message names it: a name
+    with an underscore (``max_tokens``, ``response_format``) wherever it stands as a word,
+    quoted or not; a plain word (``messages``, ``stop``) only where it is quoted, since it
+    is also English. ``phrases``: other words, replaced where they stand whole (``the
+    messages`` -> ``the input``). One pass of one expression.
+    """
+
+    __slots__ = ("_pattern", "_words")
+
+    def __init__(self, fields: Mapping[str, str], phrases: Mapping[str, str] | None = None):
+        words = {
+            (name if "_" in name else f"'{name}'"): (named if "_" in name else f"'{named}'")
+            for name, named in fields.items()
+        }
+        words.update(phrases or {})
+        self._words = words
+        alternatives = "|".join(re.escape(word) for word in sorted(words, key=len, reverse=True))
+        self._pattern = re.compile(rf"(?<![\w.])(?:{alternatives})(?![\w])")
+
+    def __call__(self, message: str) -> str:
+        """``message`` in the API's words."""
+        return self._pattern.sub(lambda found: self._words[found.group()], message)
+
+
 def error_headers(error: ApiError) -> tuple[tuple[bytes, bytes], ...]:
-    """The headers every style sends with ``error`` (``Retry-After``, ``Allow``)."""
+    """The headers every style sends with ``error``: ``Retry-After`` (and the SDKs'
+    ``retry-after-ms``, exact), ``x-should-retry: false`` for a request no wait will let
+    through, ``Allow``."""
     headers: tuple[tuple[bytes, bytes], ...] = ()
     if error.retry_after is not None:
         headers += ((b"retry-after", str(error.retry_after).encode()),)
+    rates = error.rates
+    if rates is not None and rates.retry_after is None:
+        headers += ((b"x-should-retry", b"false"),)
+    elif rates is not None and rates.retry_after:
+        headers += ((b"retry-after-ms", b"%d" % math.ceil(rates.retry_after * 1000)),)
     if error.allow is not None:
         headers += ((b"allow", error.allow.encode()),)
     return headers
 
 
+def rate_headers(style: ErrorStyle, rates: Rates | None) -> tuple[tuple[bytes, bytes], ...]:
+    """A key's limits in the headers of ``style``'s API (its ``rate_headers(rates)``, when
+    it has one: OpenAI's ``x-ratelimit-*``, Anthropic's ``anthropic-ratelimit-*``)."""
+    if rates is None or not rates.any:
+        return ()
+    tell = getattr(style, "rate_headers", None)
+    return () if tell is None else tuple(tell(rates))
+
+
 def describe_failure(exc: Exception, request_id: str) -> ApiError:
     """What an exception a request raised means to its client (logged as fits)."""
+    if isinstance(exc, Refusal):
+        return exc.error
     if isinstance(exc, InvalidRequest):
         return ApiError("invalid_request", exc.message, param=exc.param)
     if isinstance(exc, CapacityExhausted | WorkerLost):
@@ -214,6 +275,47 @@ def at_capacity(limit: int) -> ApiError:
         "overloaded",
         f"The server is at its limit of {limit} requests in flight; retry shortly.",
         retry_after=1,
+    )
+
+
+_PER_MINUTE: Final = {
+    "requests": "requests per min (RPM)",
+    "tokens": "tokens per min (TPM)",
+}
+
+
+def rate_limited(key: str, refused_by: Limit, asked: int, rates: Rates) -> ApiError:
+    """The key ``key`` is over the limit ``refused_by`` (asking ``asked`` of it), said as
+    OpenAI says it (``Rate limit reached for ... Limit, Used, Requested``); a request
+    larger than the limit is told no wait will do."""
+    if refused_by == "inflight":
+        return ApiError(
+            "rate_limited",
+            f"Too many requests in flight for key {key!r}; retry when one has finished.",
+            code="rate_limit_exceeded",
+            retry_after=1,
+            rates=rates,
+        )
+    standing = rates.requests if refused_by == "requests" else rates.tokens
+    assert standing is not None
+    which = _PER_MINUTE[refused_by]
+    wait = rates.retry_after
+    if wait is None:
+        return ApiError(
+            "rate_limited",
+            f"Request too large for key {key!r} on {which}: Limit {standing.limit}, "
+            f"Requested {asked}. Reduce the prompt or the output limit.",
+            code="rate_limit_exceeded",
+            rates=rates,
+        )
+    used = standing.limit - standing.remaining
+    return ApiError(
+        "rate_limited",
+        f"Rate limit reached for key {key!r} on {which}: Limit {standing.limit}, Used "
+        f"{used}, Requested {asked}. Please try again in {wait:.3g}s.",
+        code="rate_limit_exceeded",
+        retry_after=max(1, math.ceil(wait)),
+        rates=rates,
     )
 
 

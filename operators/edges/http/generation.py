@@ -6,15 +6,23 @@ become its API's response (an :class:`~.routes.Exchange` carrying a
 Responses, Messages and a user's own edge (``host.generate(call, prepare, errors)``)::
 
     read the body (bounded: 413)        -> edge: prepare(body) -> Exchange   (400, 404, ...)
-                                           (its model resolved: its graph, :mod:`.models`)
-    draining? (503)  at max_inflight? (admission: the edge says 503 or 529)
-    no priority given? the API key's default (Guard)
+                                           (its model resolved: its graph, :mod:`.models`,
+                                           among the ones its key may use)
+    draining? (503)
+    no priority given? the API key's default (its Tenant)
+    admission (:mod:`.admission`): the key's limits (429), a slot of max_inflight or a
+        wait in the fair queue for one (the edge says 503 or 529; 504 at the deadline)
     x-request-id (unique in flight), the deadline (Guard), a Context
     run the graph under open_stream, a watcher task killing it when the client leaves
         stream:  the reply renders each event; sse_writer decides when bytes leave
         whole:   the reply folds the events into one body
+        the graph's first event (the prompt tokenized, the engine not yet asked): the
+        prompt's tokens and the output it may generate are reserved of the key's tokens
+        per minute (429 before any byte)
     a kill by the server (deadline: timeout, drain's abort: unavailable) or a failure
         -> the edge's ErrorStyle (before any byte) or the reply's failure event (after)
+    the end: the ticket is settled (the tokens its usage says; the slot freed, the next
+        waiting request admitted; the key's usage counted)
 
 :meth:`Generations.drain` refuses new requests and lets the in-flight ones finish;
 :meth:`Generations.abort` kills what is left, each ending with an error, never a finish
@@ -34,9 +42,12 @@ from typing import TYPE_CHECKING, Any, final
 import anyio
 
 from pipeline import Context, InvalidRequest, open_stream
+from pipeline.priority import priority_of
 
+from .admission import Admission
 from .asgi import (
     BodyTooLarge,
+    conversation_key,
     id_header,
     kill_on_disconnect,
     read_body,
@@ -48,30 +59,35 @@ from .failures import (
     ClientGone,
     ErrorStyle,
     Refusal,
-    at_capacity,
     body_too_large,
     describe_failure,
     draining,
+    rate_headers,
     shut_down,
     timed_out,
 )
+from .ledger import UsageLedger
 from .request_span import (
     finish_request,
+    record_admission,
     record_first_token,
     record_request,
     record_usage,
     start_request,
 )
+from .reservation import estimate
 from .running import Running
 from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, stream_response
 
 if TYPE_CHECKING:
+    from pipeline import Engine
     from pipeline.tracing import Span, Tracer
 
+    from .admission import Ticket
     from .guard import Guard
     from .metrics import ServerMetrics
     from .models import Models
-    from .routes import Call, Prepare
+    from .routes import Call, Exchange, Prepare
 
 __all__ = ("Generations",)
 
@@ -83,11 +99,12 @@ class Generations:
     Args:
         models: the models served: an exchange runs on its model's graph (unless
             it brings its own), the default model's when it names none.
-        guard: admission control, deadlines, and the API keys' default priorities (keys
-            are checked before dispatch).
+        guard: admission control, deadlines, the API keys' terms (keys are checked
+            before dispatch).
         metrics: in-flight gauge, durations, tokens, rejections, timeouts.
         max_body_bytes: larger bodies get a 413.
         tracer: traces every generation request (None: none is traced, nothing is done).
+        ledger: where each key's usage is counted (a fresh one if None).
     """
 
     def __init__(
@@ -98,10 +115,13 @@ class Generations:
         metrics: ServerMetrics,
         max_body_bytes: int,
         tracer: Tracer | None = None,
+        ledger: UsageLedger | None = None,
     ) -> None:
         self.models = models
         self.guard = guard
         self.metrics = metrics
+        #: who may run now, on what terms, and each key's use counted
+        self.admission = Admission(guard, metrics, UsageLedger() if ledger is None else ledger)
         self.max_body_bytes = max_body_bytes
         #: what traces the requests (None: untraced)
         self.tracer = tracer
@@ -126,7 +146,9 @@ class Generations:
 
     def abort(self) -> None:
         """End every in-flight generation request now, down to the engine, each with an
-        error (a stream's failure event, or a whole response's error body)."""
+        error (a stream's failure event, or a whole response's error body); the ones
+        waiting for a slot are refused (503)."""
+        self.admission.close()
         for ctx in list(self._contexts):
             self._aborted.add(ctx)
             ctx.kill()
@@ -201,22 +223,73 @@ class Generations:
             return await refuse(describe_failure(exc, "(not started)"))
         graph = exchange.graph
         model_name = exchange.model
+        tenant = call.tenant
         if graph is None or model_name is None:
             try:
-                model = self.models.resolve(model_name)
+                model = self.models.resolve(model_name, tenant.may_use if tenant.models else None)
             except Refusal as exc:
                 return await refuse(exc.error)
             model_name = model.name
             graph = model.graph if graph is None else graph
         call.model = model_name
-        metrics = self.metrics.for_model(model_name)
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             return await refuse(draining())
-        limit = self.guard.max_inflight
-        if limit is not None and len(self._contexts) >= limit:
-            self.metrics.rejected.labels("max_inflight").inc()
-            return await refuse(at_capacity(limit))
+        request = exchange.request
+        if getattr(request, "priority", 0) is None:  # the API key's default, else 0
+            request.priority = tenant.priority
+        context = self._context_of(model_name)
+        known, cost = estimate(request, len(body), context, tenant.limits.tokens_per_minute)
+        time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
+        arrived = anyio.current_time()
+        try:
+            ticket = await self.admission.enter(
+                tenant,
+                receive,
+                model=model_name,
+                tokens=known,
+                cost=cost,
+                priority=priority_of(request),
+                slot=True,
+                time_limit=time_limit,
+            )
+        except Refusal as exc:
+            return await refuse(exc.error)
+        except ClientGone:
+            return CLIENT_GONE
+        status = 500
+        try:
+            status = await self._admitted(
+                call, errors, exchange, graph, ticket, context, started, span, arrived, time_limit
+            )
+            return status
+        finally:
+            await ticket.settle(status, getattr(exchange.reply, "usage", None))
+
+    async def _admitted(
+        self,
+        call: Call,
+        errors: ErrorStyle,
+        exchange: Exchange,
+        graph: Engine[Any, Any],
+        ticket: Ticket,
+        context: int | None,
+        started: float,
+        span: Span | None,
+        arrived: float,
+        time_limit: float | None,
+    ) -> int:
+        """Run an admitted request (``ticket``), through its graph."""
+        scope, receive, send = call.scope, call.receive, call.send
+        model_name = ticket.model
+        rates = ticket.rates
+
+        async def refuse(error: ApiError, request_id: str | None = None) -> int:
+            rendered = errors.render(error, request_id)
+            headers = rendered.headers + rate_headers(errors, rates)
+            await send_json(send, rendered.status, rendered.body, headers)
+            return rendered.status
+
         try:
             request_id, metadata = request_identity(scope)
             if request_id is not None and any(c.id == request_id for c in self._contexts):
@@ -224,28 +297,39 @@ class Generations:
                     f"a request with x-request-id {request_id!r} is already in flight",
                     param="x-request-id",
                 )
+            conversation = conversation_key(metadata)
         except InvalidRequest as exc:
             return await refuse(ApiError("invalid_request", exc.message, param=exc.param))
-        time_limit = self.guard.timeout_for(scope, stream=exchange.stream)
         request = exchange.request
-        if getattr(request, "priority", 0) is None:  # the API key's default, else 0
-            request.priority = self.guard.priority_for(scope)
+        if conversation is not None:
+            _name_conversation(request, conversation)
         tracer = self.tracer
         ctx = Context.new(
-            exchange.request,
+            request,
             id=request_id,
             metadata=metadata,
-            deadline=None if time_limit is None else anyio.current_time() + time_limit,
+            deadline=None if time_limit is None else arrived + time_limit,
             span=span if tracer is not None and tracer.stages else None,
         )
         if span is not None:
-            record_request(span, exchange.request, ctx.id, model_name, exchange.response_id)
+            record_request(
+                span, request, ctx.id, model_name, exchange.response_id, stream=exchange.stream
+            )
+            record_admission(span, ticket.tenant.name, ticket.arrival, ticket.admission)
         self._contexts.add(ctx)
         status = CLIENT_GONE
         failed: BaseException | None = None
 
         def ended_by_server(ctx: Context[Any]) -> ApiError | None:
             return self._ended_by_server(ctx, time_limit)
+
+        async def on_head(head: Any) -> None:
+            prompt = getattr(head, "prompt_tokens", None)
+            if isinstance(prompt, int):
+                await ticket.reserve(prompt, request, context)
+
+        def headers() -> tuple[tuple[bytes, bytes], ...]:
+            return rate_headers(errors, ticket.rates)
 
         run = Running(
             graph=graph,
@@ -254,9 +338,11 @@ class Generations:
             reply=exchange.reply,
             errors=errors,
             started=started,
-            metrics=metrics,
+            metrics=self.metrics.for_model(model_name),
             ended_by_server=ended_by_server,
             span=span,
+            on_head=on_head,
+            headers=headers,
         )
         try:
             async with anyio.create_task_group() as watcher:
@@ -290,6 +376,15 @@ class Generations:
             record_usage(span, usage, list(getattr(usage, "finish_reasons", ())))
         return status
 
+    def _context_of(self, model: str) -> int | None:
+        """The context length of the served model ``model`` (None: unknown)."""
+        served = self.models.get(model)
+        if served is None:
+            return None
+        preprocessor = served.preprocessor
+        known = getattr(preprocessor, "max_model_len", None) if preprocessor is not None else None
+        return known if isinstance(known, int) else served.context
+
     def _ended_by_server(self, ctx: Context[Any], time_limit: float | None) -> ApiError | None:
         """Why a killed request was killed, if the server did it; None when the client
         went away."""
@@ -307,11 +402,20 @@ class Generations:
         error: ApiError | None = None
         try:
             async with open_stream(run.graph, ctx) as stream:
+                events: list[Any] = []
+                async for head in stream:  # the first event (it may refuse the request)
+                    if run.on_head is not None:
+                        await run.on_head(head)
+                    events.append(head)
+                    break
                 if span is None:
-                    events = [event async for event in stream]
+                    events.extend([event async for event in stream])
                 else:  # (noting on the span when the first text came)
-                    events = []
                     seen = False
+                    for event in events:
+                        seen = seen or reply.visible(event)
+                    if seen:
+                        record_first_token(span, run.started)
                     async for event in stream:
                         events.append(event)
                         if not seen and reply.visible(event):
@@ -333,5 +437,21 @@ class Generations:
         tokens = reply.output_tokens
         if tokens:
             run.metrics.output_tokens.inc(tokens)
-        await send_json(send, 200, body, id_header(ctx))
+        headers = id_header(ctx) if run.headers is None else id_header(ctx) + run.headers()
+        await send_json(send, 200, body, headers)
         return 200
+
+
+#: where a graph's request keeps its conversation: the OpenAI models' field, the token
+#: request's (``PreprocessedRequest.affinity``: the tokens-in/tokens-out edge's)
+_CONVERSATION_FIELDS = ("prompt_cache_key", "affinity")
+
+
+def _name_conversation(request: Any, key: str) -> None:
+    """The ``x-session-affinity`` header names ``request``'s conversation, unless its body
+    did (every edge's: a request of any API carries it to the router)."""
+    for field in _CONVERSATION_FIELDS:
+        if hasattr(request, field):
+            if getattr(request, field) is None:
+                setattr(request, field, key)
+            return

@@ -22,6 +22,9 @@ Series::
 
     llm_pipeline_requests_total{endpoint, status, model}  counter, one per finished request
     llm_pipeline_inflight_requests                   gauge, generation requests in progress
+    llm_pipeline_waiting_requests                    gauge, generation requests waiting for a slot
+    llm_pipeline_key_requests_total{key, model, status}  counter, requests per API key name
+    llm_pipeline_key_tokens_total{key, model, kind}  counter, prompt/cached/output tokens per key
     llm_pipeline_output_tokens_total{model}          counter, completion tokens generated
     llm_pipeline_time_to_first_token_seconds{model}  histogram, request start -> first token
     llm_pipeline_inter_token_latency_seconds{model}  histogram, gap between token writes
@@ -32,6 +35,7 @@ Series::
     llm_pipeline_kv_hit_blocks_total                 counter, prompt blocks routed to a holder
     llm_pipeline_kv_miss_blocks_total                counter, prompt blocks its worker lacked
     llm_pipeline_router_decisions_total{worker}      counter, KV routing decisions per worker
+    llm_pipeline_router_hit_blocks_total{worker}     counter, prompt blocks routed to it, held
 """
 
 from __future__ import annotations
@@ -221,6 +225,19 @@ class ModelMetrics:
 
 
 @final
+class _KeyCounters:
+    """One key's series for one model and status, looked up once."""
+
+    __slots__ = ("cached", "output", "prompt", "requests")
+
+    def __init__(self, metrics: ServerMetrics, key: str, model: str, status: int) -> None:
+        self.requests = metrics.key_requests.labels(key, model, str(status))
+        self.prompt = metrics.key_tokens.labels(key, model, "prompt")
+        self.cached = metrics.key_tokens.labels(key, model, "cached")
+        self.output = metrics.key_tokens.labels(key, model, "output")
+
+
+@final
 class ServerMetrics:
     """The server's metrics, registered in ``registry`` (a fresh one when not given)."""
 
@@ -236,6 +253,25 @@ class ServerMetrics:
         self.inflight = Gauge(
             "llm_pipeline_inflight_requests",
             "Generation requests being served now.",
+            registry=self.registry,
+        )
+        self.waiting = Gauge(
+            "llm_pipeline_waiting_requests",
+            "Generation requests waiting for a slot of --max-inflight (fair-queued by key).",
+            registry=self.registry,
+        )
+        self.key_requests = Counter(
+            "llm_pipeline_key_requests",
+            "Finished requests by API key name (never the key; '' without keys), model and "
+            "status code (429: over one of the key's limits).",
+            ["key", "model", "status"],
+            registry=self.registry,
+        )
+        self.key_tokens = Counter(
+            "llm_pipeline_key_tokens",
+            "Tokens by API key name, model and kind: 'prompt', 'cached' (of the prompt, found "
+            "in a prefix cache) and 'output', as the responses' usage said them.",
+            ["key", "model", "kind"],
             registry=self.registry,
         )
         self.output_tokens = Counter(
@@ -278,11 +314,12 @@ class ServerMetrics:
         self.rejected = Counter(
             "llm_pipeline_rejected_requests",
             "Requests refused before reaching the graph, by reason: 'max_inflight' (503, "
-            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401).",
+            "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401), "
+            "'rate_limited' (429, a key's limit).",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ("max_inflight", "draining", "invalid_api_key"):
+        for reason in ("max_inflight", "draining", "invalid_api_key", "rate_limited"):
             self.rejected.labels(reason)  # shown at 0 before the first rejection
         self.timed_out = Counter(
             "llm_pipeline_timed_out_requests",
@@ -305,10 +342,17 @@ class ServerMetrics:
             ["worker"],
             registry=self.registry,
         )
+        self.router_hit_blocks = Counter(
+            "llm_pipeline_router_hit_blocks",
+            "Prompt blocks the KV router sent to each worker already holding them.",
+            ["worker"],
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)
         self._request_counters: dict[tuple[str, int, str], Counter] = {}
-        self._decision_counters: dict[str, Counter] = {}
+        self._decision_counters: dict[str, tuple[Counter, Counter]] = {}
         self._models: dict[str, ModelMetrics] = {}
+        self._key_counters: dict[tuple[str, str, int], _KeyCounters] = {}
 
     def for_model(self, model: str) -> ModelMetrics:
         """The per-request series of ``model`` (a served model's name, or "")."""
@@ -327,6 +371,21 @@ class ServerMetrics:
             )
         counter.inc()
 
+    def count_key(
+        self, key: str, model: str, status: int, prompt: int = 0, cached: int = 0, output: int = 0
+    ) -> None:
+        """Count one request of the API key named ``key`` on ``model``, with its tokens."""
+        found = self._key_counters.get((key, model, status))
+        if found is None:
+            found = self._key_counters[key, model, status] = _KeyCounters(self, key, model, status)
+        found.requests.inc()
+        if prompt:
+            found.prompt.inc(prompt)
+        if cached:
+            found.cached.inc(cached)
+        if output:
+            found.output.inc(output)
+
     def count_migration(self, kind: str, outcome: str) -> None:
         """Count one lost worker (the ``on_event`` hook of :class:`operators.Migration`)."""
         self.migrations.labels(kind, outcome).inc()
@@ -334,12 +393,17 @@ class ServerMetrics:
     def count_kv_decision(self, worker: str, hit: int, miss: int) -> None:
         """Count one KV routing decision (``KvRouter``'s ``on_decision``): it runs on the
         routing path, so the worker's counter is looked up once."""
-        counter = self._decision_counters.get(worker)
-        if counter is None:
-            counter = self._decision_counters[worker] = self.router_decisions.labels(worker)
-        counter.inc()
+        counters = self._decision_counters.get(worker)
+        if counters is None:
+            counters = self._decision_counters[worker] = (
+                self.router_decisions.labels(worker),
+                self.router_hit_blocks.labels(worker),
+            )
+        decisions, hits = counters
+        decisions.inc()
         if hit:
             self.kv_hit_blocks.inc(hit)
+            hits.inc(hit)
         if miss:
             self.kv_miss_blocks.inc(miss)
 

@@ -21,7 +21,7 @@ which adapter to apply.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, final
 
@@ -53,6 +53,9 @@ class ServedModel:
     embedder: Embedder | None = None
     #: the engine's context length, for a preprocessor that sets none
     context: int | None = None
+    #: its graph below the preprocessor (token requests in, the Backend's outputs out):
+    #: what the tokens-in/tokens-out edge runs (None: that edge refuses the model)
+    tokens: Engine[Any, Any] | None = None
     #: what loads and unloads its adapters (an engine declaring ``LORA``: a
     #: :class:`~operators.contracts.llm.LoraEngine`); None: it takes none
     lora: LoraEngine | None = None
@@ -69,12 +72,13 @@ class ServedModel:
             root=root,
             preprocessor=self.preprocessor,
             context=self.context,
+            tokens=self.tokens,
         )
 
     def card(self) -> dict[str, Any]:
         """Its entry in ``GET /v1/models`` (OpenAI's model object, with vLLM's ``root`` and
         ``parent``)."""
-        return {
+        card: dict[str, Any] = {
             "id": self.name,
             "object": "model",
             "created": self.created,
@@ -82,6 +86,10 @@ class ServedModel:
             "root": self.root if self.root is not None else self.name,
             "parent": self.parent,
         }
+        context = getattr(self.preprocessor, "max_model_len", None) or self.context
+        if isinstance(context, int):  # (vLLM's field: what a client must fit in)
+            card["max_model_len"] = context
+        return card
 
 
 @final
@@ -122,22 +130,31 @@ class Models:
         """The adapters served whose parent is ``name``."""
         return [model for model in self._models.values() if model.parent == name]
 
-    def resolve(self, name: str | None) -> ServedModel:
-        """The model a request naming ``name`` runs on (None: the default one).
+    def resolve(
+        self, name: str | None, allowed: Callable[[str], bool] | None = None
+    ) -> ServedModel:
+        """The model a request naming ``name`` runs on (None: the default one), among the
+        models ``allowed`` lets it use (None: any): a model it may not use is refused as
+        one that is not served, naming only the models it may use.
 
         Raises:
             Refusal: ``not_found`` naming ``model`` (code ``model_not_found``) for a name
-                not served; ``unavailable`` when the request names none and no model is
-                served now.
+                not served (or none, when ``allowed`` allows no model served); ``unavailable``
+                when the request names none and no model is served now.
         """
         if name is None:
             model = self.default
+            if model is not None and allowed is not None and not allowed(model.name):
+                model = next((m for m in self._models.values() if allowed(m.name)), None)
+                if model is None:
+                    raise Refusal(unknown_model("(none named)", ()))
             if model is None:
                 raise Refusal(ApiError("unavailable", "No model is served now; retry later."))
             return model
         model = self._models.get(name)
-        if model is None:
-            raise Refusal(unknown_model(name, self.names))
+        if model is None or (allowed is not None and not allowed(name)):
+            names = self.names if allowed is None else [n for n in self.names if allowed(n)]
+            raise Refusal(unknown_model(name, names))
         return model
 
     def __iter__(self) -> Iterator[ServedModel]:

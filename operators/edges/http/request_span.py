@@ -18,6 +18,9 @@ response's status. What it records, with OpenTelemetry's attribute names:
 * ``llm_pipeline.request.owner``, when the server has API keys: who the request acted
   for (:meth:`~.guard.Guard.owner`, a salted digest of its key, never the key), so that
   the status view shows each key only its own requests;
+* ``llm_pipeline.request.key``: the name of its API key (never the key), and
+  ``llm_pipeline.admission.arrival`` and ``.order``: where its arrival and its admission
+  fall in this frontend's numbering of admission events (the fair queue's order);
 * ``llm_pipeline.request.id`` (the ``x-request-id``), and the events ``first_token``
   (the first text written) and ``finish`` (the finish reasons).
 
@@ -37,8 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = (
     "REQUEST_ID",
+    "REQUEST_KEY",
     "REQUEST_OWNER",
     "finish_request",
+    "record_admission",
     "record_first_token",
     "record_request",
     "record_usage",
@@ -49,6 +54,8 @@ __all__ = (
 REQUEST_ID: Final = "llm_pipeline.request.id"
 #: the attribute naming who the request acted for (an owner digest; absent without keys)
 REQUEST_OWNER: Final = "llm_pipeline.request.owner"
+#: the attribute naming the request's API key by its name (absent without keys)
+REQUEST_KEY: Final = "llm_pipeline.request.key"
 _OPERATIONS: Final = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
@@ -92,15 +99,24 @@ def start_request(tracer: Tracer, scope: Scope, route: str, *, owner: str = "") 
 
 
 def record_request(
-    span: Span, request: Any, request_id: str, served: str, response_id: str | None = None
+    span: Span,
+    request: Any,
+    request_id: str,
+    served: str,
+    response_id: str | None = None,
+    *,
+    stream: bool | None = None,
 ) -> None:
     """What the client asked for, once the body parsed (``request``: the graph's request,
-    a chat or completions request whichever the edge; ``response_id``: the id the edge
-    names its response with, when not OpenAI's ``chatcmpl-``/``cmpl-`` + request id)."""
+    a chat or completions request whichever the edge, or a token request; ``response_id``:
+    the id the edge names its response with, when not OpenAI's ``chatcmpl-``/``cmpl-`` +
+    request id; ``stream``: whether it streams, when the request does not say)."""
     span.set(REQUEST_ID, request_id)
-    span.set("gen_ai.request.model", request.model or served)
+    span.set("gen_ai.request.model", getattr(request, "model", None) or served)
     span.set("gen_ai.response.model", served)
-    span.set("gen_ai.request.stream", bool(request.stream))
+    if stream is None:
+        stream = bool(getattr(request, "stream", False))
+    span.set("gen_ai.request.stream", stream)
     if response_id is None:
         completions = str(span.attributes.get("http.route")) == "/v1/completions"
         response_id = f"{'cmpl' if completions else 'chatcmpl'}-{request_id}"
@@ -122,6 +138,15 @@ def record_request(
         span.set("gen_ai.request.stop_sequences", [stop])
     elif isinstance(stop, list) and stop:
         span.set("gen_ai.request.stop_sequences", [str(s) for s in stop])
+
+
+def record_admission(span: Span, key: str, arrival: int, order: int) -> None:
+    """Who the request came for (``key``: its API key's name; "" without keys), and where
+    its arrival and its admission fall in the frontend's admission events."""
+    if key:
+        span.set(REQUEST_KEY, key)
+    span.set("llm_pipeline.admission.arrival", arrival)
+    span.set("llm_pipeline.admission.order", order)
 
 
 def record_first_token(span: Span, started: float) -> None:

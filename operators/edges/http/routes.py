@@ -18,8 +18,10 @@ What a handler may ask of its :class:`Host` (the app)::
 A generation edge is then two halves: ``prepare(body) -> Exchange`` (the parser: what the
 graph takes, which :class:`Reply` renders its events) and the :class:`Reply` (the
 renderer). A request naming a model is routed by :func:`resolve_model` (``host.models``,
-:mod:`.models`): its graph, or the 404 every edge gives for a model it does not serve; the
-name resolved is the ``model`` label of the request's metrics (``call.model``).
+:mod:`.models`): its graph, or the 404 every edge gives for a model it does not serve, or
+that the request's key may not use (:attr:`Call.tenant`; :func:`visible_models` is what it
+may list); the name resolved is the ``model`` label of the request's metrics
+(``call.model``).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, TypeVarTuple
 
 from .failures import ApiError, ErrorStyle
+from .tenants import ANONYMOUS, Tenant
 
 if TYPE_CHECKING:
     from pipeline import Engine
 
+    from .admission import Ticket
     from .asgi import Receive, Scope, Send
     from .guard import Guard
     from .metrics import ServerMetrics
@@ -50,6 +54,7 @@ __all__ = (
     "Route",
     "check_model",
     "resolve_model",
+    "visible_models",
 )
 
 T = TypeVar("T")
@@ -74,6 +79,11 @@ class Call:
     #: the served model it was routed to ("" until it is, or for a request of no model):
     #: the ``model`` label of its metrics
     model: str = ""
+    #: whose key it came with, and on what terms (a server without keys: everyone's)
+    tenant: Tenant = ANONYMOUS
+    #: a metered route's admission (:attr:`Route.metered`): what it holds of its key's
+    #: limits (an embedding charges its input tokens to it); None on other routes
+    ticket: Ticket | None = None
 
     @property
     def method(self) -> str:
@@ -104,6 +114,10 @@ class Route:
     #: whether its body is JSON: a body of another ``content-type`` (one a web page can
     #: make a browser send to any server without asking, form data, text) is a 415
     json: bool = True
+    #: whether the app admits each call on its key's limits before the handler runs (a
+    #: request of its requests per minute, a slot of its max_inflight: ``call.ticket``),
+    #: as generation requests are admitted (:mod:`.admission`); a refusal is a 429
+    metered: bool = False
 
     @property
     def endpoint(self) -> str:
@@ -243,16 +257,24 @@ class Edge(Protocol):
 
 
 def resolve_model(call: Call, name: str | None, host: Host) -> ServedModel:
-    """The model ``call`` runs on: the one its request names (None: the default), now the
-    ``model`` label of its metrics.
+    """The model ``call`` runs on: the one its request names (None: the default, or the
+    first its key may use), now the ``model`` label of its metrics.
 
     Raises:
-        Refusal: ``not_found`` naming ``model`` for a model not served (no label then: a
-            label per unknown name would let clients grow the registry).
+        Refusal: ``not_found`` naming ``model`` for a model not served, or one the call's
+            key may not use, alike (no label then: a label per unknown name would let
+            clients grow the registry).
     """
-    model = host.models.resolve(name)
+    tenant = call.tenant
+    model = host.models.resolve(name, tenant.may_use if tenant.models else None)
     call.model = model.name
     return model
+
+
+def visible_models(call: Call, host: Host) -> list[ServedModel]:
+    """The models served that ``call``'s key may use (what ``/v1/models`` lists)."""
+    tenant = call.tenant
+    return [model for model in host.models if tenant.may_use(model.name)]
 
 
 def check_model(name: str | None, host: Host) -> ServedModel:

@@ -3,6 +3,7 @@
 uvicorn (httptools parser) on the running asyncio loop, with this module, not uvicorn,
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
 
+    SIGHUP --> on_hangup()          (when given: the keys file reloaded, nothing dropped)
     signal --> app.drain()          new requests get 503, in-flight ones run on
            --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
     drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
@@ -147,6 +148,7 @@ async def serve(
     handle_signals: bool = True,
     log_level: str = "warning",
     max_header_bytes: int = MAX_HEADER_BYTES,
+    on_hangup: Callable[[], object] | None = None,
 ) -> None:
     """Serve ``app`` over HTTP (uvicorn, httptools) until SIGINT or SIGTERM.
 
@@ -156,8 +158,9 @@ async def serve(
     finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
     exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
     A second signal forces the exit. A request whose line and headers are over
-    ``max_header_bytes`` gets a 431 and its connection is closed. Returns normally after a
-    signal-initiated shutdown.
+    ``max_header_bytes`` gets a 431 and its connection is closed. With ``on_hangup``, a
+    SIGHUP calls it (and serving goes on). Returns normally after a signal-initiated
+    shutdown.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
@@ -195,10 +198,14 @@ async def serve(
                 server.force_exit = True
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        wanted = (signal.SIGINT, signal.SIGTERM, *(() if on_hangup is None else (signal.SIGHUP,)))
+        with anyio.open_signal_receiver(*wanted) as signals:
             task_status.started()
             async for signum in signals:
-                if server.should_exit:
+                if signum == signal.SIGHUP:
+                    assert on_hangup is not None
+                    on_hangup()
+                elif server.should_exit:
                     logger.warning("second %s: forcing the exit", signal.Signals(signum).name)
                     app.abort()
                     server.force_exit = True

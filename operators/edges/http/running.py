@@ -7,7 +7,7 @@ of each taking the same ten arguments.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,3 +42,9 @@ class Running:
     ended_by_server: Callable[[Context[Any]], ApiError | None]
     #: a traced request's span (None: untraced)
     span: Span | None = None
+    #: called with the graph's first event (its head, before the engine has done anything:
+    #: the prompt's tokens are known), may refuse the request by raising ``Refusal``
+    on_head: Callable[[Any], Awaitable[None]] | None = None
+    #: the headers of a successful response beyond ``x-request-id`` (the key's limits),
+    #: read when the response starts
+    headers: Callable[[], tuple[tuple[bytes, bytes], ...]] | None = None

@@ -24,7 +24,12 @@ rules below hold for every API alike:
 - **An unsupported field** (:class:`Unsupported`) is refused unless its value is one of
   those that ask for nothing; the values are compared with ``==``, never iterated, so a
   value of any type is safe to check before validation.
-- **Stop strings** are one type (:data:`Stop`, :data:`StopList`), bounded in number.
+- **Stop strings** are one type (:data:`Stop`, :data:`StopList`), bounded in number;
+  OpenAI's ``metadata`` is one type (:data:`Metadata`), bounded as OpenAI bounds it.
+- **A nested field the server cannot honour** is refused the same way, by the field's own
+  annotation (:func:`refused`), so every field an API's SDK can send is either modelled or
+  refused by name (``tests/operators/edges/test_edge_fields.py`` checks it against the
+  official SDKs' request types).
 - **Large bodies are parsed off the event loop** (:data:`OFF_LOOP_BYTES`, the host's
   ``offload``): parsing is linear, but 250k items still take a second of one core.
 
@@ -39,7 +44,15 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Final, TypeVar
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+)
 from pydantic import ValidationError as _ValidationError
 from pydantic_core import ErrorDetails, PydanticCustomError
 
@@ -48,6 +61,7 @@ from pipeline import InvalidRequest
 __all__ = (
     "ARRAY",
     "ARRAYS",
+    "MAX_CONVERSATION_KEY",
     "MAX_DEPTH",
     "MAX_INT",
     "MAX_STOP_STRINGS",
@@ -57,9 +71,11 @@ __all__ = (
     "STRING",
     "STRINGS",
     "Bool",
+    "ConversationKey",
     "Count",
     "Float",
     "JsonObject",
+    "Metadata",
     "Model",
     "Priority",
     "Stop",
@@ -72,6 +88,7 @@ __all__ = (
     "invalid_request",
     "kind",
     "parse_body",
+    "refused",
     "unique_names",
 )
 
@@ -97,6 +114,11 @@ Bool = Annotated[bool, Field(strict=True)]
 #: a request's scheduling priority (vLLM's ``priority``): lower runs earlier, 0 by default
 #: (or the API key's); bounded both ways like every integer (:mod:`pipeline.priority`)
 Priority = Annotated[int, Field(strict=True, ge=-MAX_INT, le=MAX_INT)]
+#: the longest conversation key (``prompt_cache_key``, the ``x-session-affinity`` header)
+MAX_CONVERSATION_KEY: Final = 1024
+#: a conversation's name (OpenAI's ``prompt_cache_key``): requests sharing it are kept on
+#: one worker while its load allows (``PreprocessedRequest.affinity``)
+ConversationKey = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_CONVERSATION_KEY)]
 
 
 class Model(BaseModel):
@@ -240,6 +262,32 @@ Stop = Annotated[
 validated)."""
 
 
+#: OpenAI's limits on ``metadata``
+_METADATA_KEYS: Final = 16
+_METADATA_KEY_CHARS: Final = 64
+_METADATA_VALUE_CHARS: Final = 512
+
+
+def _metadata_fits(metadata: dict[str, str]) -> dict[str, str]:
+    if len(metadata) > _METADATA_KEYS:
+        raise PydanticCustomError(
+            "too_long", "at most {limit} metadata keys are allowed", {"limit": _METADATA_KEYS}
+        )
+    for key, value in metadata.items():
+        if len(key) > _METADATA_KEY_CHARS or len(value) > _METADATA_VALUE_CHARS:
+            raise PydanticCustomError(
+                "too_long",
+                "metadata keys hold at most {keys} characters and values at most {values}",
+                {"keys": _METADATA_KEY_CHARS, "values": _METADATA_VALUE_CHARS},
+            )
+    return metadata
+
+
+Metadata = Annotated[dict[str, str], AfterValidator(_metadata_fits)]
+"""OpenAI's ``metadata`` (chat, Responses): string values, at most 16 keys of 64 characters
+and values of 512. Kept with a stored response; changes nothing about the answer."""
+
+
 def unique_names(names: list[str], param: str) -> None:
     """Refuse two equal names (``param.N`` blames the second); linear in their number.
 
@@ -273,6 +321,20 @@ class Unsupported:
 
 #: values that ask for nothing: absent, false or empty
 NOTHING: Final[tuple[Any, ...]] = (None, False, "", (), [], {})
+
+
+def refused(rule: Unsupported) -> BeforeValidator:
+    """The annotation of a nested field the server cannot honour: a value ``rule`` does
+    not find harmless is a 400 naming the field's path (``text.verbosity``), checked
+    before the field's own type (any JSON value is safe to compare)."""
+
+    def check(value: Any) -> Any:
+        if rule.asks(value):
+            raise PydanticCustomError("unsupported", "{message}", {"message": rule.message})
+        return value
+
+    return BeforeValidator(check)
+
 
 M = TypeVar("M", bound=BaseModel)
 

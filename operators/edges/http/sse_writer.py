@@ -17,6 +17,7 @@ status before the first token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Final
 
@@ -70,7 +71,7 @@ class StreamState:
     The writer updates it per socket write, never per event.
     """
 
-    __slots__ = ("committed", "done", "last_write", "pending", "ready", "writing")
+    __slots__ = ("committed", "done", "headers", "last_write", "pending", "ready", "writing")
 
     def __init__(self) -> None:
         #: the reply has rendered the stream's first event (a keep-alive may follow it)
@@ -85,6 +86,8 @@ class StreamState:
         self.writing = False
         #: rendered events not written yet (the writer's own list)
         self.pending: list[bytes] = []
+        #: the response head's extra headers (the key's limits), read when it is sent
+        self.headers: Callable[[], tuple[tuple[bytes, bytes], ...]] | None = None
 
 
 async def stream_response(run: Running, state: StreamState | None = None) -> int:
@@ -112,6 +115,8 @@ async def stream_response(run: Running, state: StreamState | None = None) -> int
     )
     started = run.started
     shared = StreamState() if state is None else state
+    shared.headers = run.headers
+    on_head = run.on_head
     pending = shared.pending
     committed = False
     held_since = 0.0  # when the oldest pending event was rendered
@@ -142,7 +147,7 @@ async def stream_response(run: Running, state: StreamState | None = None) -> int
         nonlocal committed
         committed = shared.committed = True
         try:
-            await send(stream_start(ctx))
+            await send(stream_start(ctx, shared.headers))
         except Exception as exc:
             shared.done = True
             raise WriteFailed from exc
@@ -171,6 +176,8 @@ async def stream_response(run: Running, state: StreamState | None = None) -> int
             async with open_stream(run.graph, ctx) as stream:
                 next_event = stream.__anext__
                 head = await next_event()
+                if on_head is not None:
+                    await on_head(head)
                 render = reply.start(head)
                 data = render(head)
                 if data:
@@ -251,7 +258,7 @@ async def keep_alive(
         try:
             if not state.committed:
                 state.committed = True
-                await send(stream_start(ctx))
+                await send(stream_start(ctx, state.headers))
             state.pending.append(data)
             body = b"".join(state.pending)
             state.pending.clear()
@@ -263,10 +270,13 @@ async def keep_alive(
         state.last_write = perf_counter()
 
 
-def stream_start(ctx: Context[Any]) -> Message:
-    """The head of an SSE response (status 200, ``x-request-id``)."""
+def stream_start(
+    ctx: Context[Any], headers: Callable[[], tuple[tuple[bytes, bytes], ...]] | None = None
+) -> Message:
+    """The head of an SSE response (status 200, ``x-request-id``, and ``headers()``)."""
+    extra = () if headers is None else headers()
     return {
         "type": "http.response.start",
         "status": 200,
-        "headers": [*SSE_HEADERS, *id_header(ctx)],
+        "headers": [*SSE_HEADERS, *id_header(ctx), *extra],
     }

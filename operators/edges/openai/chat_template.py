@@ -124,7 +124,7 @@ class ChatTemplate:
             model file fails at startup, not on the first chat request).
     """
 
-    __slots__ = ("__dict__", "_template", "_variables", "source")
+    __slots__ = ("__dict__", "_read", "_template", "_variables", "source")
 
     def __init__(
         self,
@@ -143,6 +143,7 @@ class ChatTemplate:
             "bos_token": bos_token or "",
             "eos_token": eos_token or "",
         }
+        self._read: dict[tuple[str, Any, Any], bool] = {}
 
     def render(
         self,
@@ -182,6 +183,22 @@ class ChatTemplate:
         except InvalidRequest:
             return False
         return _PROBE_TOOL in text
+
+    def reads(self, name: str, first: Any, second: Any) -> bool:
+        """Whether the variable ``name`` changes the prompt: True when a conversation
+        rendered with ``name=first`` and with ``name=second`` differ (probed once per
+        variable; ``enable_thinking`` with True and False, ``reasoning_effort`` with two
+        efforts). A setting passed to a template that does not read it is not honoured."""
+        key = (name, first, second)
+        found = self._read.get(key)
+        if found is None:
+            probe = [{"role": "user", "content": "?"}]
+            try:
+                found = self.render(probe, **{name: first}) != self.render(probe, **{name: second})
+            except InvalidRequest:
+                found = False
+            self._read[key] = found
+        return found
 
     def __repr__(self) -> str:
         return f"ChatTemplate({len(self.source)} chars)"

@@ -4,7 +4,8 @@
 
     POST /v1/chat/completions   parse_chat_request        --[graph]--> events -> OpenAIReply
     POST /v1/completions        parse_completion_request  --[graph]--> events -> OpenAIReply
-    GET  /v1/models, /v1/models/{model}   every model served (adapters with their ``parent``)
+    GET  /v1/models, /v1/models/{model}   every model served that the key may use
+                                (adapters with their ``parent``)
     POST /v1/embeddings         the engine's ``embed`` (:mod:`.embeddings`)
     POST /tokenize, /detokenize vLLM's shapes, through the preprocessor (:mod:`.tokenize`)
 
@@ -22,7 +23,15 @@ import orjson
 
 from operators.edges.http.asgi import send_json
 from operators.edges.http.failures import Refusal
-from operators.edges.http.routes import Call, Exchange, Handler, Host, Route, resolve_model
+from operators.edges.http.routes import (
+    Call,
+    Exchange,
+    Handler,
+    Host,
+    Route,
+    resolve_model,
+    visible_models,
+)
 
 from .errors import OPENAI_ERRORS
 from .protocol import parse_chat_request, parse_completion_request
@@ -72,7 +81,7 @@ class OpenAIEdge:
             return handle
 
         async def models(call: Call) -> int:
-            cards = [model.card() for model in host.models]
+            cards = [model.card() for model in visible_models(call, host)]
             await send_json(call.send, 200, orjson.dumps({"object": "list", "data": cards}))
             return 200
 

@@ -6,7 +6,9 @@ strings are encoded with the model's tokenizer (its preprocessor's). ``encoding_
 SDKs ask for by default). ``usage.prompt_tokens`` counts every input's tokens. The model's
 vectors have one length: ``dimensions`` is refused (a 400 naming it) since no engine here
 can shorten them. An engine without ``embed`` (echo, mocker, a router over in-process
-workers) answers a 400 naming ``model``. Embeddings do not run through the graph: no
+workers) answers a 400 naming ``model``. The route is metered: a request counts against
+its key's requests per minute, and its input tokens against its tokens per minute (a 429
+before the engine runs). Embeddings do not run through the graph: no
 migration, no stop strings; the request timeout applies.
 """
 
@@ -165,10 +167,12 @@ def embedding_routes(
                     param="model",
                 )
             ids = await host.offload(len(body), _encode, request.inputs, encoder)
+            tokens = sum(len(item) for item in ids)
+            if call.ticket is not None:  # (its key's tokens per minute: 429 if over)
+                await call.ticket.charge(tokens)
             timeout = host.guard.request_timeout
             with anyio.fail_after(timeout):
                 vectors = await served.embed(ids)
-            tokens = sum(len(item) for item in ids)
             return {
                 "object": "list",
                 "data": [
@@ -183,7 +187,7 @@ def embedding_routes(
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
 
-        return [Route(EMBEDDINGS, frozenset({"POST"}), embeddings, OPENAI_ERRORS)]
+        return [Route(EMBEDDINGS, frozenset({"POST"}), embeddings, OPENAI_ERRORS, metered=True)]
 
     return routes
 

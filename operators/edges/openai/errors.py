@@ -6,13 +6,20 @@ and status codes, in one table that can be read, and changed, in one place::
 
     invalid_request (bad JSON, UTF-8, a field)   400 invalid_request_error, param
     unauthorized (a missing or wrong API key)    401 invalid_request_error, invalid_api_key
+    forbidden (another key's usage)              403 invalid_request_error, permission_denied
     not_found (a path, a model, a stored id)     404 invalid_request_error (model_not_found)
     method_not_allowed / too_large               405 / 413 invalid_request_error
     unsupported_media_type / headers_too_large   415 / 431 invalid_request_error
+    rate_limited (a key's limit, Retry-After)    429 requests or tokens, rate_limit_exceeded
     overloaded (max_inflight, with Retry-After)  503 service_unavailable_error
     unavailable (no worker, shutting down)       503 service_unavailable_error
     timeout (past the request's deadline)        504 timeout_error, request_timeout
     internal (EngineError, anything else)        500 server_error
+
+A key's limits travel in OpenAI's headers (:meth:`OpenAIErrors.rate_headers`), on a 429
+and on every answer to a limited key: ``x-ratelimit-limit-requests``,
+``x-ratelimit-remaining-requests``, ``x-ratelimit-reset-requests`` (a duration: ``6m0s``,
+``1.5s``, ``12ms``: until the bucket is full again) and the same three for ``-tokens``.
 
 An error after a stream has started is sent as one ``data: {"error": {...}}`` event, and
 the stream then closes *without* ``data: [DONE]`` (as OpenAI does), so a client can tell a
@@ -22,7 +29,7 @@ failed stream from a finished one. The Responses edge speaks OpenAI's errors too
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
 
 import orjson
 
@@ -43,7 +50,11 @@ from operators.edges.http.failures import (
     unknown_model,
     unknown_path,
 )
+from operators.edges.http.limits import Standing, duration
 from pipeline import InvalidRequest
+
+if TYPE_CHECKING:
+    from operators.edges.http.limits import Rates
 
 __all__ = (
     "INTERNAL_MESSAGE",
@@ -67,11 +78,13 @@ __all__ = (
 _STATUS: Final[Mapping[ErrorKind, tuple[int, str]]] = {
     "invalid_request": (400, "invalid_request_error"),
     "unauthorized": (401, "invalid_request_error"),
+    "forbidden": (403, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
     "too_large": (413, "invalid_request_error"),
     "unsupported_media_type": (415, "invalid_request_error"),
     "headers_too_large": (431, "invalid_request_error"),
+    "rate_limited": (429, "requests"),
     "overloaded": (503, "service_unavailable_error"),
     "unavailable": (503, "service_unavailable_error"),
     "timeout": (504, "timeout_error"),
@@ -100,17 +113,45 @@ class OpenAIErrors:
 
     def body(self, error: ApiError) -> bytes:
         """``{"error": {...}}`` for ``error``."""
-        return error_body(error.message, _STATUS[error.kind][1], param=error.param, code=error.code)
+        return error_body(error.message, _type(error), param=error.param, code=error.code)
 
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
-        """``error`` as a whole response (a 401 also says ``WWW-Authenticate: Bearer``)."""
-        status, type_ = _STATUS[error.kind]
+        """``error`` as a whole response (a 401 also says ``WWW-Authenticate: Bearer``; a
+        429 the key's limits)."""
+        status = _STATUS[error.kind][0]
         headers = error_headers(error)
         if error.kind == "unauthorized":
             headers += ((b"www-authenticate", b"Bearer"),)
+        if error.rates is not None:
+            headers += self.rate_headers(error.rates)
         return Rendered(
-            status, error_body(error.message, type_, param=error.param, code=error.code), headers
+            status,
+            error_body(error.message, _type(error), param=error.param, code=error.code),
+            headers,
         )
+
+    def rate_headers(self, rates: Rates) -> tuple[tuple[bytes, bytes], ...]:
+        """A key's limits as OpenAI tells them: ``x-ratelimit-{limit,remaining,reset}-
+        {requests,tokens}``."""
+        return _rate_headers("requests", rates.requests) + _rate_headers("tokens", rates.tokens)
+
+
+def _type(error: ApiError) -> str:
+    """OpenAI's error ``type``: a 429's names the limit (``requests`` or ``tokens``)."""
+    if error.kind == "rate_limited" and error.rates is not None:
+        return "tokens" if error.rates.refused_by == "tokens" else "requests"
+    return _STATUS[error.kind][1]
+
+
+def _rate_headers(kind: str, standing: Standing | None) -> tuple[tuple[bytes, bytes], ...]:
+    if standing is None:
+        return ()
+    name = kind.encode()
+    return (
+        (b"x-ratelimit-limit-" + name, b"%d" % standing.limit),
+        (b"x-ratelimit-remaining-" + name, b"%d" % standing.remaining),
+        (b"x-ratelimit-reset-" + name, duration(standing.reset).encode()),
+    )
 
 
 #: the one instance (the style has no state)

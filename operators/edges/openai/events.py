@@ -113,12 +113,12 @@ class Usage:
     #: part of OpenAI's ``usage``)
     finish_reasons: tuple[str, ...] = ()
     #: completion tokens spent reasoning: every token up to the last one whose output
-    #: carried reasoning text (0 without a reasoning parser); the Responses edge reports it
+    #: carried reasoning text (0 without a reasoning parser); chat and Responses report it
     reasoning_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object (``prompt_tokens_details`` when the engine reported
-        its prefix cache's hits)."""
+        its prefix cache's hits, ``completion_tokens_details`` when the model reasoned)."""
         usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -126,6 +126,8 @@ class Usage:
         }
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        if self.reasoning_tokens:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         return usage
 
 

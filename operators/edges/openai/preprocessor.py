@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Container
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.to_thread
@@ -37,13 +37,13 @@ from operators.backend import CACHED_TOKENS
 from operators.contracts.llm import BackendOutput, PreprocessedRequest
 from pipeline import Context, Engine, InvalidRequest, State, Stream
 
-from .chat_template import ChatTemplate, tool_chat_template
+from .chat_prompt import ChatPrompts
 from .chunks import ChatChunks, CompletionChunks, TokenDecoder, TokenTexts
 from .events import OpenAIEvent, aggregate_chat, aggregate_completion
 from .images import ImagePolicy, ImageRef, load_images
 from .prompt_size import OFF_LOOP_CHARS, prompt_sizes, refuse_unfittable
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
-from .structure import ConstraintBuilder, involves_tools, output_structure
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .structure import ConstraintBuilder, output_structure
 
 if TYPE_CHECKING:
     from pipeline.tracing import Span
@@ -94,6 +94,8 @@ class OpenAIPreprocessor:
             get a 400); it also builds the constraint of ``tool_choice: "required"``.
         adapters: the names of the model's adapters (LoRA), read at each request (a live
             set): a request naming one runs with it (``PreprocessedRequest.lora``).
+        reasoning: the reasoning format the server parses (None: the model is not known to
+            reason); its markers are what a reasoning budget forces (:mod:`.reasoning`).
 
     Raises:
         ValueError: the chat template does not compile.
@@ -110,6 +112,7 @@ class OpenAIPreprocessor:
         images: ImagePolicy | None = None,
         tool_format: ConstraintBuilder | None = None,
         adapters: Container[str] = frozenset(),
+        reasoning: object | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._adapters = adapters
@@ -121,24 +124,14 @@ class OpenAIPreprocessor:
         self._eos_token_ids = tuple(sorted(tokenizer.eos_token_ids))
         self._vocab_size: int | None = getattr(tokenizer, "vocab_size", None)
         source = chat_template if chat_template is not None else tokenizer.chat_template
-        self._template = (
-            None
-            if source is None
-            else ChatTemplate(
-                source,
-                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
-                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
-            )
+        self._chat = ChatPrompts.for_tokenizer(
+            source,
+            explicit=chat_template is not None,
+            bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
+            eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
+            encode=self._encode_chat,
+            reasoning=reasoning,
         )
-        # Requests that involve tools render through the shipped tool template when the
-        # model's own template ignores tools (an explicit ``chat_template`` is respected).
-        self._tool_template = self._template
-        if chat_template is None and (self._template is None or not self._template.handles_tools):
-            self._tool_template = ChatTemplate(
-                tool_chat_template(),
-                bos_token=_token_text(tokenizer, getattr(tokenizer, "bos_token_id", None)),
-                eos_token=_token_text(tokenizer, _eos_token_id(tokenizer)),
-            )
         self._token_texts = TokenTexts(tokenizer)
         self._max_token_chars: int | None = getattr(tokenizer, "max_token_chars", None)
         #: one large prompt prepared at a time, in a worker thread (created on first use)
@@ -162,30 +155,18 @@ class OpenAIPreprocessor:
         Image parts are left out of the text; :meth:`generate` loads them separately.
 
         Raises:
-            InvalidRequest: no chat template, or the template rejected the conversation.
+            InvalidRequest: no chat template, a reasoning setting it cannot honour, or the
+                template rejected the conversation.
         """
-        return self._render(request, [])
+        return self._chat.render(request, [])
 
-    def _render(
-        self,
-        request: ChatCompletionRequest,
-        images: list[ImageRef],
-        add_generation_prompt: bool = True,
-    ) -> str:
-        template = self._tool_template if involves_tools(request) else self._template
-        if template is None:
-            raise InvalidRequest(
-                "this model has no chat template; use /v1/completions with a prompt",
-                param="messages",
-            )
-        tools = None
-        if request.effective_tool_choice != "none":
-            tools = [tool.as_template_dict() for tool in request.tools or ()]
-        return template.render(
-            _template_messages(request.messages, images),
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-        )
+    def _encode_chat(self, text: str) -> list[int]:
+        # The rendered text is encoded with special tokens parsed, because the template's
+        # role markers must become control ids. The users' message text is part of that
+        # text, so "<|im_start|>" typed in a message also becomes a control id: keeping
+        # user text plain would mean encoding the template's pieces separately. vLLM and
+        # llama.cpp's server behave the same way.
+        return self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
 
     def preprocess(self, request: OpenAIRequest) -> list[PreprocessedRequest]:
         """The tokenized request: one per prompt (several for a completions batch).
@@ -222,24 +203,7 @@ class OpenAIPreprocessor:
         ``span`` (a traced request's) gets an event when the template is rendered and
         when each prompt is tokenized."""
         if isinstance(request, ChatCompletionRequest):
-            # The rendered text is encoded with special tokens parsed, because the template's
-            # role markers must become control ids. The users' message text is part of that
-            # text, so "<|im_start|>" typed in a message also becomes a control id: keeping
-            # user text plain would mean encoding the template's pieces separately. vLLM and
-            # llama.cpp's server behave the same way.
-            images: list[ImageRef] = []
-            text = self._render(request, images, add_generation_prompt)
-            if span is not None:
-                span.add_event("template_rendered", {"llm_pipeline.prompt_chars": len(text)})
-            ids = self._tokenizer.encode(text, add_special_tokens=False, parse_special=True)
-            if span is not None:
-                span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
-            tools, constraint = output_structure(request, self._tool_format)
-            leg = self._leg(request, ids, "messages", "")
-            leg.images = images
-            leg.request.tools = tools
-            leg.request.constraint = constraint
-            return [leg]
+            return [self._chat_leg(request, span, add_generation_prompt)]
         legs = []
         echo = request.echo
         batch = len(request.prompts) > 1
@@ -254,41 +218,43 @@ class OpenAIPreprocessor:
                 shown = prompt
             else:
                 ids = list(prompt)
-                self._check_token_ids(ids, param)
+                self.check_token_ids(ids, param)
                 shown = self._tokenizer.decode(ids) if echo else ""
             if span is not None:
                 span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(ids)})
             legs.append(self._leg(request, ids, param, shown if echo else ""))
         return legs
 
+    def _chat_leg(
+        self, request: ChatCompletionRequest, span: Span | None, add_generation_prompt: bool
+    ) -> _Leg:
+        chat = self._chat.prompt(
+            request, max_model_len=self._max_model_len, add_generation_prompt=add_generation_prompt
+        )
+        if span is not None:
+            span.add_event("template_rendered", {"llm_pipeline.prompt_chars": chat.chars})
+            span.add_event("tokenized", {"llm_pipeline.prompt_tokens": len(chat.token_ids)})
+        tools, constraint = output_structure(request, self._tool_format)
+        leg = self._leg(request, chat.token_ids, "messages", "")
+        leg.images = chat.images
+        leg.request.tools = tools
+        leg.request.constraint = constraint
+        markers = self._chat.markers
+        if markers is not None:
+            budget = chat.reasoning.budget(markers, leg.request.stop.max_tokens)
+            if budget is not None and constraint is not None:
+                raise InvalidRequest(
+                    f"'{budget.param}' cannot be combined with '{constraint.param}': the "
+                    "constraint holds for the whole output, the reasoning included",
+                    param=budget.param,
+                )
+            leg.request.reasoning_budget = budget
+        return leg
+
     def _leg(self, request: OpenAIRequest, ids: list[int], param: str, echo: str) -> _Leg:
-        prompt_len = len(ids)
         what = "messages" if param == "messages" else "prompt"
-        if prompt_len == 0:
-            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
-        max_tokens, max_param = request.requested_max_tokens
-        limit = self._max_model_len
-        if limit is not None:
-            if prompt_len >= limit:
-                raise InvalidRequest(
-                    f"This model's maximum context length is {limit} tokens, but the {what} "
-                    f"has {prompt_len} tokens, which leaves no room for a completion. "
-                    f"Shorten the {what}.",
-                    param=param,
-                )
-            if max_tokens is not None and prompt_len + max_tokens > limit:
-                raise InvalidRequest(
-                    f"This model's maximum context length is {limit} tokens. However, you "
-                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
-                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
-                    f"'{max_param}'.",
-                    param=max_param,
-                )
-        if max_tokens is None:
-            max_tokens = self._default_max_tokens
-            if limit is not None:
-                room = limit - prompt_len
-                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        requested, max_param = request.requested_max_tokens
+        max_tokens = self.fit(len(ids), requested, what=what, param=param, max_param=max_param)
         preprocessed = PreprocessedRequest(
             token_ids=ids,
             stop=request.stop_conditions(max_tokens=max_tokens, eos_token_ids=self._eos_token_ids),
@@ -298,13 +264,17 @@ class OpenAIPreprocessor:
             n=request.n,
             priority=request.priority or 0,
             lora=request.model if request.model in self._adapters else None,
+            affinity=request.prompt_cache_key,
         )
         return _Leg(preprocessed, echo)
 
     def _refuse_unfittable(self, request: OpenAIRequest) -> int:
         """Refuse a prompt that cannot fit the context whatever its token count (without
-        encoding it: :mod:`.prompt_size`); the prompts' total size otherwise."""
+        encoding it: :mod:`.prompt_size`), unless it may be truncated to fit; the prompts'
+        total size otherwise."""
         sizes = prompt_sizes(request)
+        if isinstance(request, ChatCompletionRequest) and request.truncation_keep is not None:
+            return sum(size.size for size in sizes)
         refuse_unfittable(
             request,
             sizes,
@@ -335,7 +305,53 @@ class OpenAIPreprocessor:
             self._legs, request, span, add_generation_prompt, limiter=self._large
         )
 
-    def _check_token_ids(self, ids: list[int], param: str) -> None:
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model's end-of-generation ids (the Backend's hidden stops)."""
+        return self._eos_token_ids
+
+    def fit(
+        self, prompt_len: int, max_tokens: int | None, *, what: str, param: str, max_param: str
+    ) -> int | None:
+        """The output limit of a prompt of ``prompt_len`` tokens asking for ``max_tokens``
+        (None: the default, capped by the room the context leaves).
+
+        Raises:
+            InvalidRequest: an empty prompt or one that leaves no room (naming ``param``,
+                calling it ``what``), or ``max_tokens`` over the room (naming ``max_param``).
+        """
+        if prompt_len == 0:
+            raise InvalidRequest(f"the {what} is empty (no tokens)", param=param)
+        limit = self._max_model_len
+        if limit is not None:
+            if prompt_len >= limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens, but the {what} "
+                    f"has {prompt_len} tokens, which leaves no room for a completion. "
+                    f"Shorten the {what}.",
+                    param=param,
+                )
+            if max_tokens is not None and prompt_len + max_tokens > limit:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {what}, "
+                    f"{max_tokens} for the completion). Reduce the length of the {what} or "
+                    f"'{max_param}'.",
+                    param=max_param,
+                )
+        if max_tokens is None:
+            max_tokens = self._default_max_tokens
+            if limit is not None:
+                room = limit - prompt_len
+                max_tokens = room if max_tokens is None else min(max_tokens, room)
+        return max_tokens
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """Refuse an id outside the vocabulary, naming ``param.<position>``.
+
+        Raises:
+            InvalidRequest: the first such id.
+        """
         vocab_size = self._vocab_size
         if vocab_size is not None:
             for position, token_id in enumerate(ids):
@@ -422,46 +438,3 @@ def _token_text(tokenizer: TokenizerLike, token_id: int | None) -> str | None:
     if token_id is None:
         return None
     return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _template_messages(
-    messages: Sequence[ChatMessage], images: list[ImageRef]
-) -> list[dict[str, Any]]:
-    """Messages as the dicts chat templates expect: string content, optional extras.
-
-    Image parts are appended to ``images`` (in order) instead of the text.
-
-    ``developer`` (OpenAI's newer name for the system role) becomes ``system``: most
-    open-model templates predate it.
-    """
-    rendered = []
-    for position, message in enumerate(messages):
-        item: dict[str, Any] = {
-            "role": "system" if message.role == "developer" else message.role,
-            "content": _content_text(message.content, position, images),
-        }
-        if message.name is not None:
-            item["name"] = message.name
-        if message.tool_calls is not None:
-            item["tool_calls"] = message.tool_calls
-        if message.tool_call_id is not None:
-            item["tool_call_id"] = message.tool_call_id
-        rendered.append(item)
-    return rendered
-
-
-def _content_text(
-    content: str | list[ContentPart] | None, position: int, images: list[ImageRef]
-) -> str:
-    """A message's text: text parts joined by newlines (as vLLM joins them)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    texts = []
-    for index, part in enumerate(content):
-        if part.type == "image_url" and part.image_url is not None:
-            images.append(ImageRef(f"messages.{position}.content.{index}", part.image_url.url))
-        else:
-            texts.append(part.text or "")
-    return "\n".join(texts)

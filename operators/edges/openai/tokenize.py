@@ -8,7 +8,8 @@ The ids come from the preprocessor of the model's graph, so ``count`` is the
 ``usage.prompt_tokens`` of the same request. ``/detokenize`` takes ``{"tokens"}`` and
 answers ``{"prompt"}``; an id outside the vocabulary is a 400 naming ``tokens``. A large
 body is parsed, checked and decoded off the event loop (``host.offload``), as a large
-prompt is rendered and encoded (the preprocessor's ``prepare``).
+prompt is rendered and encoded (the preprocessor's ``prepare``). Both are metered: each
+counts against its key's requests per minute (not its tokens: nothing is generated).
 """
 
 from __future__ import annotations
@@ -168,8 +169,10 @@ def tokenize_routes(
 
         post = frozenset({"POST"})
         return [
-            Route(TOKENIZE, post, handler(tokenize, "(tokenize)"), OPENAI_ERRORS),
-            Route(DETOKENIZE, post, handler(detokenize, "(detokenize)"), OPENAI_ERRORS),
+            Route(TOKENIZE, post, handler(tokenize, "(tokenize)"), OPENAI_ERRORS, metered=True),
+            Route(
+                DETOKENIZE, post, handler(detokenize, "(detokenize)"), OPENAI_ERRORS, metered=True
+            ),
         ]
 
     return routes

@@ -17,11 +17,15 @@ graph takes a :class:`~operators.edges.openai.protocol.ChatCompletionRequest`. S
       reasoning                 -> kept in the record, not shown to the model again
 
   ``tools`` (the flat shape) become chat tools, ``tool_choice`` its chat form,
-  ``text.format`` the ``response_format``, ``max_output_tokens`` the output limit; the
-  tool-call parser, structured output, stop strings and migration then work as for chat.
+  ``text.format`` the ``response_format``, ``max_output_tokens`` the output limit,
+  ``reasoning.effort`` the ``reasoning_effort``; the tool-call parser, structured output,
+  reasoning, stop strings and migration then work as for chat.
 
 The chat request is a :class:`ResponsesChatRequest`, which names its output limit
-``max_output_tokens`` in the preprocessor's errors.
+``max_output_tokens`` in the preprocessor's errors and, under ``truncation: "auto"``, lets
+the preprocessor drop the oldest messages after the instructions until the conversation
+fits the context (:mod:`operators.edges.openai.chat_prompt`). The stored conversation
+stays whole: the next turn is truncated again, from all of it.
 """
 
 from __future__ import annotations
@@ -62,11 +66,20 @@ __all__ = ("ResponsesChatRequest", "chat_messages", "chat_request", "input_items
 
 class ResponsesChatRequest(ChatCompletionRequest):
     """The chat request a Responses request becomes: its output limit is
-    ``max_output_tokens``, so the preprocessor's errors name that field."""
+    ``max_output_tokens``, so the preprocessor's errors name that field; with ``truncation:
+    "auto"``, the messages after the first ``truncate_after`` (the instructions) may be
+    dropped, oldest first, to fit the context."""
+
+    #: None: never truncated (``truncation: "disabled"``)
+    truncate_after: int | None = None
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
         return self.max_tokens, "max_output_tokens"
+
+    @property
+    def truncation_keep(self) -> int | None:
+        return self.truncate_after
 
 
 def _parts(content: str | Sequence[Any], text_type: str) -> list[dict[str, Any]]:
@@ -260,9 +273,12 @@ def chat_request(
         )
         for tool in request.tools or ()
     ]
+    reasoning = request.reasoning
     return ResponsesChatRequest.model_construct(
         model=request.model,
         messages=chat_messages(conversation, request.instructions),
+        reasoning_effort=None if reasoning is None else reasoning.effort,
+        truncate_after=(1 if request.instructions else 0) if request.truncation == "auto" else None,
         stream=request.stream,
         max_tokens=request.max_output_tokens,
         temperature=request.temperature,
@@ -281,4 +297,5 @@ def chat_request(
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs if request.logprobs else None,
         priority=request.priority,
+        prompt_cache_key=request.prompt_cache_key,
     )

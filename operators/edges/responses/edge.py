@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from functools import partial
 from typing import TYPE_CHECKING, Any, Final, final
 from urllib.parse import parse_qs
 
 import orjson
 
 from operators.edges.http.asgi import send_json
-from operators.edges.http.failures import ApiError, Refusal, Rendered
+from operators.edges.http.failures import ApiError, Refusal, Rendered, Rewording
 from operators.edges.http.routes import Call, Exchange, Host, Route, resolve_model
 from operators.edges.openai.errors import OPENAI_ERRORS
 from pipeline import InvalidRequest
@@ -43,6 +42,7 @@ from .store import MemoryResponseStore, ResponseStore, StoredResponse
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
+    from operators.edges.http.limits import Rates
     from operators.edges.http.models import ServedModel
 
 __all__ = ("RESPONSES", "ResponsesEdge", "ResponsesErrors", "response_shell", "translate")
@@ -57,23 +57,33 @@ _PARAMS: Final[Mapping[str, str]] = {
     "prompt": "input",
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning.effort",
 }
+#: ... and in messages
+_REWORD: Final = Rewording(
+    {**_PARAMS, "response_format": "text.format"},
+    {"the messages": "the input", "the prompt": "the input"},
+)
 
 
 def translate(error: ApiError) -> ApiError:
-    """``error`` with the field it blames named as this API names it."""
+    """``error`` with the field it blames named as this API names it, in ``param`` and in
+    its message."""
     param = error.param
-    if param is None:
+    named = param
+    if param is not None:
+        head, _, rest = param.partition(".")
+        if head == "response_format":  # response_format.json_schema.schema -> text.format.schema
+            rest = rest.removeprefix("json_schema").removeprefix(".")
+            named = f"text.format.{rest}" if rest else "text.format"
+        elif head in _PARAMS:
+            named = _PARAMS[head]
+    message = _REWORD(error.message)
+    if named == param and message == error.message:
         return error
-    head, _, rest = param.partition(".")
-    if head == "response_format":  # response_format.json_schema.schema -> text.format.schema
-        rest = rest.removeprefix("json_schema").removeprefix(".")
-        named = f"text.format.{rest}" if rest else "text.format"
-    elif head in _PARAMS:
-        named = _PARAMS[head]
-    else:
-        return error
-    return ApiError(error.kind, error.message, named, error.code, error.retry_after, error.allow)
+    return ApiError(
+        error.kind, message, named, error.code, error.retry_after, error.allow, error.rates
+    )
 
 
 @final
@@ -85,6 +95,10 @@ class ResponsesErrors:
     def render(self, error: ApiError, request_id: str | None = None) -> Rendered:
         """See :meth:`operators.edges.openai.errors.OpenAIErrors.render`."""
         return OPENAI_ERRORS.render(translate(error), request_id)
+
+    def rate_headers(self, rates: Rates) -> tuple[tuple[bytes, bytes], ...]:
+        """OpenAI's (:meth:`operators.edges.openai.errors.OpenAIErrors.rate_headers`)."""
+        return OPENAI_ERRORS.rate_headers(rates)
 
 
 _ERRORS: Final = ResponsesErrors()
@@ -120,7 +134,7 @@ def _tool(tool: FunctionTool) -> dict[str, Any]:
 def response_shell(request: ResponsesRequest, response_id: str, model: str) -> dict[str, Any]:
     """The response object's fields that do not depend on the answer."""
     choice = request.tool_choice
-    effort = (request.reasoning or {}).get("effort")
+    effort = request.reasoning.effort if request.reasoning is not None else None
     return {
         "id": response_id,
         "object": "response",
@@ -136,7 +150,7 @@ def response_shell(request: ResponsesRequest, response_id: str, model: str) -> d
         "output": [],
         "parallel_tool_calls": request.parallel_tool_calls is not False,
         "previous_response_id": request.previous_response_id,
-        "reasoning": {"effort": effort, "summary": None},
+        "reasoning": {"effort": effort, "summary": None},  # (no summaries are made)
         "service_tier": "default",
         "store": request.store,
         "temperature": 1.0 if request.temperature is None else request.temperature,
@@ -149,7 +163,7 @@ def response_shell(request: ResponsesRequest, response_id: str, model: str) -> d
         "tools": [_tool(tool) for tool in request.tools or ()],
         "top_logprobs": request.top_logprobs or 0,
         "top_p": 1.0 if request.top_p is None else request.top_p,
-        "truncation": "disabled",
+        "truncation": request.truncation or "disabled",
         "usage": None,
         "user": request.user,
         "metadata": request.metadata or {},
@@ -162,14 +176,11 @@ class ResponsesEdge:
 
     Args:
         store: where responses live (an in-memory store of the default size if None).
-        reasoning: whether the server parses reasoning (``reasoning.effort`` is then
-            accepted instead of refused).
     """
 
-    def __init__(self, store: ResponseStore | None = None, *, reasoning: bool = False) -> None:
+    def __init__(self, store: ResponseStore | None = None) -> None:
         #: where responses live
         self.store: ResponseStore = MemoryResponseStore() if store is None else store
-        self._reasoning = reasoning
 
     async def load(
         self, response_id: str, owner: str, *, param: str, host: Host | None = None
@@ -247,8 +258,7 @@ class ResponsesEdge:
         async def create(call: Call) -> int:
             async def prepare(body: bytes) -> Exchange:
                 size = len(body)
-                parse = partial(parse_responses_request, reasoning=self._reasoning)
-                request = await host.offload(size, parse, body)
+                request = await host.offload(size, parse_responses_request, body)
                 model = resolve_model(call, request.model, host)
                 earlier: list[dict[str, Any]] = []
                 if request.previous_response_id is not None:

@@ -7,15 +7,19 @@ or items: ``message`` with ``input_text`` / ``input_image`` parts, ``function_ca
 ``previous_response_id``, function ``tools`` (the flat shape: ``{type, name, description,
 parameters, strict}``), ``tool_choice``, ``parallel_tool_calls``, ``text.format``
 (``text``, ``json_object``, ``json_schema``), ``top_logprobs`` with ``include:
-["message.output_text.logprobs"]``, ``metadata`` and ``user``. vLLM's extensions come
+["message.output_text.logprobs"]``, ``truncation`` (``auto``: the oldest items after the
+instructions are dropped until the conversation fits), ``reasoning`` (``effort`` as chat's
+``reasoning_effort``; ``summary`` accepted: see :class:`ReasoningConfig`), ``metadata``,
+``user``, ``safety_identifier`` and the prompt cache's hints. vLLM's extensions come
 through ``extra_body`` as on the chat endpoint: ``stop``, ``seed``, ``top_k``,
 ``min_tokens``, ``ignore_eos``.
 
 What the API has and this server cannot do (built-in tools such as web search,
-``background``, ``truncation: "auto"``, stored ``prompt`` templates, ``conversation``
-objects, ``reasoning`` on a server without a reasoning parser...) is a 400 naming the
-field (:func:`refuse_unsupported`), never silently ignored. Integers are bounded as on the
-chat endpoint (:data:`~operators.edges.openai.protocol.base.MAX_INT`): a 400, never a 500.
+``background``, stored ``prompt`` templates, ``conversation`` objects, moderation...) is a
+400 naming the field (:data:`UNSUPPORTED`, and :func:`~operators.edges.http.schema.refused`
+for nested ones: ``text.verbosity``, ``reasoning.mode``), never silently ignored. Integers
+are bounded as on the chat endpoint (:data:`~operators.edges.http.schema.MAX_INT`): a 400,
+never a 500.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from operators.edges.http.schema import (
@@ -33,9 +37,11 @@ from operators.edges.http.schema import (
     OBJECT,
     STRING,
     Bool,
+    ConversationKey,
     Count,
     Float,
     JsonObject,
+    Metadata,
     Model,
     Priority,
     Stop,
@@ -46,10 +52,16 @@ from operators.edges.http.schema import (
     invalid,
     kind,
     parse_body,
+    refused,
     unique_names,
 )
-from operators.edges.openai.protocol.requests import MAX_LOGPROBS
-from pipeline import InvalidRequest
+from operators.edges.openai.protocol.requests import MAX_LOGPROBS, ReasoningEffort
+from operators.edges.openai.unsupported import (
+    ALLOWED_CALLERS,
+    DEFER_LOADING,
+    SERVICE_TIER,
+    VERBOSITY,
+)
 
 __all__ = (
     "LOGPROBS_INCLUDE",
@@ -61,9 +73,11 @@ __all__ = (
     "InputItem",
     "MessageItem",
     "NamedFunctionChoice",
+    "ReasoningConfig",
     "ReasoningItem",
     "RefusalPart",
     "ResponsesRequest",
+    "ResponsesStreamOptions",
     "TextConfig",
     "TextFormatSpec",
     "TextPart",
@@ -72,10 +86,6 @@ __all__ = (
 
 #: the ``include`` value that asks for the output text's logprobs
 LOGPROBS_INCLUDE: Final = "message.output_text.logprobs"
-#: OpenAI's limits on ``metadata``
-_METADATA_KEYS: Final = 16
-_METADATA_KEY_CHARS: Final = 64
-_METADATA_VALUE_CHARS: Final = 512
 #: OpenAI's rule for function and schema names
 _NAME_PATTERN: Final = r"^[A-Za-z0-9_.\-]{1,64}$"
 
@@ -206,6 +216,16 @@ class FunctionTool(Model):
     description: str | None = None
     parameters: JsonObject | None = None
     strict: Bool | None = None
+    defer_loading: Annotated[Bool | None, refused(DEFER_LOADING)] = None
+    allowed_callers: Annotated[list[str] | None, refused(ALLOWED_CALLERS)] = None
+    async_: Annotated[
+        Bool | None,
+        refused(Unsupported("asynchronous function calls are not supported", NOTHING)),
+    ] = Field(default=None, alias="async")
+    output_schema: Annotated[
+        JsonObject | None,
+        refused(Unsupported("the model is not shown a tool's 'output_schema'", NOTHING)),
+    ] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -260,10 +280,51 @@ class TextFormatSpec(Model):
 
 
 class TextConfig(Model):
-    """``text``: the output's format (and verbosity, which only ``medium`` honours)."""
+    """``text``: the output's format (and verbosity: only ``medium``, as on chat)."""
 
     format: TextFormatSpec | None = None
-    verbosity: Literal["medium"] | None = None
+    verbosity: Annotated[Literal["low", "medium", "high"] | None, refused(VERBOSITY)] = None
+
+
+_Summary = Literal["auto", "concise", "detailed"]
+
+
+class ReasoningConfig(Model):
+    """``reasoning``: ``effort`` becomes chat's ``reasoning_effort`` (the chat template gets
+    it, or a reasoning budget: :mod:`operators.edges.openai.reasoning`).
+
+    ``summary`` (and the deprecated ``generate_summary``) is accepted, and no summary is
+    made: every response's reasoning items carry what the model reasoned, whole, as
+    ``content`` (``reasoning_text`` parts), and an empty ``summary``. The model's own
+    reasoning is not a summary of it, so it is never put there; making one would take a
+    second generation. The response's ``reasoning.summary`` is therefore null.
+    """
+
+    effort: ReasoningEffort | None = None
+    summary: _Summary | None = None
+    generate_summary: _Summary | None = None
+    #: which earlier reasoning the model sees: none (chat templates drop it), as
+    #: ``current_turn`` says; ``all_turns`` cannot be honoured
+    context: Annotated[
+        Literal["auto", "current_turn", "all_turns"] | None,
+        refused(
+            Unsupported(
+                "earlier turns' reasoning is not shown to the model again (only 'current_turn')",
+                (None, "auto", "current_turn"),
+            )
+        ),
+    ] = None
+    mode: Annotated[
+        str | None,
+        refused(Unsupported("only reasoning mode 'standard' is supported", (None, "standard"))),
+    ] = None
+
+
+class ResponsesStreamOptions(Model):
+    """``stream_options``: OpenAI's padding of stream events against side channels (none
+    is added here)."""
+
+    include_obfuscation: Bool | None = None
 
 
 _Input = Annotated[
@@ -292,10 +353,17 @@ class ResponsesRequest(Model):
     text: TextConfig | None = None
     top_logprobs: int | None = Field(default=None, strict=True, ge=0, le=MAX_LOGPROBS)
     include: list[str] | None = None
-    metadata: dict[str, str] | None = None
+    #: ``auto``: drop the oldest items (after the instructions) until the input fits
+    truncation: Literal["auto", "disabled"] | None = None
+    reasoning: ReasoningConfig | None = None
+    stream_options: ResponsesStreamOptions | None = None
+    # Accepted, and change nothing about the answer (the engines cache prompt prefixes by
+    # themselves); metadata is kept with the stored response.
+    metadata: Metadata | None = None
     user: str | None = None
-    #: ``{"effort": ...}``: accepted only when the server parses reasoning
-    reasoning: JsonObject | None = None
+    safety_identifier: str | None = None
+    prompt_cache_options: JsonObject | None = None
+    prompt_cache_retention: str | None = None
     # vLLM's extensions, through ``extra_body``
     stop: Stop | None = None
     seed: int | None = Field(default=None, strict=True, ge=-(2**63), lt=2**64)
@@ -305,21 +373,8 @@ class ResponsesRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_fits(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
-        if metadata is None:
-            return None
-        if len(metadata) > _METADATA_KEYS:
-            raise ValueError(f"at most {_METADATA_KEYS} metadata keys are allowed")
-        for key, value in metadata.items():
-            if len(key) > _METADATA_KEY_CHARS or len(value) > _METADATA_VALUE_CHARS:
-                raise ValueError(
-                    f"metadata keys hold at most {_METADATA_KEY_CHARS} characters and "
-                    f"values at most {_METADATA_VALUE_CHARS}"
-                )
-        return metadata
+    #: the conversation: its requests stay on one worker while its load allows
+    prompt_cache_key: ConversationKey | None = None
 
     @model_validator(mode="after")
     def _fits_together(self) -> ResponsesRequest:
@@ -356,6 +411,10 @@ class ResponsesRequest(Model):
                 )
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
             raise invalid("input", "input must not be empty")
+        if self.stream_options is not None and not self.stream:
+            raise invalid(
+                "stream_options", "'stream_options' is only allowed when 'stream' is true"
+            )
         return self
 
     @property
@@ -373,32 +432,20 @@ UNSUPPORTED: Final[Mapping[str, Unsupported]] = {
     "conversation": Unsupported(
         "conversation objects are not supported: use previous_response_id", NOTHING
     ),
-    "truncation": Unsupported("only truncation 'disabled' is supported", (None, "disabled")),
     "max_tool_calls": Unsupported("'max_tool_calls' is not supported", NOTHING),
-    "service_tier": Unsupported("only service_tier 'auto' is supported", (None, "auto", "default")),
+    "service_tier": SERVICE_TIER,
+    "background_options": Unsupported("background responses are not supported", NOTHING),
+    "context_management": Unsupported("context management (compaction) is not supported", NOTHING),
+    "moderation": Unsupported("moderation is not supported", NOTHING),
+    "access_programs": Unsupported("access programs are not supported", NOTHING),
+    "image": Unsupported("request-level image options are not supported", NOTHING),
 }
 
 
-def parse_responses_request(
-    body: bytes | str | Mapping[str, Any], *, reasoning: bool = False
-) -> ResponsesRequest:
+def parse_responses_request(body: bytes | str | Mapping[str, Any]) -> ResponsesRequest:
     """Validate a ``/v1/responses`` body.
-
-    ``reasoning``: whether the server parses reasoning (then ``reasoning.effort`` is
-    accepted: the model reasons as it always does).
 
     Raises:
         InvalidRequest: malformed JSON, an unsupported or invalid field (``param``).
     """
-    request = parse_body(ResponsesRequest, body, unsupported=UNSUPPORTED)
-    effort = request.reasoning
-    if effort:
-        if not reasoning:
-            raise InvalidRequest(
-                "this model does not reason ('reasoning' needs a server started with "
-                "--reasoning-parser)",
-                param="reasoning",
-            )
-        if effort.get("summary") not in NOTHING:
-            raise InvalidRequest("reasoning summaries are not supported", param="reasoning.summary")
-    return request
+    return parse_body(ResponsesRequest, body, unsupported=UNSUPPORTED)

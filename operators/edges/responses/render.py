@@ -9,7 +9,10 @@ module folds them into the Responses API's *output items*, in the order they hap
     content text     -> a "message" item        (response.output_text.delta ...)
     a tool call      -> a "function_call" item  (response.function_call_arguments.delta ...)
 
-Text and reasoning follow each other: a new one closes the open one. A call's item stays
+A reasoning item's ``content`` is what the model reasoned, whole (``reasoning_text``); its
+``summary`` stays empty whatever ``reasoning.summary`` asked: no summary is made, and the
+model's own reasoning is not one. Text and reasoning follow each other: a new one closes
+the open one. A call's item stays
 open until the answer ends (its arguments may come after other text), and the finish
 closes them all (``incomplete`` when ``max_output_tokens`` cut the answer). Streamed, every
 step is a server-sent event with an increasing ``sequence_number``: ``response.created``,

@@ -15,6 +15,7 @@ from collections.abc import Sequence as Tokens
 from typing import TYPE_CHECKING, Any, final
 
 from operators.contracts.llm import EngineOutput, FinishReason, TopLogprobs
+from operators.engines._reasoning_budget import ReasoningClock
 from operators.engines.ngram import NgramSpeculation
 
 from ._sampling import NO_TOKEN, Sampler, choice_generator, logprobs_of
@@ -44,6 +45,7 @@ class Sequence:
     """
 
     __slots__ = (
+        "_clock",
         "_logprobs",
         "_matcher",
         "_min_tokens",
@@ -90,6 +92,12 @@ class Sequence:
         self.prompt_end = len(self.prompt) - job.resumed
         #: the constraint's state for this choice: advanced by every emitted token only
         self._matcher: Matcher | None = None if job.matchers is None else job.matchers[index]
+        #: the reasoning budget's count: past it, the end marker's tokens are forced
+        self._clock: ReasoningClock | None = None
+        budget = request.reasoning_budget
+        if budget is not None:
+            replayed = request.replayed_tokens
+            self._clock = ReasoningClock(budget, self.prompt[len(self.prompt) - replayed :])
         eos = () if stop.ignore_eos else eog.union(stop.eos_token_ids)
         stop_ids = frozenset(eos).union(stop.stop_token_ids)
         self._stop_ids = stop_ids
@@ -141,9 +149,11 @@ class Sequence:
         Under a constraint each chosen token advances the choice's matcher, and the choice
         ends (``"stop"``) once the grammar is complete and nothing but end-of-generation
         could follow: the engine does not spend a step on an EOS that is forced anyway.
+        Past a reasoning budget the end marker's tokens are taken instead of sampled.
         """
         sampler = self._sampler
         matcher = self._matcher
+        clock = self._clock
         k = self._logprobs
         token_ids: list[int] = []
         matched = False
@@ -151,11 +161,17 @@ class Sequence:
         top_logprobs: list[TopLogprobs] | None = None if k is None else []
         finish: FinishReason | None = None
         for position, row in enumerate(rows):
-            suppressed = self._suppress if self.generated < self._min_tokens else None
-            token = sampler.choose(row, suppressed, matcher)
+            forced = None if clock is None else clock.forced
+            if forced is not None:
+                token = forced
+            else:
+                suppressed = self._suppress if self.generated < self._min_tokens else None
+                token = sampler.choose(row, suppressed, matcher)
             if token == NO_TOKEN:  # the constraint allows nothing: the output cannot go on
                 finish = "stop"
                 break
+            if clock is not None:
+                clock.advance(token)
             sampler.accept(token)
             token_ids.append(token)
             self.generated += 1

@@ -8,6 +8,7 @@ place in the queue, and the messages (which name the likely mistake) live in one
 from __future__ import annotations
 
 from operators.contracts.llm import PreprocessedRequest
+from operators.engines._reasoning_budget import check_budget
 from pipeline import InvalidRequest
 
 __all__ = ("token_budget",)
@@ -57,6 +58,7 @@ def token_budget(request: PreprocessedRequest, request_id: str, *, n_ctx: int, n
             param="top_p",
             request_id=request_id,
         )
+    check_budget(request, request_id)
     unsupported = _unsupported_sampling(request)
     if unsupported is not None:
         raise InvalidRequest(

@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING, ClassVar, Final, final
 import anyio
 from anyio.lowlevel import checkpoint
 
-from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
-from pipeline import EngineError
+from operators.contracts.llm import (
+    CONSTRAINED_DECODING,
+    LORA,
+    REASONING_BUDGET,
+    EngineOutput,
+    PreprocessedRequest,
+)
+from operators.engines._load_meter import LoadMeter
+from pipeline import EngineError, WorkerLoad
 
 from ._constraint import IMPORT_ERROR as _GRAMMAR_IMPORT_ERROR
 from ._constraint import Grammars
@@ -83,7 +90,7 @@ class LlamaEngine:
 
     #: what this engine honours beyond the base contract
     #: (:func:`operators.contracts.llm.engine_features`)
-    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING, LORA})
+    features: ClassVar[frozenset[str]] = frozenset({CONSTRAINED_DECODING, LORA, REASONING_BUDGET})
 
     def __init__(
         self,
@@ -127,6 +134,7 @@ class LlamaEngine:
         self._batch_invariant = loaded.batch_invariant
         self._grammars = Grammars(runtime)
         self._slots = Slots(options.parallel)
+        self._meter = LoadMeter()
         self._closing = False
         self._embedder = Embedder(
             path,
@@ -221,6 +229,12 @@ class LlamaEngine:
         """Every block held as of the last KV event delivered, with that event's ``seq``."""
         return self._kv.snapshot()
 
+    def load_report(self) -> WorkerLoad:
+        """Its load now, for the KV router: prompt tokens of the requests before their first
+        token (whole: the slot's cache is matched only when the request is placed),
+        requests decoding and before their first token."""
+        return self._meter.report()
+
     def statistics(self) -> LlamaStatistics:
         """Counters since the engine was created, and the current load."""
         return statistics(self._scheduler, self._slots.waiting, self._disagg.pull_seconds)
@@ -307,7 +321,13 @@ class LlamaEngine:
         scheduler = self._scheduler
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
-        await self._slots.acquire(width, request.priority)
+        # (a continuation pulls its prompt's cells: nothing to prefill, as far as we know)
+        metered = self._meter.arrived(0 if handle is not None else len(request.token_ids))
+        try:
+            await self._slots.acquire(width, request.priority)
+        except BaseException:
+            metered.close()
+            raise
         span = ctx.span
         if span is not None:  # a traced request: queue wait, prefill chunks, decode as events
             span.add_event("slot_acquired", {"llm_pipeline.slots": width})
@@ -347,6 +367,8 @@ class LlamaEngine:
                         waited = True
                         continue
                     scheduler.nudge()  # the sequence may have been waiting for its consumer
+                    if metered.prefilling:
+                        metered.prefilled()
                     yield output
                     waited = False
                     if ctx.is_stopped:
@@ -358,6 +380,7 @@ class LlamaEngine:
                     job.trace(span)
         finally:
             self._slots.release(width)
+            metered.close()
 
     # ------------------------------------------------------------------------ embeddings
 

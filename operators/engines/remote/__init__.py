@@ -16,7 +16,7 @@ The modules, from the request inwards:
 - ``_gaps`` — the token ids llama-server leaves out of its stream, recovered.
 - ``_http`` — server-sent events, and the servers' failures as our errors.
 - ``_detect`` — what a server is and serves, asked of it.
-- ``_load`` — its load report, and the load a router weighs.
+- ``_load`` — its load report, as said and in the router's unit.
 - ``_fleet`` — several servers as one WorkerSet, watched (:func:`open_upstreams`).
 - ``_metrics`` — the ``llm_pipeline_upstream_*`` series.
 - ``_spec`` — ``--upstream URL[,kv=tcp://HOST:PORT]``.
@@ -32,7 +32,6 @@ from ._fleet import DEFAULT_POLL_INTERVAL as DEFAULT_POLL_INTERVAL
 from ._fleet import UpstreamFleet as UpstreamFleet
 from ._fleet import open_upstreams as open_upstreams
 from ._load import UpstreamLoad as UpstreamLoad
-from ._load import reported_load as reported_load
 from ._metrics import UpstreamCollector as UpstreamCollector
 from ._spec import KINDS as KINDS
 from ._spec import Upstream as Upstream
@@ -54,5 +53,4 @@ __all__ = (
     "UpstreamLoad",
     "open_upstreams",
     "parse_upstream",
-    "reported_load",
 )

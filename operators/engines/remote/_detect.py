@@ -1,8 +1,10 @@
 """What an upstream server is and serves, asked of the server itself.
 
 The kind is read from ``GET /v1/models``, which both kinds answer: vLLM names itself as the
-models' ``owned_by`` ("vllm"), llama-server as "llamacpp". A server that says neither (a
-proxy in between, an older build) is asked what only one kind answers: ``GET /props``
+models' ``owned_by`` ("vllm"), llama-server as "llamacpp"; another of our servers
+("llm-pipeline") serves vLLM's tokens-in/tokens-out route and is spoken to as a vLLM. A
+server that says neither (a proxy in between, an older build) is asked what only one kind
+answers: ``GET /props``
 (llama-server's ``default_generation_settings``) or ``GET /version`` (vLLM's
 ``{"version": ...}``). ``--upstream-kind`` skips the guessing, never the facts below.
 
@@ -95,7 +97,7 @@ async def _kind(
     client: httpx.AsyncClient, upstream: Upstream, model: dict[str, Any]
 ) -> UpstreamKind:
     owner = model.get("owned_by")
-    if owner == "vllm":
+    if owner in ("vllm", "llm-pipeline"):  # (our serve speaks vLLM's tokens-in/tokens-out)
         return "vllm"
     if owner == "llamacpp":
         return "llama-server"

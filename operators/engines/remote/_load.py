@@ -2,16 +2,19 @@
 
 Read every ``--upstream-poll-ms`` (:meth:`RemoteEngine.poll`): vLLM's ``/metrics``
 (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``, summed over its engines), llama-server's ``/slots`` (the
-slots processing) and, with ``--metrics``, its ``llamacpp:requests_deferred`` (waiting).
-The server's numbers count every client's requests, not only ours: that is the point of
-reading them.
+``vllm:kv_cache_usage_perc``, summed over its engines; another of our servers says
+``llm_pipeline_inflight_requests``), llama-server's ``/slots`` (the
+slots processing, those past their first token) and, with ``--metrics``, its
+``llamacpp:requests_deferred`` (waiting). The server's numbers count every client's
+requests, not only ours: that is the point of reading them.
 
-A report is old the moment it is read: requests sent after it are not in it. So
-:class:`UpstreamLoad` carries ``sent_since``, the requests this engine sent the server since
-the report was read, and :func:`reported_load` (what the routers weigh, in requests) is the
-report plus those: a burst between two reports does not all go to the server that looked
-idle at the last one.
+:class:`UpstreamLoad` is what the server said, as it said it (the metrics and the status
+page show it); :meth:`UpstreamLoad.worker_load` is the same in the router's unit
+(:class:`pipeline.WorkerLoad`: prompt tokens of prefill queued, sequences). Neither server
+says how many prompt tokens it has queued, so they are estimated: the requests not
+decoding yet, times what a request of ours has prefilled there lately (the engine's
+running mean). The router adds its own requests (its ledger) to what the report counts
+besides them, so the estimate only weighs other clients' work.
 """
 
 from __future__ import annotations
@@ -19,14 +22,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, NamedTuple
 
-from pipeline import Worker
+from pipeline import WorkerLoad
 
-__all__ = ("UpstreamLoad", "llama_load", "reported_load", "vllm_load")
+__all__ = ("UpstreamLoad", "llama_load", "vllm_load")
 
 _VLLM: Final = {
     "vllm:num_requests_running": "running",
     "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
+    # another of our servers (it speaks vLLM's route, not its metrics): what it serves now
+    "llm_pipeline_inflight_requests": "running",
 }
 
 
@@ -39,14 +44,26 @@ class UpstreamLoad(NamedTuple):
     waiting: int
     #: the fraction of its KV cache in use (None: not reported)
     kv_cache_usage: float | None
-    #: when it was read (``anyio.current_time()``)
+    #: when its answer came (``anyio.current_time()``)
     at: float
-    #: requests this engine sent it since (filled in by :meth:`RemoteEngine.load_report`)
-    sent_since: int = 0
+    #: of the running ones, those still before their first token (None: not said)
+    prefilling: int | None = None
+
+    def worker_load(self, prefill_per_request: float) -> WorkerLoad:
+        """This report in the router's unit, the requests not decoding yet estimated at
+        ``prefill_per_request`` prompt tokens each."""
+        starting = self.waiting + (self.prefilling or 0)
+        return WorkerLoad(
+            prefill_tokens=round(starting * prefill_per_request),
+            decoding=self.running - (self.prefilling or 0),
+            waiting=starting,
+            kv_usage=self.kv_cache_usage,
+            at=self.at,
+        )
 
 
 def vllm_load(text: str, at: float) -> UpstreamLoad:
-    """vLLM's ``/metrics`` (Prometheus text) as a load report read at ``at``."""
+    """vLLM's ``/metrics`` (Prometheus text) as a load report asked at ``at``."""
     values = _samples(text.splitlines(), _VLLM)
     return UpstreamLoad(
         running=int(values.get("running", 0)),
@@ -60,13 +77,23 @@ def llama_load(slots: Any, metrics: str | None, at: float) -> UpstreamLoad:
     """llama-server's ``/slots`` (and ``/metrics``, when served) as a load report."""
     if not isinstance(slots, list):
         raise ValueError(f"/slots is not a list of slots: {str(slots)[:80]}")
-    running = sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+    processing = [s for s in slots if isinstance(s, dict) and s.get("is_processing")]
+    prefilling = sum(1 for slot in processing if _decoded(slot) == 0)
     waiting = 0
     if metrics is not None:
         waiting = int(
             _samples(metrics.splitlines(), {"llamacpp:requests_deferred": "w"}).get("w", 0)
         )
-    return UpstreamLoad(running=running, waiting=waiting, kv_cache_usage=None, at=at)
+    return UpstreamLoad(len(processing), waiting, None, at, prefilling)
+
+
+def _decoded(slot: Mapping[str, Any]) -> int | None:
+    """Tokens a slot generated so far (``next_token.n_decoded``; None: not said)."""
+    following = slot.get("next_token")
+    if isinstance(following, list):  # (one entry per sequence in newer builds)
+        following = following[0] if following else None
+    decoded = following.get("n_decoded") if isinstance(following, dict) else None
+    return decoded if isinstance(decoded, int) else None
 
 
 def _samples(lines: Iterable[str], wanted: Mapping[str, str]) -> dict[str, float]:
@@ -87,14 +114,3 @@ def _samples(lines: Iterable[str], wanted: Mapping[str, str]) -> dict[str, float
             continue
         found[short] = found.get(short, 0.0) + value
     return found
-
-
-def reported_load(worker: Worker[Any, Any]) -> float:
-    """A worker's load in requests, for a router: its server's report plus what was sent
-    it since, or the requests this router has in flight there when the engine reports
-    nothing (or reports less than that: the report is older than those requests)."""
-    load = getattr(worker.engine, "load_report", None)
-    report: UpstreamLoad | None = load() if callable(load) else None
-    if report is None:
-        return worker.in_flight
-    return max(worker.in_flight, report.running + report.waiting + report.sent_since)

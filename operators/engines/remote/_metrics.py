@@ -13,8 +13,9 @@ between scrapes. One child per upstream (label ``upstream``: ``host:port``)::
     llm_pipeline_upstream_running_requests{upstream}       gauge, as it last reported
     llm_pipeline_upstream_waiting_requests{upstream}       gauge, as it last reported
     llm_pipeline_upstream_kv_cache_usage_ratio{upstream}   gauge, as it last reported (vLLM)
-    llm_pipeline_upstream_reported_load{upstream}          gauge, what a router weighs: the
-                                                           report plus requests sent since
+
+What a router makes of the reports (prompt tokens, with its own requests) is
+``llm_pipeline_router_*`` (:mod:`operators.telemetry.router_metrics`).
 """
 
 from __future__ import annotations
@@ -74,12 +75,6 @@ class UpstreamCollector(Collector):
             "Fraction of the upstream's KV cache in use, as it last said (vLLM).",
             labels=_LABELS,
         )
-        load = GaugeMetricFamily(
-            f"{name}_reported_load",
-            "The upstream's load as a router weighs it: running and waiting requests as it "
-            "last said, plus the requests sent it since.",
-            labels=_LABELS,
-        )
         for engine in self._engines():
             label = [engine.name]
             stats = engine.statistics()
@@ -92,10 +87,9 @@ class UpstreamCollector(Collector):
             if report is not None:
                 running.add_metric(label, report.running)
                 waiting.add_metric(label, report.waiting)
-                load.add_metric(label, report.running + report.waiting + report.sent_since)
                 if report.kv_cache_usage is not None:
                     usage.add_metric(label, report.kv_cache_usage)
-        yield from (up, requests, lost, generated, cached, running, waiting, usage, load)
+        yield from (up, requests, lost, generated, cached, running, waiting, usage)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

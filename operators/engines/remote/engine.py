@@ -15,8 +15,12 @@ streamed response. What this module adds is the contract's edges:
   (``ConnectFailed`` before any output), which Migration retries on another upstream from
   prompt + output so far. ``on_lost`` is told at once (the fleet takes the server out of
   its worker set until it answers again).
+- **The conversation goes along** (``PreprocessedRequest.affinity``, as the
+  ``x-session-affinity`` header): an upstream that routes (another ``serve``, a router)
+  keeps it on one worker too; vLLM and llama-server ignore the header.
 - **What it says of itself.** :meth:`poll` reads the server's load (:mod:`._load`),
-  :meth:`load_report` is the last report, for the routers; with ``kv_events`` (vLLM's ZMQ
+  :meth:`load_report` is the last report in the router's unit (:class:`pipeline.WorkerLoad`),
+  :meth:`upstream_load` as the server said it; with ``kv_events`` (vLLM's ZMQ
   endpoint, :class:`~operators.engines._vllm_kv_events.KvEventListener`) it reports its
   prefix cache as our block ids, like the in-process engines, for ``--router kv``.
 """
@@ -37,7 +41,7 @@ from operators.engines._kv_delivery import KvDelivery
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines._vllm_kv_events import BlockTranslator, KvEventListener
 from operators.engines.vllm._sampling import EngineLimits
-from pipeline import RequestError, StreamDisconnected
+from pipeline import RequestError, StreamDisconnected, WorkerLoad
 
 from ._detect import UpstreamInfo, describe
 from ._gaps import GapFiller
@@ -55,6 +59,8 @@ __all__ = ("CONNECT_TIMEOUT", "STALL_TIMEOUT", "RemoteEngine", "RemoteStatistics
 
 logger = logging.getLogger("operators.engines.remote")
 
+#: the header naming a request's conversation, for an upstream that routes (``serve``'s)
+SESSION_AFFINITY: Final = "x-session-affinity"
 #: how long connecting to an upstream, and a request's first bytes to it, may take
 CONNECT_TIMEOUT: Final = 10.0
 #: the longest silence of a streaming upstream before it counts as lost (a long prompt's
@@ -129,7 +135,9 @@ class RemoteEngine:
         if upstream.kv_events is not None:  # (started by connect(), or follow_kv_events())
             self._listener = KvEventListener(upstream.kv_events, self._translator, self._kv)
         self._load: UpstreamLoad | None = None
-        self._sent_at_report = 0
+        #: prompt tokens a request of ours prefilled there lately (a running mean; None: no
+        #: request yet): the load report's estimate of a queued request
+        self._prefill_mean: float | None = None
         self._up = True
         self._requests = self._lost = self._generated = self._cached = 0
 
@@ -192,13 +200,18 @@ class RemoteEngine:
         """Tokens per block in the KV events."""
         return self._translator.block_size
 
-    def load_report(self) -> UpstreamLoad | None:
-        """The server's last load report (None: none yet), with the requests sent it since:
-        what a router weighs (:func:`~._load.reported_load`)."""
+    def load_report(self) -> WorkerLoad | None:
+        """The server's last load report in the router's unit (None: none yet): its
+        requests not decoding yet at what ours prefilled there lately, sequences."""
         report = self._load
         if report is None:
             return None
-        return report._replace(sent_since=self._requests - self._sent_at_report)
+        mean = self._prefill_mean
+        return report.worker_load(0.0 if mean is None else mean)
+
+    def upstream_load(self) -> UpstreamLoad | None:
+        """The server's last load report, as it said it (None: none yet)."""
+        return self._load
 
     def statistics(self) -> RemoteStatistics:
         """Counters since the engine was created, and the server's last load report."""
@@ -208,7 +221,7 @@ class RemoteEngine:
             generated_tokens=self._generated,
             cached_prompt_tokens=self._cached,
             up=self._up,
-            load=self.load_report(),
+            load=self._load,
         )
 
     # --------------------------------------------------------------------------- KV events
@@ -251,16 +264,17 @@ class RemoteEngine:
             httpx.HTTPError: it cannot be reached or answers an error (it is then down).
             ValueError: it answers something that is no load report.
         """
-        sent = self._requests
         try:
             report = await self._read_load()
         except (httpx.HTTPError, ValueError):
             self._up = False
             raise
-        self._load, self._sent_at_report, self._up = report, sent, True
+        self._load, self._up = report, True
         return report
 
     async def _read_load(self) -> UpstreamLoad:
+        # Stamped when the answer came: a request sent before may not be in it, which only
+        # makes the router count it once, as its own (:meth:`pipeline.LoadLedger.others`).
         client = self._client
         if self.info.kind == "vllm":
             response = await client.get("/metrics")
@@ -301,13 +315,15 @@ class RemoteEngine:
         self._requests += 1
         response = await self._send(call, ctx)
         started = False
+        cached = 0
         try:
             async with aclosing(events(response, ctx.id)) as stream:
                 async for event in stream:
                     for output in reader.feed(event):
                         started = True
                         if output.cached_tokens:
-                            self._cached += output.cached_tokens
+                            cached = output.cached_tokens
+                            self._cached += cached
                         yield output
                     if ctx.is_stopped and not reader.done:
                         return  # (the connection closes: the server aborts the request)
@@ -322,6 +338,8 @@ class RemoteEngine:
             raise
         finally:
             self._generated += reader.generated
+            if started:
+                self._learn_prefill(len(request.token_ids) - cached)
             with anyio.CancelScope(shield=True):
                 await response.aclose()  # (events() closed it already, unless never read)
 
@@ -333,10 +351,13 @@ class RemoteEngine:
             RequestError: the server refused the request, or could not be reached.
         """
         client = self._client
+        conversation = ctx.data.affinity  # (for a server that routes: a router, our serve)
+        headers = {SESSION_AFFINITY: conversation} if conversation is not None else None
         while True:
             try:
                 response = await client.send(
-                    client.build_request("POST", call.path, json=call.body), stream=True
+                    client.build_request("POST", call.path, json=call.body, headers=headers),
+                    stream=True,
                 )
             except httpx.HTTPError as exc:
                 self._lose()
@@ -362,6 +383,12 @@ class RemoteEngine:
             if response.status_code >= 500:
                 self._lost += 1
             raise error
+
+    def _learn_prefill(self, tokens: int) -> None:
+        """A request of ours prefilled ``tokens`` there (its prompt less what the server
+        said it found cached): the running mean the load report estimates queued ones by."""
+        mean = self._prefill_mean
+        self._prefill_mean = tokens if mean is None else mean + (tokens - mean) / 8
 
     def _lose(self) -> None:
         self._lost += 1

@@ -17,6 +17,8 @@ The modules, from the request inwards:
 - ``_outputs`` — vLLM's output deltas as ``EngineOutput`` steps (logprobs included).
 - ``_replay`` — the logits processor (in vLLM's engine core) that continues a migrated
   constrained request past its replayed output.
+- ``_budget`` — the logits processor that forces the end of a choice's reasoning past its
+  budget (:mod:`operators.engines._reasoning_budget` counts, as in the llama engine).
 - :mod:`operators.engines._vllm_kv_events` — vLLM's KV cache events, translated into our
   block ids (shared with :mod:`operators.engines.remote`).
 - ``_stats`` — vLLM's scheduler statistics for our ``/metrics``, and :class:`VllmStatistics`.

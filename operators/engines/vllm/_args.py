@@ -44,6 +44,8 @@ CPU_BLOCK_SIZE: Final = 32
 CPU_KV_CACHE_BYTES: Final = 1 << 30
 #: the logits processor that continues a migrated constrained request
 REPLAY_PROCESSOR: Final = "operators.engines.vllm._replay:ReplayedConstraint"
+#: the logits processor that ends a choice's reasoning past its budget
+BUDGET_PROCESSOR: Final = "operators.engines.vllm._budget:ReasoningBudgetProcessor"
 
 _LOG_LEVELS: Final = {"DEBUG": "DEBUG", "INFO": "INFO", "WARNING": "WARNING", "ERROR": "ERROR"}
 
@@ -121,7 +123,7 @@ def engine_args(
             enable_kv_cache_events=True, publisher="zmq", endpoint=kv_endpoint
         ),
         "structured_outputs_config": {"backend": "guidance"},
-        "logits_processors": [REPLAY_PROCESSOR],
+        "logits_processors": [REPLAY_PROCESSOR, BUDGET_PROCESSOR],
         "disable_log_stats": True,  # (our stat logger still gets the statistics)
         # requests carry a priority (lower first); all at 0 this is first come first served
         "scheduling_policy": "priority",

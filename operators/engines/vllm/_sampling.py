@@ -34,12 +34,15 @@ from typing import Any, Final, final
 
 from operators.contracts.llm import PreprocessedRequest
 from operators.engines._grammar import lark_grammar
+from operators.engines._reasoning_budget import check_budget
 from pipeline import InvalidRequest
 
 __all__ = (
+    "BUDGET_ARG",
     "EXTRA_ARG",
     "EngineLimits",
     "SamplingPlan",
+    "budget_args",
     "plan_sampling",
     "replay_args",
     "sampling_params",
@@ -47,6 +50,8 @@ __all__ = (
 
 #: the ``SamplingParams.extra_args`` key carrying a replayed constraint (``_replay``)
 EXTRA_ARG: Final = "llm_pipeline_replayed_constraint"
+#: the ``SamplingParams.extra_args`` key carrying a reasoning budget (``_budget``)
+BUDGET_ARG: Final = "llm_pipeline_reasoning_budget"
 
 #: the largest ``logprobs`` vLLM returns unless configured otherwise (its ``max_logprobs``)
 DEFAULT_MAX_LOGPROBS: Final = 20
@@ -103,6 +108,7 @@ def plan_sampling(
         )
     if request.multimodal:
         raise refuse("the vllm engine serves text only here", "messages")
+    check_budget(request, request_id)
     room = limits.max_model_len - len(prompt)
     if room <= 0:
         raise refuse(
@@ -202,10 +208,30 @@ def replay_args(grammar: str, replayed: Sequence[int]) -> dict[str, Any]:
     return {EXTRA_ARG: {"grammar": grammar, "replayed": list(replayed)}}
 
 
+def budget_args(request: PreprocessedRequest) -> dict[str, Any]:
+    """``SamplingParams.extra_args`` for ``request``'s reasoning budget (``_budget``): the
+    markers, and the output replayed before this attempt (empty without a budget)."""
+    budget = request.reasoning_budget
+    if budget is None:
+        return {}
+    replayed = request.replayed_tokens
+    return {
+        BUDGET_ARG: {
+            "param": budget.param,
+            "tokens": budget.tokens,
+            "end": list(budget.end),
+            "start": list(budget.start),
+            "open": budget.open,
+            "replayed": request.token_ids[len(request.token_ids) - replayed :] if replayed else [],
+        }
+    }
+
+
 def sampling_params(request: PreprocessedRequest, plan: SamplingPlan) -> Any:
     """vLLM's ``SamplingParams`` of ``plan`` (outputs as deltas), with ``request``'s
     constraint as vLLM's structured outputs, or, for a migrated constrained request, as the
-    replay processor's arguments (see ``_replay``). Imports vLLM."""
+    replay processor's arguments (see ``_replay``), and its reasoning budget as the budget
+    processor's (``_budget``). Imports vLLM."""
     from vllm.sampling_params import (
         RequestOutputKind,
         SamplingParams,
@@ -221,4 +247,7 @@ def sampling_params(request: PreprocessedRequest, plan: SamplingPlan) -> Any:
             params["extra_args"] = replay_args(grammar, request.token_ids[-replayed:])
         else:
             params["structured_outputs"] = StructuredOutputsParams(grammar=grammar)
+    budget = budget_args(request)
+    if budget:
+        params["extra_args"] = {**params.get("extra_args", {}), **budget}
     return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)

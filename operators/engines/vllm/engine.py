@@ -25,11 +25,18 @@ from typing import TYPE_CHECKING, Any, final
 
 import anyio
 
-from operators.contracts.llm import CONSTRAINED_DECODING, LORA, EngineOutput, PreprocessedRequest
+from operators.contracts.llm import (
+    CONSTRAINED_DECODING,
+    LORA,
+    REASONING_BUDGET,
+    EngineOutput,
+    PreprocessedRequest,
+)
 from operators.engines._kv_delivery import KvDelivery
+from operators.engines._load_meter import LoadMeter
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines._vllm_kv_events import BlockTranslator
-from pipeline import EngineError, InvalidRequest, StreamDisconnected
+from pipeline import EngineError, InvalidRequest, StreamDisconnected, WorkerLoad
 
 from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
@@ -130,9 +137,8 @@ class VllmEngine:
             except InvalidRequest as exc:
                 raise ValueError(f"cannot serve the adapters: {exc.message}") from exc
         #: what this engine honours beyond the base contract (``engine_features``)
-        self.features = frozenset(
-            {CONSTRAINED_DECODING} if self._adapters is None else {CONSTRAINED_DECODING, LORA}
-        )
+        features = {CONSTRAINED_DECODING, REASONING_BUDGET}
+        self.features = frozenset(features if self._adapters is None else {*features, LORA})
         if model is None:
             from .model_dir import default_model_dir
 
@@ -142,6 +148,7 @@ class VllmEngine:
         self._kv = KvDelivery()
         self._kv.set_sink(kv_events)
         self._counts = SchedulerCounts()
+        self._meter = LoadMeter()
         self._requests = self._prompt_tokens = self._generated = self._cached = 0
         self._ids = itertools.count()
         self._closing = False
@@ -213,6 +220,12 @@ class VllmEngine:
         self._runtime.start_tasks()
         self._kv.bind()
         return self._kv.snapshot()
+
+    def load_report(self) -> WorkerLoad:
+        """Its load now, for the KV router: prompt tokens of the requests before their first
+        token (whole: vLLM says what it found cached only with the first token), requests
+        decoding and before their first token, and vLLM's KV cache usage at its last step."""
+        return self._meter.report(self._counts.kv_cache_usage)
 
     def statistics(self) -> VllmStatistics:
         """Counters since the engine was created, and vLLM's load as of its last step."""
@@ -302,7 +315,12 @@ class VllmEngine:
         self._runtime.start_tasks()
         if self._kv.sink is not None:
             self._kv.bind()  # a sink set outside this event loop
-        queue = await self._submit(llm, ctx, request, params)
+        metered = self._meter.arrived(len(request.token_ids))
+        try:
+            queue = await self._submit(llm, ctx, request, params)
+        except BaseException:
+            metered.close()
+            raise
         self._requests += 1
         self._prompt_tokens += request.prompt_tokens
         logprobs = request.output.logprobs
@@ -323,6 +341,7 @@ class VllmEngine:
                     if cached is None and step.index == 0:
                         cached = step.cached_tokens = output.num_cached_tokens or 0
                         self._cached += cached
+                        metered.prefilled()
                     produced += len(step.token_ids)
                     self._generated += len(step.token_ids)
                     yield step
@@ -333,6 +352,7 @@ class VllmEngine:
         except Exception as exc:  # vLLM's engine died, or failed this request
             raise EngineError(f"vLLM failed: {exc!r}", request_id=ctx.id) from exc
         finally:
+            metered.close()
             if not finished and self._runtime.llm is not None:
                 with anyio.CancelScope(shield=True):
                     await llm.abort(queue.request_id, internal=True)

@@ -3,7 +3,8 @@
 A KV router needs to know which prompt blocks each worker caches; the workers know, in
 another process. Subjects (``ns`` the namespace, ``model`` escaped as in :mod:`.wire`)::
 
-    {ns}.kv.{model}.{worker_id}             events: {"worker", "events": [event dict, ...]}
+    {ns}.kv.{model}.{worker_id}             events: {"worker", "events": [event dict, ...],
+                                            "load": WorkerLoad dict (optional)}
     {ns}.kv.{model}.{worker_id}.snapshot    request/reply: the worker's KvSnapshot dict
 
 Events are plain publishes, not a queue group: every frontend of the model subscribes to
@@ -19,12 +20,20 @@ first "no responders", or an expired key), through :meth:`WorkerSet.listen`.
 The engine's sink is synchronous and runs on the engine's path, so the publisher only
 appends to a bounded buffer there; a task publishes what is buffered, the events ready
 together in one message.
+
+**Load reports ride along.** A worker whose engine reports its load (``load_report()``,
+:class:`pipeline.WorkerLoad`) adds it to each message, and sends it alone when it changed
+and no event went for :data:`LOAD_INTERVAL` (an engine without KV events too); the
+frontend keeps each member's last one, stamped when it arrived, for its KV router
+(:meth:`NatsKvEvents.load_report`). Lost like any message: the next one replaces it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol, final
 
 import anyio
@@ -32,6 +41,7 @@ import nats.errors
 from anyio.abc import TaskStatus
 
 from pipeline.kv_events import KvEvent, KvEventSink, KvSnapshot, event_from_dict
+from pipeline.worker_load import WorkerLoad
 
 from . import wire
 from .connection import quietly, settle
@@ -42,9 +52,10 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
     from pipeline.prefix_index import PrefixIndex
-    from pipeline.routers import WorkerSet
+    from pipeline.routers import Worker, WorkerSet
 
 __all__ = (
+    "LOAD_INTERVAL",
     "KvReporter",
     "NatsKvEvents",
     "NatsKvEventsStatistics",
@@ -62,6 +73,8 @@ MAX_BUFFERED: Final = 1 << 14
 _MAX_BATCH: Final = 64
 #: how often a frontend looks for a reconnection (after which it asks for snapshots)
 _RECONNECT_POLL: Final = 0.25
+#: seconds at most between a load that changed and the message that says it
+LOAD_INTERVAL: Final = 0.05
 #: a snapshot request: its timeout, and how often it is retried (a worker reconnecting)
 _SNAPSHOT_TIMEOUT: Final = 1.0
 _SNAPSHOT_ATTEMPTS: Final = 8
@@ -100,7 +113,8 @@ class NatsKvPublisher:
 
     Start it before the worker registers (its snapshot subject is then subscribed when a
     frontend first hears of the worker) and with the worker's id. ``active`` is False when
-    the engine took no sink (its cache is off): then nothing is published or answered.
+    the engine took no sink (its cache is off): then no event is published and no snapshot
+    answered, only its load reports (if it makes any).
     """
 
     def __init__(
@@ -122,6 +136,9 @@ class NatsKvPublisher:
         self._nc = nc
         self._buffer: deque[KvEvent] = deque()
         self._ready = anyio.Event()
+        load = getattr(engine, "load_report", None)
+        self._load: Callable[[], WorkerLoad | None] | None = load if callable(load) else None
+        self._said: dict[str, Any] | None = None  # the last load published
         self._events = self._messages = self._dropped = self._snapshots = 0
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -130,14 +147,18 @@ class NatsKvPublisher:
         self.active = self.engine.kv_events is not None
         if not self.active:
             logger.info("worker %s: the engine reports no KV events", self.worker_id)
-            task_status.started()
-            return
-        subscription = await self._nc.subscribe(self.snapshot_subject, cb=self._on_request)
+            if self._load is None:
+                task_status.started()
+                return
+        subscription = None
+        if self.active:
+            subscription = await self._nc.subscribe(self.snapshot_subject, cb=self._on_request)
         try:
             await settle(self._nc)
             task_status.started()
             while True:
-                await self._ready.wait()
+                with anyio.move_on_after(math.inf if self._load is None else LOAD_INTERVAL):
+                    await self._ready.wait()
                 self._ready = anyio.Event()
                 await self._publish_buffered()
         finally:
@@ -145,7 +166,8 @@ class NatsKvPublisher:
                 self.engine.kv_events = None
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
                 await self._publish_buffered()
-                await quietly(subscription.unsubscribe)
+                if subscription is not None:
+                    await quietly(subscription.unsubscribe)
 
     def statistics(self) -> NatsKvPublisherStatistics:
         """Events and messages published, dropped, and snapshots answered."""
@@ -163,10 +185,14 @@ class NatsKvPublisher:
 
     async def _publish_buffered(self) -> None:
         buffer = self._buffer
-        while buffer:
+        load = self._load_now()  # (when it changed: alone if no event goes)
+        while buffer or load is not None:
             batch = [buffer.popleft().to_dict() for _ in range(min(len(buffer), _MAX_BATCH))]
+            message: dict[str, Any] = {"worker": self.worker_id, "events": batch}
+            if not buffer and load is not None:  # with the last batch: the newest word
+                message["load"], load = load, None
             try:
-                data = control_codec.encode({"worker": self.worker_id, "events": batch})
+                data = control_codec.encode(message)
                 if len(data) > self._nc.max_payload:
                     raise ValueError(f"{len(data)} bytes, over the NATS payload limit")
                 await self._nc.publish(self.subject, data)
@@ -177,6 +203,17 @@ class NatsKvPublisher:
                 continue
             self._events += len(batch)
             self._messages += 1
+
+    def _load_now(self) -> dict[str, Any] | None:
+        """The engine's load now, if it changed since the last one published."""
+        if self._load is None:
+            return None
+        report = self._load()
+        plain = None if report is None else report.to_dict()
+        if plain is None or plain == self._said:
+            return None
+        self._said = plain
+        return plain
 
     async def _on_request(self, msg: Msg) -> None:
         if not msg.reply:
@@ -210,7 +247,8 @@ class NatsKvEvents:
     Only members count: events of a worker not in the set (not yet discovered, or gone)
     are ignored, a worker that joins is asked for its snapshot, and one that leaves is
     dropped from the index at once. A gap in a worker's events, and a reconnection (the
-    events published meanwhile are lost), ask for snapshots too.
+    events published meanwhile are lost), ask for snapshots too. The load reports that ride
+    along are kept per member (:meth:`load_report`: a KV router's ``report``).
     """
 
     def __init__(
@@ -231,6 +269,7 @@ class NatsKvEvents:
         self._tg: anyio.abc.TaskGroup | None = None
         self._asking: set[str] = set()
         self._silent: set[str] = set()  # workers told to have no KV events (logged once)
+        self._loads: dict[str, WorkerLoad] = {}  # each member's last load report
         self._events = self._snapshots = self._requests = self._ignored = 0
 
     async def run(
@@ -283,18 +322,27 @@ class NatsKvEvents:
             self._ask(worker_id)
         else:
             self.index.remove_worker(worker_id)
+            self._loads.pop(worker_id, None)
+
+    def load_report(self, worker: Worker[Any, Any]) -> WorkerLoad | None:
+        """``worker``'s last load report, stamped when it arrived (None: none heard)."""
+        return self._loads.get(worker.id)
 
     async def _on_message(self, msg: Msg) -> None:
         try:
             body = control_codec.decode(msg.data)
             worker_id = str(body["worker"])
             events = [event_from_dict(plain) for plain in body["events"]]
-        except (ValueError, KeyError, TypeError) as exc:
+            plain = body.get("load")
+            load = None if plain is None else WorkerLoad.from_dict(plain, anyio.current_time())
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             logger.warning("KV events of %s: malformed message: %r", self.model, exc)
             return
         if not self._is_member(worker_id):
             self._ignored += len(events)
             return
+        if load is not None:
+            self._loads[worker_id] = load
         in_order = True
         for event in events:
             in_order = self.index.apply(worker_id, event) and in_order

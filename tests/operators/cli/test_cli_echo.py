@@ -15,7 +15,8 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -28,11 +28,8 @@ import pytest
 
 pytest.importorskip("nats", reason="the planner needs the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1] / "pipeline" / "transports")]
-
-from nats_server import NatsServer  # noqa: E402
-from planner_processes import (  # noqa: E402
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.planner_processes import (
     Clients,
     PlannerProcess,
     explained,
@@ -40,7 +37,7 @@ from planner_processes import (  # noqa: E402
     settled_for,
     worker_command,
 )
-from server_process import ServerProcess  # noqa: E402
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from contextlib import nullcontext
 from typing import Any
 
 import pytest
-from byte_tokenizer import ByteTokenizer
 
 from operators.backend import Backend
 from operators.contracts.llm import BackendOutput, EngineOutput
@@ -18,6 +17,7 @@ from operators.migration import Migration
 from operators.testing import make_request
 from pipeline import Context, EngineError, LinkError, Router, StreamDisconnected, link
 from pipeline.testing import ScriptedEngine, collect, make_context, worker_set
+from tests.helpers.byte_tokenizer import ByteTokenizer
 
 PROMPT = [900, 901, 902]
 

@@ -22,7 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-from server_process import ServerProcess
 
 from operators.edges.anthropic.protocol import CountTokensRequest, MessagesRequest
 from operators.edges.openai.embeddings import EmbeddingRequest
@@ -30,6 +29,7 @@ from operators.edges.openai.lora import LoadLoraRequest, UnloadLoraRequest
 from operators.edges.openai.protocol import ChatCompletionRequest, CompletionRequest
 from operators.edges.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from operators.edges.responses.protocol import ResponsesRequest
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,8 @@ from urllib.parse import urlsplit
 import httpx
 import orjson
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

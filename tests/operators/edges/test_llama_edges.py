@@ -10,7 +10,6 @@ batch, and over NATS a worker computes them.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(120)]
 
@@ -45,8 +45,6 @@ WEATHER: dict[str, Any] = {
     "additionalProperties": False,
 }
 ASK = "What is the weather like in Paris today?"
-#: where the NATS tests' server helper lives
-TRANSPORT_TESTS = str(Path(__file__).resolve().parents[2] / "pipeline" / "transports")
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +158,8 @@ async def test_embeddings_have_576_numbers_the_same_alone_and_batched(
 @pytest.mark.time_limit(120)
 async def test_a_llama_worker_serves_embeddings_over_nats(tmp_path: Path) -> None:
     pytest.importorskip("nats", reason="needs the nats extra")
-    sys.path.insert(0, TRANSPORT_TESTS)
-    from nats_server import NatsServer
-    from test_cli_nats import WorkerProcess, wait_for
+    from tests.helpers.nats_server import NatsServer
+    from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
     nats = NatsServer(tmp_path)
     nats.start()

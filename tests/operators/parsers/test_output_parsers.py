@@ -15,10 +15,8 @@ from typing import Any
 
 import anyio
 import pytest
-from byte_tokenizer import ByteTokenizer
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from parser_cases import TOOLS, Case, decided, hermes_cases
 
 from operators.backend import Backend
 from operators.contracts.llm import (
@@ -40,6 +38,8 @@ from operators.parsers import (
 from operators.testing import make_request
 from pipeline import Context, Stream, link
 from pipeline.testing import ScriptedEngine, check_operator, collect, make_context
+from tests.helpers.byte_tokenizer import ByteTokenizer
+from tests.operators.parsers.parser_cases import TOOLS, Case, decided, hermes_cases
 
 EOS = ByteTokenizer.EOS
 TEST_TIME_LIMIT = 10.0  # (as tests/conftest.py gives every async test)

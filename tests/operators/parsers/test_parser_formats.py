@@ -14,18 +14,6 @@ import re
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from parser_cases import (
-    MARKER,
-    TOOLS,
-    Case,
-    decided,
-    hermes_cases,
-    llama3_json_cases,
-    mistral_cases,
-    parse,
-    pythonic_cases,
-    splits,
-)
 
 from operators.contracts.llm import Constraint, Tool
 from operators.parsers import (
@@ -40,6 +28,18 @@ from operators.parsers import (
     ReasoningFormat,
     ToolCallFormat,
     checked_calls,
+)
+from tests.operators.parsers.parser_cases import (
+    MARKER,
+    TOOLS,
+    Case,
+    decided,
+    hermes_cases,
+    llama3_json_cases,
+    mistral_cases,
+    parse,
+    pythonic_cases,
+    splits,
 )
 
 FORMATS = {"hermes": HERMES, "mistral": MISTRAL, "llama3_json": LLAMA3_JSON, "pythonic": PYTHONIC}

@@ -1,11 +1,11 @@
 """Run ``llm-pipeline serve`` in this process, send it requests, and report what it loaded.
 
-``python serve_probe.py [serve options]``: the command line's own ``main`` serves on the
-main thread (signals and all); a helper thread waits for its banner, sends a few chat
-requests over HTTP (streamed and not), then reports on stdout, as one JSON line, which
-``opentelemetry`` modules are loaded and how many spans were made, and stops the server
-with SIGTERM. The tests use it to show that tracing that is off costs nothing: no import,
-no span.
+``python -m tests.operators.telemetry.serve_probe [serve options]`` (from the repository's
+root): the command line's own ``main`` serves on the main thread (signals and all); a
+helper thread waits for its banner, sends a few chat requests over HTTP (streamed and not),
+then reports on stdout, as one JSON line, which ``opentelemetry`` modules are loaded and
+how many spans were made, and stops the server with SIGTERM. The tests use it to show that
+tracing that is off costs nothing: no import, no span.
 """
 
 from __future__ import annotations

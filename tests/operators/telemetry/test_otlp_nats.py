@@ -7,7 +7,6 @@ hang under the frontend's engine span, and the collector receives both services.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,19 +15,10 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-HERE = Path(__file__).resolve().parent
-OPERATORS = HERE.parent
-sys.path[:0] = [
-    str(HERE),
-    str(OPERATORS),
-    str(OPERATORS / "edges" / "openai"),
-    str(OPERATORS.parent / "pipeline" / "transports"),
-]
-
-from nats_server import NatsServer  # noqa: E402
-from otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-from test_cli_nats import WorkerProcess, wait_for  # noqa: E402
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
+from tests.operators.telemetry.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 pytestmark = pytest.mark.slow
 

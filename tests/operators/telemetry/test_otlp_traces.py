@@ -11,28 +11,22 @@ over NATS the worker's spans share the trace and hang under the frontend's engin
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "edges" / "openai")]
-
-from otlp_receiver import OtlpReceiver, ReceivedSpan  # noqa: E402
-from server_process import ServerProcess  # noqa: E402
-from shout import Shout  # noqa: E402
-
-from operators.engines import EchoEngine  # noqa: E402
-from operators.serving import build_app  # noqa: E402
-from operators.telemetry import SpanBuffer, TracingOptions, make_tracer  # noqa: E402
-from operators.testing import openai_client  # noqa: E402
-from operators.text.tokenizer import Tokenizer  # noqa: E402
-from pipeline.tracing import Tracer  # noqa: E402
+from operators.engines import EchoEngine
+from operators.serving import build_app
+from operators.telemetry import SpanBuffer, TracingOptions, make_tracer
+from operators.testing import openai_client
+from operators.text.tokenizer import Tokenizer
+from pipeline.tracing import Tracer
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.shout import Shout
+from tests.operators.telemetry.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 TOKENIZER = Tokenizer.default()
 CHAT = "POST /v1/chat/completions"

@@ -4,8 +4,6 @@ does, and its transport (OpenTelemetry's variables, a collector that is down).""
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,13 +11,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from otlp_receiver import OtlpReceiver, _value
-
 from operators.telemetry.otlp import OtlpExporter, otlp_environment
 from operators.telemetry.otlp_wire import encode_request
 from pipeline.tracing import Span, Tracer
+from tests.operators.telemetry.otlp_receiver import OtlpReceiver, _value
 
 attribute_values = st.one_of(
     st.text(),

@@ -1,7 +1,7 @@
 """Off means off, and ``--log-format json``.
 
 ``serve --no-ui`` without an OTLP endpoint records nothing: after serving requests the
-process has made no span and imported no ``opentelemetry`` module (``serve_probe.py`` runs
+process has made no span and imported no ``opentelemetry`` module (``serve_probe`` runs
 the command line's own ``main`` and looks). With the UI (the default) it records spans in
 process, still without OpenTelemetry. ``--log-format json`` writes one JSON object per
 line on stderr, one per request with its id, trace id, model, status, tokens, TTFT and
@@ -19,17 +19,18 @@ import httpx
 import openai
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "edges" / "openai")]
-
-from server_process import ServerProcess  # noqa: E402
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
+
+#: the repository's root, where ``python -m`` finds the probe (and the project)
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def probe(*options: str) -> dict[str, object]:
     run = subprocess.run(
-        [sys.executable, str(HERE / "serve_probe.py"), *options],
+        [sys.executable, "-m", "tests.operators.telemetry.serve_probe", *options],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -28,10 +27,7 @@ import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the UI tests need playwright")
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "edges" / "openai")]
-
-from server_process import ServerProcess  # noqa: E402
+from tests.helpers.server_process import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

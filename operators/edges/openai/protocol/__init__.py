@@ -28,6 +28,7 @@ from .requests import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
+    ReasoningEffort,
     StreamOptions,
 )
 from .tools import (
@@ -59,6 +60,7 @@ __all__ = (
     "JsonSchemaSpec",
     "NamedFunction",
     "NamedToolChoice",
+    "ReasoningEffort",
     "ResponseFormat",
     "StreamOptions",
     "TextFormat",

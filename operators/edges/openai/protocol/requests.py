@@ -8,7 +8,7 @@ what only their endpoint has.
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, model_validator
 
@@ -21,8 +21,11 @@ from operators.edges.http.schema import (
     STRING,
     STRINGS,
     Bool,
+    ConversationKey,
     Count,
     Float,
+    JsonObject,
+    Metadata,
     Model,
     Priority,
     Stop,
@@ -48,6 +51,7 @@ __all__ = (
     "MAX_N",
     "MAX_STOP_STRINGS",
     "ChatCompletionRequest",
+    "ReasoningEffort",
     "CompletionRequest",
     "GenerationRequest",
     "StreamOptions",
@@ -59,10 +63,16 @@ MAX_N: Final = 128
 MAX_LOGPROBS: Final = 20
 
 
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""How much a reasoning model should reason (OpenAI's values, and vLLM's ``max``)."""
+
+
 class StreamOptions(Model):
     """``stream_options``: only allowed with ``stream: true``."""
 
     include_usage: Bool = False
+    #: OpenAI's padding of stream events against side channels: none is added here
+    include_obfuscation: Bool | None = None
 
 
 class GenerationRequest(Model):
@@ -93,6 +103,9 @@ class GenerationRequest(Model):
     stop_token_ids: list[TokenId] | None = None
     #: lower runs earlier (None: the API key's default priority, else 0)
     priority: Priority | None = None
+    #: the conversation (OpenAI's name): its requests stay on one worker while its load
+    #: allows (None: the ``x-session-affinity`` header's, if any)
+    prompt_cache_key: ConversationKey | None = None
 
     @model_validator(mode="after")
     def _check_combinations(self) -> GenerationRequest:
@@ -175,6 +188,21 @@ class ChatCompletionRequest(GenerationRequest):
     #: False: at most one call per answer (default: several allowed)
     parallel_tool_calls: Bool | None = None
     response_format: ResponseFormat | None = None
+    #: how much a reasoning model reasons: the chat template gets it (``reasoning_effort``,
+    #: and ``enable_thinking`` false for ``none``); where the template does not read it, a
+    #: reasoning budget (:mod:`operators.edges.openai.reasoning`)
+    reasoning_effort: ReasoningEffort | None = None
+    #: (vLLM's extension) the most tokens each choice may reason; past them the engine ends
+    #: the reasoning (:class:`~operators.contracts.llm.ReasoningBudget`)
+    thinking_token_budget: int | None = Field(default=None, strict=True, ge=0, le=MAX_INT)
+    # Accepted, and change nothing about the answer (a chat completion is not kept; the
+    # engines cache prompt prefixes by themselves).
+    metadata: Metadata | None = None
+    store: Bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_options: JsonObject | None = None
+    prompt_cache_retention: str | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -226,6 +254,13 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(choice, NamedToolChoice):
             return [tool for tool in tools if tool.function.name == choice.function.name]
         return tools
+
+    @property
+    def truncation_keep(self) -> int | None:
+        """How many leading messages a conversation too long for the context keeps while
+        the ones after them are dropped, oldest first, until it fits (None: never
+        truncated, a 400; only the Responses API's ``truncation: "auto"`` truncates)."""
+        return None
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:

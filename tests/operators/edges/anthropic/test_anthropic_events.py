@@ -17,7 +17,6 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import Message, RawMessageStreamEvent
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from output_scripts import CUTS, TEXT, TEXTS, pieces
 from pydantic import TypeAdapter
 
 from operators.contracts.llm import BackendOutput, FinishReason, ToolCallDelta
@@ -26,6 +25,7 @@ from operators.edges.anthropic.render import PING, MessageRenderer, tool_use_id
 from operators.edges.http.failures import ApiError
 from operators.edges.openai.chunks import ChatChunks
 from operators.edges.openai.events import OpenAIEvent
+from tests.helpers.output_scripts import CUTS, TEXT, TEXTS, pieces
 
 EVENT = TypeAdapter(RawMessageStreamEvent)
 STOPS = ("END", "§§")

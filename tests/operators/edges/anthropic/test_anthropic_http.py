@@ -15,7 +15,8 @@ import anthropic
 import anyio
 import httpx
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 JSON = {"content-type": "application/json"}
 

@@ -20,12 +20,12 @@ import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from server_process import ServerProcess
 
 from operators.edges.openai.server import OpenAIApp
 from operators.engines.echo import EchoEngine
 from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess
 
 TOKENIZER = Tokenizer.default()
 APP = OpenAIApp(

@@ -12,11 +12,12 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import client_view
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers import client_view
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

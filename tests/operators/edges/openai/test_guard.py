@@ -16,7 +16,6 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
 
 from operators.contracts.llm import EngineOutput
 from operators.edges.http.guard import Guard
@@ -25,6 +24,7 @@ from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, FunctionEngine
 from pipeline.testing import ScriptedEngine
+from tests.helpers.server_process import ServerProcess
 
 TOKENIZER = Tokenizer.default()
 KEY = "sk-test-0123456789"

@@ -20,7 +20,6 @@ import httpx
 import openai
 import orjson
 import pytest
-from server_process import ServerProcess
 
 from operators.edges.openai import OpenAIPreprocessor
 from operators.edges.openai.prompt_size import (
@@ -35,6 +34,7 @@ from operators.engines.echo import EchoEngine
 from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
 from pipeline import InvalidRequest
+from tests.helpers.server_process import ServerProcess
 
 TOKENIZER = Tokenizer.default()
 LARGE = "many words here " * (OFF_LOOP_CHARS // 8)  # twice the off-loop threshold

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 

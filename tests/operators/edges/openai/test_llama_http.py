@@ -10,9 +10,9 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
 
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow]
 

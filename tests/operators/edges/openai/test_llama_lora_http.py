@@ -17,7 +17,8 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess, run_cli
+
+from tests.helpers.server_process import ServerProcess, run_cli
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(180)]
 

@@ -13,7 +13,8 @@ import anyio
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(120)]
 

@@ -18,7 +18,8 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import ServerProcess, run_cli
+
+from tests.helpers.server_process import ServerProcess, run_cli
 
 # a real model on one thread: twenty answers take longer than the suite's usual limit
 pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.time_limit(120)]

@@ -396,7 +396,9 @@ def test_completions_refuse_tools_and_response_format_by_name(field: str, value:
         ("prediction", {"type": "content", "content": "x"}),
         ("web_search_options", {"search_context_size": "low"}),
         ("best_of", 3),
-        ("reasoning_effort", "high"),
+        ("verbosity", "low"),
+        ("service_tier", "priority"),
+        ("moderation", {"model": "omni-moderation-latest"}),
     ],
 )
 @pytest.mark.parametrize("parse", [parse_chat_request, parse_completion_request])

@@ -22,7 +22,6 @@ import openai
 import orjson
 import pytest
 from anyio.lowlevel import checkpoint
-from server_process import ServerProcess, run_cli
 
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.edges.openai.server import OpenAIApp
@@ -31,6 +30,7 @@ from operators.graph import default_graph
 from operators.text.tokenizer import Tokenizer
 from pipeline import CapacityExhausted, Context, EngineError, FunctionEngine
 from pipeline.testing import ScriptedEngine
+from tests.helpers.server_process import ServerProcess, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
-from output_scripts import HEAD, TEXTS, Script, responses
 
 from operators.contracts.llm import BackendOutput, ToolCallDelta
 from operators.edges.openai.chunks import ChatChunks, CompletionChunks
@@ -32,6 +31,7 @@ from operators.edges.openai.events import (
     aggregate_chat,
 )
 from operators.edges.openai.sse import SseRenderer, is_visible, stream_chunks
+from tests.helpers.output_scripts import HEAD, TEXTS, Script, responses
 
 
 def events_of(outputs: list[BackendOutput], *, logprobs: bool) -> list[OpenAIEvent]:

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_process import ServerProcess
-from vllm_support import gone, requires_vllm
 
 from operators.engines.vllm._reaper import descendants
 from operators.text.tokenizer import Tokenizer
+from tests.helpers.server_process import ServerProcess
+from tests.helpers.vllm_support import gone, requires_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.time_limit(120)]
 

@@ -20,7 +20,6 @@ from openai import omit
 from openai.lib._parsing._responses import parse_response
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
-from output_scripts import TEXTS, Script, outputs_of, scripts
 from pydantic import TypeAdapter
 
 from operators.contracts.llm import BackendOutput, ToolCallDelta
@@ -28,6 +27,7 @@ from operators.edges.http.failures import ApiError
 from operators.edges.openai.chunks import ChatChunks
 from operators.edges.openai.events import OpenAIEvent, RichDelta
 from operators.edges.responses.render import ResponseRenderer
+from tests.helpers.output_scripts import TEXTS, Script, outputs_of, scripts
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 SHELL: dict[str, Any] = {

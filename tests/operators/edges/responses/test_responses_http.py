@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+
+from tests.helpers.server_process import ServerProcess
 
 JSON = {"content-type": "application/json"}
 
@@ -230,8 +231,13 @@ async def test_stop_strings_and_logprobs_work_through_the_edge(api: openai.Async
     [
         ({"tools": [{"type": "web_search"}]}, "tools.0"),  # the item that is a built-in tool
         ({"background": True}, "background"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
-        ({"truncation": "auto"}, "truncation"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # echo: no reasoning
+        ({"reasoning": {"mode": "pro"}}, "reasoning.mode"),
+        ({"reasoning": {"context": "all_turns"}}, "reasoning.context"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"truncation": "middle"}, "truncation"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"moderation": {"model": "omni-moderation-latest"}}, "moderation"),
         ({"max_output_tokens": 2**31}, "max_output_tokens"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"include": ["reasoning.encrypted_content"]}, "include.0"),
@@ -247,7 +253,13 @@ async def test_what_cannot_be_honoured_is_a_400_naming_the_field(
     body: dict[str, Any] = {"model": "echo", "input": "hi"} | request_fields
     with pytest.raises(openai.BadRequestError) as refused:
         await api.responses.create(**body)
-    assert refused.value.body["param"] == param  # type: ignore[index]
+    error: Any = refused.value.body
+    assert error["param"] == param
+    # the message names the field as this API does, never as the chat request it became
+    for chat_name in ("response_format", "reasoning_effort", "max_tokens", "messages"):
+        assert f"'{chat_name}'" not in error["message"]
+    if param == "text.format":
+        assert "'text.format' needs constrained decoding" in error["message"]
 
 
 async def test_a_malformed_body_and_an_unknown_model_are_refused(server: ServerProcess) -> None:

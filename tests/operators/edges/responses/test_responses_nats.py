@@ -9,7 +9,6 @@ made, continues it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +18,9 @@ import pytest
 
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "pipeline" / "transports"))
-
-from nats_server import NatsServer
-from server_process import ServerProcess
-from test_cli_nats import WorkerProcess, wait_for
+from tests.helpers.nats_server import NatsServer
+from tests.helpers.server_process import ServerProcess
+from tests.operators.cli.test_cli_nats import WorkerProcess, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -798,3 +798,19 @@ async def test_a_traced_request_has_its_steps_as_span_events(
     assert decode.attributes["llm_pipeline.outputs"] == len(outputs)
     times = [event.time_ns for event in span.events]
     assert times == sorted(times)
+
+
+@pytest.mark.llama
+async def test_the_load_report_follows_a_request_from_prompt_to_decoding(
+    engine: LlamaEngine, tokenizer: Tokenizer
+) -> None:
+    assert engine.load_report().work() == 0  # (idle)
+    ctx = Context.new(ask(tokenizer, max_tokens=64, ignore_eos=True))
+    report = None
+    async with open_stream(engine, ctx) as stream:
+        async for _ in stream:
+            report = engine.load_report()
+            ctx.stop_generating()
+    assert report is not None
+    assert (report.decoding, report.waiting, report.prefill_tokens) == (1, 0, 0)
+    assert engine.load_report().work() == 0

@@ -16,8 +16,6 @@ import pytest
 
 pytest.importorskip("numpy", reason="the llama engine's extra")
 
-from test_llama_kv_cells import state
-
 from operators.engines.llama._kv_cells import KvCells
 from operators.engines.llama._kv_handle import expired, handle_problem, issue
 from operators.engines.llama._transfer import (
@@ -28,6 +26,7 @@ from operators.engines.llama._transfer import (
     release,
 )
 from operators.testing import make_request
+from tests.operators.engines.llama.test_llama_kv_cells import state
 
 SECRET = b"deployment secret"
 

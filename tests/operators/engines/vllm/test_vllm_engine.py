@@ -1,5 +1,6 @@
 """The vLLM engine on a real vLLM (the CPU build) and SmolLM2: the engine contract, aborts,
-replays (constrained ones included), KV events in our block ids, statistics, cleanup.
+replays (constrained ones included), reasoning budgets, KV events in our block ids,
+statistics, cleanup.
 
 One engine serves the whole module (starting vLLM takes tens of seconds on two cores), on
 one event loop: vLLM's client tasks live on the loop the engine first ran on.
@@ -10,22 +11,26 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 import pytest
 import pytest_asyncio
-from vllm_support import eventually, gone, requires_vllm
 
 from operators.contracts.llm import (
     Constraint,
     EngineOutput,
     PreprocessedRequest,
+    ReasoningBudget,
+    SamplingOptions,
+    StopConditions,
 )
 from operators.engines.vllm import VllmEngine
 from operators.routing.kv_blocks import block_hashes
 from operators.testing import check_engine, make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import Context, KvEvent, KvStored, open_stream
+from tests.helpers.vllm_support import eventually, gone, requires_vllm
 
 pytestmark = [
     pytest.mark.vllm,
@@ -199,6 +204,49 @@ async def test_structured_output_matches_and_a_replay_continues_it_validly(
         assert whole[:k] + tokens(rest) == whole, k
 
 
+#: a prompt that opens the reasoning (SmolLM2 never closes it on its own), and the budget's
+#: markers as the preprocessor encodes them
+THINKING = STORY + TOKENIZER.encode("<think>\n")
+END = tuple(TOKENIZER.encode("</think>"))
+START = tuple(TOKENIZER.encode("<think>"))
+
+
+def budgeted(tokens_: int, **more: Any) -> PreprocessedRequest:
+    budget = ReasoningBudget(
+        param="thinking_token_budget", tokens=tokens_, end=END, start=START, open=True
+    )
+    return request(THINKING, max_tokens=30, ignore_eos=True, reasoning_budget=budget, **more)
+
+
+def find(sequence: list[int], marker: tuple[int, ...]) -> int:
+    """Where ``marker`` first starts in ``sequence`` (-1: nowhere)."""
+    return next(
+        (i for i in range(len(sequence)) if tuple(sequence[i : i + len(marker)]) == marker), -1
+    )
+
+
+async def test_a_reasoning_budget_forces_the_end_marker(engine: VllmEngine) -> None:
+    alone = tokens(await run(engine, request(THINKING, max_tokens=30, ignore_eos=True)))
+    assert find(alone, END) == -1  # left alone, SmolLM2 never ends its reasoning
+    forced = tokens(await run(engine, budgeted(8)))
+    assert forced[:8] == alone[:8]  # the same reasoning, up to the budget
+    assert find(forced, END) == 8  # then the end marker, at once
+    assert len(forced) == 30  # and the answer goes on
+
+
+@pytest.mark.parametrize("k", [3, 9, 14])
+async def test_a_replayed_budgeted_request_continues_exactly(engine: VllmEngine, k: int) -> None:
+    whole = tokens(await run(engine, budgeted(8)))
+    replayed = PreprocessedRequest(
+        token_ids=THINKING + whole[:k],
+        stop=StopConditions(max_tokens=30 - k, ignore_eos=True),
+        sampling=SamplingOptions(temperature=0.0),
+        replayed_tokens=k,
+        reasoning_budget=budgeted(8).reasoning_budget,
+    )
+    assert whole[:k] + tokens(await run(engine, replayed)) == whole
+
+
 async def test_the_kv_events_name_vllms_blocks_by_our_block_ids(engine: VllmEngine) -> None:
     events: list[KvEvent] = []
     engine.kv_events = events.append
@@ -234,3 +282,20 @@ async def test_statistics_show_a_running_request(engine: VllmEngine) -> None:
     assert after.requests == before.requests + 1
     assert after.prompt_tokens == before.prompt_tokens + len(STORY)
     assert 0 < after.generated_tokens - before.generated_tokens < 200
+
+
+async def test_the_load_report_follows_a_request_from_prompt_to_decoding(
+    engine: VllmEngine,
+) -> None:
+    assert engine.load_report().work() == 0  # (idle)
+    ctx = Context.new(request(STORY, max_tokens=200, ignore_eos=True))
+    stream = open_stream(engine, ctx)
+    async with stream as outputs:
+        report = None
+        async for _ in outputs:
+            report = engine.load_report()
+            ctx.stop_generating()
+    assert report is not None
+    assert (report.decoding, report.waiting, report.prefill_tokens) == (1, 0, 0)
+    assert report.kv_usage is not None
+    assert engine.load_report().work() == 0

@@ -17,13 +17,13 @@ from pathlib import Path
 import anyio
 import pytest
 import pytest_asyncio
-from vllm_support import requires_vllm
 
 from operators.contracts.llm import PreprocessedRequest
 from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import InvalidRequest, open_stream
 from pipeline.testing import make_context
+from tests.helpers.vllm_support import requires_vllm
 
 pytestmark = [
     pytest.mark.vllm,

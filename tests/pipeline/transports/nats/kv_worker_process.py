@@ -1,6 +1,6 @@
 """A NATS worker with a mocker prefix cache in its own process, so a test can ``kill -9`` it.
 
-    python kv_worker_process.py URL WORKER_ID TTL
+    python -m tests.pipeline.transports.nats.kv_worker_process URL WORKER_ID TTL
 
 It serves a :class:`MockerEngine` (block size :data:`BLOCK_SIZE`, caching) for model
 :data:`MODEL`, publishes its KV events, and prints ``ready`` once it is registered.

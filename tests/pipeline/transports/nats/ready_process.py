@@ -1,8 +1,8 @@
 """A helper script run as a child process (a worker a test can ``kill -9``), for tests.
 
-The scripts (``worker_process.py``, ``kv_worker_process.py``) print a line starting with
-``ready`` once they serve; :func:`ready_process` waits for it and kills what is left of the
-process on exit.
+The scripts (``worker_process``, ``kv_worker_process``, run with ``python -m`` from the
+repository's root) print a line starting with ``ready`` once they serve;
+:func:`ready_process` waits for it and kills what is left of the process on exit.
 """
 
 from __future__ import annotations
@@ -17,16 +17,14 @@ from anyio.abc import Process
 
 __all__ = ("ready_process",)
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
+#: the repository's root, where ``python -m`` finds the scripts (and the project)
+ROOT = Path(__file__).resolve().parents[4]
 
 
 @asynccontextmanager
-async def ready_process(script: str, *args: str) -> AsyncIterator[Process]:
-    """``script`` (a file beside this one) run with ``args``, once it said it is ready."""
-    process = await anyio.open_process(
-        [sys.executable, str(HERE / script), *args], cwd=ROOT, stderr=None
-    )
+async def ready_process(module: str, *args: str) -> AsyncIterator[Process]:
+    """``python -m module args``, once it said it is ready."""
+    process = await anyio.open_process([sys.executable, "-m", module, *args], cwd=ROOT, stderr=None)
     try:
         assert process.stdout is not None
         with anyio.fail_after(15):

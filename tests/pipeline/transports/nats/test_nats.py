@@ -1,7 +1,7 @@
 """The NATS transport against a real nats-server: streams, cancellation, deaths, discovery.
 
 Every test starts its own server (``nats_server`` fixture, ~30 ms). Workers run in the
-test's process unless a test needs to ``kill -9`` one; then ``worker_process.py`` runs it.
+test's process unless a test needs to ``kill -9`` one; then ``worker_process`` runs it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,9 +21,6 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 import nats
 from anyio.abc import Process
 from nats.aio.client import Client
-from nats_server import NatsServer, connect, settle
-from ready_process import ready_process
-from worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 from operators.backend import Backend
 from operators.contracts.llm import BackendOutput, EngineOutput, PreprocessedRequest, StopConditions
@@ -58,11 +54,12 @@ from pipeline.transports.nats import (
     serve,
 )
 from pipeline.transports.nats import connect as connect_nats
+from tests.helpers.nats_server import NatsServer, connect, settle
+from tests.pipeline.transports.nats.ready_process import ready_process
+from tests.pipeline.transports.nats.worker_process import CODEC, MODEL, SCRIPT, Countdown
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
 
 #: a short registration TTL, so that a dead worker's key expires within the test
 FAST = NatsTimeouts(ttl=1, drain=2.0)
@@ -425,8 +422,8 @@ async def test_a_worker_cancelled_mid_stream_ends_it_with_an_error_frame(
 def worker_process(
     url: str, worker_id: str, ttl: float = 1
 ) -> AbstractAsyncContextManager[Process]:
-    """``worker_process.py`` serving Countdown as ``worker_id``; killed on exit."""
-    return ready_process("worker_process.py", url, worker_id, str(ttl))
+    """``worker_process`` serving Countdown as ``worker_id``; killed on exit."""
+    return ready_process("tests.pipeline.transports.nats.worker_process", url, worker_id, str(ttl))
 
 
 async def test_a_killed_worker_fails_its_streams_by_ping_and_by_ttl(

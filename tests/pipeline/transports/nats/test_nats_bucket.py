@@ -1,7 +1,7 @@
 """The discovery bucket's watch loop, :func:`watch_bucket`, against a real nats-server.
 
 Discovery and the model list are its followers (their own behaviour is tested in
-``test_nats.py`` and ``tests/operators/test_cli_nats_models.py``); here, what it promises
+``test_nats.py`` and ``tests/operators/cli/test_cli_nats_models.py``); here, what it promises
 them: the replay between ``on_watch`` and ``on_replayed``, ``task_status`` after it, a
 renewed watch (and a new replay) after the server restarts, and a clean stop.
 """
@@ -19,10 +19,10 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from nats.aio.client import Client
 from nats.js.kv import KeyValue
-from nats_server import NatsServer, connect, settle
 
 from pipeline.transports.nats import JetStreamUnavailable
 from pipeline.transports.nats.bucket import open_bucket, watch_bucket
+from tests.helpers.nats_server import NatsServer, connect, settle
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 

@@ -2,7 +2,7 @@
 
 Driven with a stand-in for nats-py's client (the three things the Bus reads), so each
 moment of a connection's life can be set exactly; the real outages are in
-``tests/operators/test_cli_nats_faults.py``.
+``tests/operators/cli/test_cli_nats_faults.py``.
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip inst
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats_server import NatsServer, connect, settle
 
 from pipeline import Context, FunctionEngine, Stream, open_stream
 from pipeline.testing import make_context
 from pipeline.transports.codec import MsgpackCodec
 from pipeline.transports.nats import NatsTimeouts, NatsWorker, RemoteEngine, serve, wire
+from tests.helpers.nats_server import NatsServer, connect, settle
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import anyio
@@ -19,11 +18,7 @@ import pytest
 pytest.importorskip("nats", reason="the NATS tests need the nats extra: pip install -e '.[nats]'")
 
 from anyio.abc import Process
-from kv_worker_process import BLOCK_SIZE
-from kv_worker_process import MODEL as CACHING_MODEL
 from nats.aio.client import Client
-from nats_server import NatsServer, connect
-from ready_process import ready_process
 
 from operators.contracts.llm import PreprocessedRequest, StopConditions
 from operators.contracts.transport import llm_codec
@@ -36,6 +31,8 @@ from pipeline import (
     PrefixIndex,
     Router,
     Stream,
+    Worker,
+    WorkerLoad,
     WorkerSet,
 )
 from pipeline.kv_events import KvEvent, KvRemoved, KvSnapshot, KvStored
@@ -50,11 +47,14 @@ from pipeline.transports.nats import (
     serve,
 )
 from pipeline.transports.nats.bucket import DEFAULT_BUCKET, open_bucket
+from pipeline.transports.nats.wire import control_codec
+from tests.helpers.nats_server import NatsServer, connect
+from tests.pipeline.transports.nats.kv_worker_process import BLOCK_SIZE
+from tests.pipeline.transports.nats.kv_worker_process import MODEL as CACHING_MODEL
+from tests.pipeline.transports.nats.ready_process import ready_process
 
 pytestmark = pytest.mark.slow  # every test starts a nats-server
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[3]
 MODEL = "m"
 #: a registration that outlives every test: only eviction can take a dead worker out
 LONG = NatsTimeouts(ttl=30)
@@ -295,8 +295,8 @@ async def test_an_engine_without_a_cache_publishes_nothing(nc: Client) -> None:
 
 
 def caching_worker_process(url: str, worker_id: str) -> AbstractAsyncContextManager[Process]:
-    """``kv_worker_process.py`` as ``worker_id`` (key TTL 30 s); killed on exit."""
-    return ready_process("kv_worker_process.py", url, worker_id, "30")
+    """``kv_worker_process`` as ``worker_id`` (key TTL 30 s); killed on exit."""
+    return ready_process("tests.pipeline.transports.nats.kv_worker_process", url, worker_id, "30")
 
 
 @pytest.mark.time_limit(20)
@@ -328,3 +328,95 @@ async def test_a_killed_workers_blocks_are_gone_before_its_key_expires(
             kv = await open_bucket(nc.jetstream(), DEFAULT_BUCKET)
             entry = await kv.get(f"{CACHING_MODEL}.aggregated.doomed")
             assert entry.value  # its discovery key has not expired
+
+
+# -- load reports ride along -------------------------------------------------------------------
+
+
+class LoadedCache(FakeCache):
+    """A FakeCache whose engine also reports its load (``load_report()``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.load: WorkerLoad | None = WorkerLoad(prefill_tokens=100, decoding=2)
+
+    def load_report(self) -> WorkerLoad | None:
+        return self.load
+
+
+class LoadOnly:
+    """An engine with no KV events (its cache is off) that reports its load."""
+
+    def __init__(self) -> None:
+        self.load = WorkerLoad(prefill_tokens=7, waiting=1)
+
+    @property
+    def kv_events(self) -> Callable[[KvEvent], None] | None:
+        return None
+
+    @kv_events.setter
+    def kv_events(self, sink: Callable[[KvEvent], None] | None) -> None:
+        pass  # its cache is off: it takes no sink
+
+    @property
+    def kv_snapshot(self) -> Callable[[], KvSnapshot]:
+        raise AssertionError("never asked: its cache is off")
+
+    def load_report(self) -> WorkerLoad:
+        return self.load
+
+
+def said(feed: NatsKvEvents, workers: WorkerSet[Any, Any], worker_id: str) -> WorkerLoad | None:
+    worker = workers.get(worker_id)
+    return None if worker is None else feed.load_report(worker)
+
+
+async def test_load_reports_reach_the_frontend_with_events_and_alone(
+    nc: Client, worker_nc: Client
+) -> None:
+    cache = LoadedCache()
+    async with frontend(nc) as (workers, feed), kv_worker(worker_nc, cache, "w1"):
+        await wait_until(lambda: "w1" in workers)
+        cache.store(1, 2)  # an event: the load goes with it
+        await wait_until(lambda: said(feed, workers, "w1") is not None)
+        report = said(feed, workers, "w1")
+        assert report is not None
+        assert (report.prefill_tokens, report.decoding) == (100, 2)
+        before = anyio.current_time()
+        cache.load = WorkerLoad(prefill_tokens=5, decoding=9, kv_usage=0.5)  # no event
+        await wait_until(lambda: (said(feed, workers, "w1") or report).decoding == 9)
+        latest = said(feed, workers, "w1")
+        assert latest is not None
+        assert latest.kv_usage == 0.5
+        assert latest.at >= before  # stamped when it came, on the frontend's clock
+
+
+async def test_an_engine_without_kv_events_still_reports_its_load(
+    nc: Client, worker_nc: Client
+) -> None:
+    engine = LoadOnly()
+    publisher = NatsKvPublisher(engine, nc=worker_nc, model=MODEL, worker_id="w1")  # type: ignore[arg-type]
+    async with frontend(nc) as (workers, feed), anyio.create_task_group() as tg:
+        await tg.start(publisher.run)
+        assert not publisher.active
+        async with serve(FunctionEngine(two_tokens), nc=worker_nc, model=MODEL, worker_id="w1"):
+            await wait_until(lambda: "w1" in workers)
+            engine.load = WorkerLoad(prefill_tokens=70, waiting=3)
+            await wait_until(lambda: (said(feed, workers, "w1") or WorkerLoad()).waiting == 3)
+        await wait_until(lambda: "w1" not in workers)
+        assert feed.load_report(Worker("w1", FunctionEngine(two_tokens))) is None  # it left
+        tg.cancel_scope.cancel()
+
+
+async def test_a_malformed_load_report_is_dropped_with_its_message(
+    nc: Client, worker_nc: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = FakeCache()
+    async with frontend(nc) as (workers, feed), kv_worker(worker_nc, cache, "w1"):
+        await wait_until(lambda: "w1" in workers)
+        body = {"worker": "w1", "events": [], "load": {"prefill": -3, "decoding": 0}}
+        await worker_nc.publish(kv_subject(MODEL, "w1"), control_codec.encode(body))
+        cache.store(1)  # after it, in order
+        await wait_until(lambda: mirrors(feed.index, "w1", cache))
+        assert said(feed, workers, "w1") is None
+        assert "malformed" in caplog.text

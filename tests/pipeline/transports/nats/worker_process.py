@@ -1,6 +1,6 @@
 """A NATS worker in its own process, so that a test can ``kill -9`` it.
 
-    python worker_process.py URL WORKER_ID TTL
+    python -m tests.pipeline.transports.nats.worker_process URL WORKER_ID TTL
 
 It serves :class:`Countdown` for model ``"counting"`` and prints ``ready`` once it is
 registered.
