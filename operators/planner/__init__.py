@@ -16,7 +16,8 @@ One module per part:
 - :mod:`.latency` and :mod:`.wire`: the frontends' histogram deltas (published by
   :class:`~.latency.LatencyReporter`, merged by :class:`~.latency.Latencies`) and the
   planner's subjects and messages; :mod:`.status`: a frontend's view of the planner.
-- :mod:`.ledger`: the workers' load reports, averaged over an interval.
+- :mod:`.load_averages`: the workers' load reports, averaged over an interval (not
+  :class:`pipeline.LoadLedger`, which is a router's count of its own requests).
 - :mod:`.connector`: the :class:`~.connector.Connector` protocol; :mod:`.local`: the
   local connector (worker processes from a command template, restarted with back-off).
 - :mod:`.planner`: the loop (needs the ``[nats]`` extra; :class:`Planner` is imported on

@@ -3,7 +3,7 @@
 ::
 
     frontends --{ns}.planner.latency--> latency of each model (p90 TTFT, ITL) --+
-    workers ---{ns}.kv.*.* (load)-----> LoadLedger: each pool's load averaged --+--> decide()
+    workers ---{ns}.kv.*.* (load)-----> LoadAverages: each pool's load averaged --+--> decide()
     discovery (JetStream KV) ---------> workers serving, per pool --------------+      |
     KV events ------------------------> PrefixIndex: blocks only a worker holds        |
                                                                                         v
@@ -49,7 +49,7 @@ from pipeline.transports.nats import (
 )
 
 from .latency import LatencyWindows
-from .ledger import LoadLedger
+from .load_averages import LoadAverages
 from .metrics import PlannerMetrics
 from .policy import Decision, Learned, Observation, Policy, decide
 from .pools import PlannedPool
@@ -140,7 +140,7 @@ class Planner:
         self._interval = interval
         self._namespace = namespace
         self.metrics = metrics if metrics is not None else PlannerMetrics()
-        self._ledger = LoadLedger()
+        self._averages = LoadAverages()
         self._latencies = LatencyWindows()
         self._loads = NatsLoads(nc, self._on_load, namespace=namespace)
         self._rounds = 0
@@ -180,10 +180,10 @@ class Planner:
         def joined(worker_id: str, joined: bool) -> None:
             state.changed_at = anyio.current_time()
             if joined:
-                if not self._ledger.knows(worker_id):
+                if not self._averages.knows(worker_id):
                     tg.start_soon(self._loads.ask, model, worker_id)
             else:
-                self._ledger.forget(worker_id)
+                self._averages.forget(worker_id)
 
         state.workers.listen(joined)
         await tg.start(discovery.run, state.workers)
@@ -195,7 +195,7 @@ class Planner:
         await tg.start(kv_events.run, state.workers)
 
     def _on_load(self, worker_id: str, load: Mapping[str, Any]) -> None:
-        self._ledger.report(worker_id, load, anyio.current_time())
+        self._averages.report(worker_id, load, anyio.current_time())
 
     async def _on_latency(self, msg: Msg) -> None:
         try:
@@ -235,7 +235,7 @@ class Planner:
         state.ours = state.ours.intersection(registered).union(w.worker_id for w in managed)
         serving = [wid for wid in registered if wid in own or wid not in state.ours]
         external = len(set(serving).difference(own))
-        numbers = self._ledger.take(serving, now)
+        numbers = self._averages.take(serving, now)
         load = None if numbers is None else pool.load(numbers)
         ttft, itl = (measured.get(kind) for kind in KINDS)
         targets = state.policy.targets
@@ -301,14 +301,14 @@ class Planner:
     ) -> list[str]:
         """The ``count`` own workers to go: those not serving yet first, then the least
         loaded, the least KV only they hold, the newest."""
-        ledger, index = self._ledger, state.index
+        averages, index = self._averages, state.index
         serving_set = set(serving)
         order = {worker_id: position for position, worker_id in enumerate(own)}
 
         def cost(worker_id: str) -> tuple[float, ...]:
             if worker_id not in serving_set:
                 return (0, 0.0, 0, -order[worker_id])
-            now = ledger.now(worker_id)
+            now = averages.now(worker_id)
             in_flight = now.get("waiting", 0.0) + now.get("decoding", 0.0)
             return (1, in_flight, index.unique_blocks(worker_id), -order[worker_id])
 

@@ -6,7 +6,7 @@ load (requests in flight, time-averaged over the interval) and the latencies the
 measured (p90 of TTFT and of inter-token latency) — and :func:`decide` answers how many
 workers the pool should have, and why. No clock, no I/O, no randomness: the same inputs
 give the same :class:`Decision`, so the rule is tested on its own with a simulated clock
-(``tests/operators/planner/test_policy.py``).
+(``tests/operators/planner/test_planner_policy.py``).
 
 **What it learns.** A pool's capacity is a per-worker load: the most requests in flight per
 worker at which the targets still hold. It is never configured; it is bracketed by what

@@ -1,5 +1,5 @@
 """What the frontends tell the planner: histogram deltas, their merge and quantiles
-(``operators.planner.latency``, ``operators.planner.wire``), and the load ledger."""
+(``operators.planner.latency``, ``operators.planner.wire``), and the load averages."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from operators.edges.http.metrics import ServerMetrics
 from operators.planner.latency import MIN_SAMPLES, Latencies, LatencyReporter, LatencyWindows, delta
-from operators.planner.ledger import LoadLedger
+from operators.planner.load_averages import LoadAverages
 from operators.planner.wire import decode_summary, encode_summary
 
 BOUNDS = (0.1, 0.2, 0.5, 1.0)
@@ -114,27 +114,27 @@ def test_a_malformed_summary_is_a_value_error(data: bytes) -> None:
         decode_summary(data)
 
 
-def test_the_ledger_averages_each_workers_load_over_time() -> None:
-    ledger = LoadLedger()
-    ledger.report("w1", {"waiting": 2, "decoding": 0}, now=0.0)
-    ledger.report("w1", {"waiting": 0, "decoding": 4}, now=1.0)
-    ledger.report("w2", {"waiting": 1, "decoding": 1, "kv": 0.5, "worker": "x"}, now=2.0)
-    assert ledger.take(["w1", "w2"], now=4.0) == {
+def test_each_workers_load_is_averaged_over_time_each_workers_load_over_time() -> None:
+    averages = LoadAverages()
+    averages.report("w1", {"waiting": 2, "decoding": 0}, now=0.0)
+    averages.report("w1", {"waiting": 0, "decoding": 4}, now=1.0)
+    averages.report("w2", {"waiting": 1, "decoding": 1, "kv": 0.5, "worker": "x"}, now=2.0)
+    assert averages.take(["w1", "w2"], now=4.0) == {
         "waiting": pytest.approx(0.5 + 1.0),  # w1: 2 for 1 s of 4; w2: 1 since it came
         "decoding": pytest.approx(3.0 + 1.0),
         "kv": pytest.approx(0.5),
     }
     # and from there on, the last reports hold
-    assert ledger.take(["w1"], now=6.0) == {"waiting": 0.0, "decoding": 4.0}
+    assert averages.take(["w1"], now=6.0) == {"waiting": 0.0, "decoding": 4.0}
 
 
 def test_a_worker_that_never_reported_makes_the_load_unknown() -> None:
-    ledger = LoadLedger()
-    ledger.report("w1", {"waiting": 1}, now=0.0)
-    assert ledger.take(["w1", "w2"], now=1.0) is None
-    assert not ledger.knows("w2")
-    ledger.forget("w1")
-    assert ledger.take([], now=2.0) == {}
+    averages = LoadAverages()
+    averages.report("w1", {"waiting": 1}, now=0.0)
+    assert averages.take(["w1", "w2"], now=1.0) is None
+    assert not averages.knows("w2")
+    averages.forget("w1")
+    assert averages.take([], now=2.0) == {}
 
 
 def test_a_latency_is_judged_once_it_has_enough_observations_and_dropped_when_old() -> None:

@@ -1,10 +1,10 @@
-"""The workers' load over an interval: :class:`LoadLedger`.
+"""The workers' load over an interval: :class:`LoadAverages`.
 
 A worker reports its load when it changes (:class:`pipeline.transports.nats.NatsLoads`):
 a step function of time, known at each report. The planner wants the load averaged over
 its interval, not the value at the instant it decides (a burst that ended a moment ago, a
-queue that is about to form), so the ledger integrates each reported number over time and
-:meth:`~LoadLedger.take` hands out the averages since the last take. Sans-IO: callers
+queue that is about to form), so it integrates each reported number over time and
+:meth:`~LoadAverages.take` hands out the averages since the last take. Sans-IO: callers
 pass the time.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any, final
 
-__all__ = ("LoadLedger",)
+__all__ = ("LoadAverages",)
 
 
 @final
@@ -36,7 +36,7 @@ class _Track:
 
 
 @final
-class LoadLedger:
+class LoadAverages:
     """Each worker's reported numbers (``waiting``, ``decoding``, ``prefill``...), averaged
     over time."""
 
