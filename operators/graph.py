@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, TypedDict, Unpack, cast, 
 from pipeline import Engine, LinkError, Operator, chain, link, named
 
 from .backend import Backend
-from .contracts.constraint_guard import GUARDED, ConstraintGuard
+from .contracts.constraint_guard import GUARDED, ConstraintGuard, engine_name
 from .contracts.llm import (
     BackendOutput,
     EngineOutput,
@@ -304,7 +304,7 @@ class Stages:
         guard = (
             chain()
             if GUARDED <= features
-            else chain(ConstraintGuard(type(engine).__name__, features=features))
+            else chain(ConstraintGuard(engine_name(engine), features=features))
         )
         routers = link(
             chain(*at("encoder_router", ())),

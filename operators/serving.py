@@ -19,6 +19,14 @@ and graph, are served by one app the same way::
     app = build_app({"smol": (engine, tokenizer), "echo": ModelSpec(echo, tokenizer,
                      options={"chat_template": template})})
 
+Every engine is watched (:mod:`pipeline.health`): ``app.health`` tells ``/live``,
+``/ready`` and ``/health``; an engine that stalls has its requests failed over (503
+``engine_unavailable``, or another worker) instead of hanging them. A dead engine is
+rebuilt when it was given as a :class:`~pipeline.health.Supervised` with a factory::
+
+    engine = Supervised(factory=load_my_engine, probe=one_token_probe, restarts=3)
+    app = build_app(engine, tokenizer, model_name="mine", stall_timeout=30.0)
+
 Requests are routed by their ``model`` field (:mod:`operators.edges.http.models`);
 :func:`build_model` is the one path every model's graph is built through, also for models
 added while the app serves (``app.models.add(build_model(...))``, as ``serve --nats`` does
@@ -38,9 +46,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Unpack, overload
 
 from pipeline import Router
+from pipeline.health import Health, Supervised
 from pipeline.tracing import Tracer
 
 from .contracts.llm import embedder_of, lora_engine_of
+from .contracts.probe import one_token_probe
 from .edges.anthropic import AnthropicEdge
 from .edges.http.guard import Guard
 from .edges.http.metrics import ServerMetrics
@@ -65,7 +75,7 @@ if TYPE_CHECKING:
     from .edges.responses import ResponseStore
     from .text.tokenizer import Tokenizer
 
-__all__ = ("ModelSpec", "adapter_models", "build_app", "build_model", "serve")
+__all__ = ("ModelSpec", "adapter_models", "build_app", "build_model", "serve", "supervise_model")
 
 _Before = Mapping[Point, Sequence["Operator[Any, Any, Any, Any]"]]
 
@@ -165,6 +175,9 @@ def build_app(
     tracer: Tracer | None = ...,
     ui: bool = ...,
     lora_dir: Path | None = ...,
+    health: Health | None = ...,
+    stall_timeout: float | None = ...,
+    canary_interval: float = ...,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp: ...
 @overload
@@ -181,6 +194,9 @@ def build_app(
     tracer: Tracer | None = ...,
     ui: bool = ...,
     lora_dir: Path | None = ...,
+    health: Health | None = ...,
+    stall_timeout: float | None = ...,
+    canary_interval: float = ...,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp: ...
 def build_app(
@@ -198,6 +214,9 @@ def build_app(
     tracer: Tracer | None = None,
     ui: bool = False,
     lora_dir: Path | None = None,
+    health: Health | None = None,
+    stall_timeout: float | None = 30.0,
+    canary_interval: float = 0.0,
     **graph_options: Unpack[GraphOptions],
 ) -> OpenAIApp:
     """The OpenAI app serving ``engine`` behind the default graph, as ``model_name``; or
@@ -220,6 +239,12 @@ def build_app(
     ``/v1/unload_lora_adapter`` change them at run time (only files under ``lora_dir``,
     when given).
 
+    Every model's engine is watched (:func:`supervise_model`) in ``health`` (a fresh
+    :class:`~pipeline.health.Health` if None; ``app.health``): an engine with requests
+    waiting that makes no progress for ``stall_timeout`` seconds (None: never) is stalled,
+    and one idle for ``canary_interval`` seconds (0: never) gets a one-token canary.
+    :func:`serve` runs the watchdog; in a test, run ``app.health.run`` in a task group.
+
     A request is routed by its ``model`` field (none: the first model); an unknown model is
     a 404 (``model_not_found``); ``/v1/models`` lists them all. Besides chat completions
     and completions the app serves the Responses API (its responses kept in
@@ -234,16 +259,22 @@ def build_app(
     """
     specs = _specs(engine, tokenizer, model_name, models, embedder)
     metrics = metrics if metrics is not None else ServerMetrics()
+    health = health if health is not None else Health()
     graph_options.setdefault("on_migration", metrics.count_migration)
     served = []
     groups: dict[str, WorkerSet[Any, Any] | None] = {}
     for name, spec in specs.items():
         options: GraphOptions = {**graph_options, **spec.options}
         merged = {**(before or {}), **(spec.before or {})}
+        watched = supervise_model(
+            name, spec.engine, health, stall_timeout=stall_timeout, canary_interval=canary_interval
+        )
+        for workers in (options.get("prefill_workers"), options.get("encode_workers")):
+            _watch_members(name, workers, health, serves=False)
         served.append(
             build_model(
                 name,
-                spec.engine,
+                watched,
                 spec.tokenizer,
                 before=merged,
                 embedder=spec.embedder,
@@ -273,6 +304,7 @@ def build_app(
         edges=[ResponsesEdge(responses_store), anthropic, TokensEdge(), *edges],
         openai_routes=routes,
         tracer=tracer,
+        health=health,
     )
     if ui:
         engine_name = type(next(iter(specs.values())).engine).__name__
@@ -283,6 +315,53 @@ def build_app(
             engine_name=engine_name,
         )
     return app
+
+
+def supervise_model(
+    name: str,
+    engine: Engine[PreprocessedRequest, EngineOutput],
+    health: Health,
+    *,
+    stall_timeout: float | None = 30.0,
+    canary_interval: float = 0.0,
+) -> Engine[PreprocessedRequest, EngineOutput]:
+    """``engine`` as model ``name`` serves it, watched in ``health``.
+
+    A plain engine is put under a :class:`~pipeline.health.Supervised` gate (probed with
+    :func:`~operators.contracts.probe.one_token_probe`; no factory, so its death is beyond
+    recovery); a ``Supervised`` one (the command line's, a user's with a factory) is
+    watched as it is. A Router's workers are watched each, and kept in its worker set only
+    while ready, when they are supervised; otherwise the set itself tells the model's
+    readiness (remote workers: their discovery keeps it to the ready ones).
+    """
+    if isinstance(engine, Router):
+        _watch_members(name, engine.workers, health, serves=True)
+        return engine
+    if not isinstance(engine, Supervised):
+        engine = Supervised(
+            engine,
+            name=name,
+            stall_timeout=stall_timeout,
+            probe=one_token_probe,
+            canary_interval=canary_interval,
+        )
+    health.watch(name, engine)
+    return engine
+
+
+def _watch_members(
+    name: str, workers: WorkerSet[Any, Any] | None, health: Health, *, serves: bool
+) -> None:
+    if workers is None:
+        return
+    supervised = [(w.id, w.engine) for w in workers.members if isinstance(w.engine, Supervised)]
+    if not supervised:
+        if serves:
+            health.watch(name, workers)
+        return
+    for worker_id, engine in supervised:
+        engine.member_of(workers, worker_id)
+        health.watch(name, engine, serves=serves)
 
 
 def _specs(

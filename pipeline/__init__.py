@@ -38,7 +38,10 @@ from .context import StateKey as StateKey
 from .context import StateKeyError as StateKeyError
 from .errors import CapacityExhausted as CapacityExhausted
 from .errors import ConnectFailed as ConnectFailed
+from .errors import EngineDead as EngineDead
 from .errors import EngineError as EngineError
+from .errors import EngineStalled as EngineStalled
+from .errors import EngineUnavailable as EngineUnavailable
 from .errors import InvalidRequest as InvalidRequest
 from .errors import LinkError as LinkError
 from .errors import PipelineError as PipelineError
@@ -93,7 +96,10 @@ __all__ = (
     "Direct",
     "DiskKvTier",
     "Engine",
+    "EngineDead",
     "EngineError",
+    "EngineStalled",
+    "EngineUnavailable",
     "FunctionEngine",
     "HOST_TIER",
     "InvalidRequest",

@@ -135,14 +135,19 @@ class _Controller:
         "_stop_event",
         "children",
         "deadline",
+        "failure",
         "killed",
+        "parent",
         "stopped",
     )
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, parent: _Controller | None = None) -> None:
         self.stopped = False
         self.killed = False
         self.deadline = deadline
+        self.parent = parent
+        #: why the stream driven under this controller was failed (see :meth:`fail`)
+        self.failure: BaseException | None = None
         self.children: list[_Controller] = []
         self._scopes: list[CancelScope] = []
         self._stop_event: anyio.Event | None = None
@@ -170,16 +175,31 @@ class _Controller:
             child.kill()
         self.stop()
 
+    def fail(self, error: BaseException) -> None:
+        # The nearest driver at or above this leg: its scope is what the stream waits under.
+        driver: _Controller | None = self
+        while driver is not None and not driver._scopes:
+            driver = driver.parent
+        if driver is None:  # nothing drives it (yet): a kill is all there is to do
+            self.kill()
+            return
+        if driver.failure is None:
+            driver.failure = error
+        for scope in driver._scopes:
+            scope.cancel()
+        for child in driver.children:
+            child.kill()
+
     def bind(self, scope: CancelScope) -> None:
         self._scopes.append(scope)
-        if self.killed:
+        if self.killed or self.failure is not None:
             scope.cancel()
 
     def unbind(self, scope: CancelScope) -> None:
         self._scopes.remove(scope)
 
     def spawn(self, deadline: float) -> _Controller:
-        child = _Controller(min(deadline, self.deadline))
+        child = _Controller(min(deadline, self.deadline), self)
         self.children.append(child)
         if self.killed:
             child.kill()
@@ -349,6 +369,22 @@ class Context(Generic[T_co]):
         """Cancel the in-flight stream now, and every child's. Idempotent."""
         self._controller.kill()
 
+    def fail(self, error: BaseException) -> None:
+        """End the stream now with ``error``, from any task (a watchdog's).
+
+        A kill says "nobody wants the rest"; a failure says "the rest will not come, and
+        here is why". The nearest driver at or above this leg (the :func:`~pipeline.
+        open_stream` whose scope the stream runs under: the edge's, a worker's) is
+        cancelled, its legs killed, and it raises ``error`` instead of exiting quietly,
+        so the request fails with a reason (an engine that stalled under it,
+        :class:`~pipeline.EngineStalled`) rather than looking cancelled by its client.
+        Interrupting a stream that waits inside an engine needs a cancel scope around
+        the wait, and operators hold none across a ``yield`` (the driver does), hence the
+        driver. The driver's own context is neither stopped nor killed by it. With no
+        driver above, this is a kill. Only the first failure of a driver counts.
+        """
+        self._controller.fail(error)
+
     async def wait_stopped(self) -> None:
         """Wait until this context is stopped (or killed)."""
         await self._controller.wait_stopped()
@@ -362,6 +398,9 @@ class Context(Generic[T_co]):
 
     def _unbind_scope(self, scope: CancelScope) -> None:
         self._controller.unbind(scope)
+
+    def _failure(self) -> BaseException | None:
+        return self._controller.failure
 
     def __repr__(self) -> str:
         flags = "killed" if self.is_killed else "stopped" if self.is_stopped else "live"

@@ -34,7 +34,8 @@ async def open_stream(engine: Engine[In, Out], ctx: Context[In]) -> AsyncGenerat
 
     Use it as ``async with open_stream(engine, ctx) as stream: async for item in stream``.
     When ``ctx`` is killed or its deadline passes, the block is cancelled and exits quietly
-    (check ``ctx.is_killed``); every other exception propagates unchanged.
+    (check ``ctx.is_killed``); when it (or a leg of it) is failed (``ctx.fail(error)``) the
+    block is cancelled and raises ``error``; every other exception propagates unchanged.
     """
     deadline = ctx.deadline
     with anyio.CancelScope(deadline=math.inf if deadline is None else deadline) as scope:
@@ -49,6 +50,10 @@ async def open_stream(engine: Engine[In, Out], ctx: Context[In]) -> AsyncGenerat
                     await aclose()
         finally:
             ctx._unbind_scope(scope)
+    if scope.cancelled_caught:
+        failure = ctx._failure()
+        if failure is not None:  # ctx.fail(): the stream ends with the error it was given
+            raise failure
     if scope.cancelled_caught and not ctx.is_killed:
         # The deadline passed: that is a kill, so children and remote legs hear of it.
         ctx.kill()

@@ -71,6 +71,14 @@ RUNS: dict[str, Run] = {
             'counted: endpoint="/v1/plain",model="echo",status="200"} 2.0\n',
         )
     ),
+    "engine_health.py": Run(
+        expect=(
+            "answer: 'Still here.'\n",
+            "after its death: /ready 503: {'ready': False, 'reason': 'flaky: engine died "
+            "(its process was killed); restarting'}\n",
+            "rebuilt, the same answer: True (1 restart)\n",
+        )
+    ),
     "extend_default_graph.py": Run(
         expect=(
             "HELLO FROM THE GRAPH\n",

@@ -40,6 +40,7 @@ PUBLIC_MODULES = frozenset(
     {
         "pipeline",
         "pipeline.errors",
+        "pipeline.health",
         "pipeline.priority",
         "pipeline.routers",
         "pipeline.testing",
@@ -675,6 +676,21 @@ def test_no_test_benchmark_script_or_example_edits_sys_path() -> None:
         if (found := sys_path_edits(path.read_text()))
     }
     assert not edits, f"sys.path edited (import by dotted name instead): {edits}"
+
+
+def test_test_modules_are_imported_by_their_dotted_names() -> None:
+    # ``from server_process import ...`` works only while something put its folder on the
+    # path (a sys.path edit, pytest's rootdir insertion of a folder without __init__.py);
+    # from a package it is ``from tests.helpers.server_process import ...``.
+    stems = {path.stem for path in _sources("tests")} - {"__init__", "conftest"}
+    bare = {
+        f"{_relative(path)}:{node.lineno}: {ast.unparse(node)}"
+        for path in _sources("tests", "examples", "benchmarks", "scripts")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in stems)
+        or (isinstance(node, ast.Import) and any(a.name in stems for a in node.names))
+    }
+    assert not bare, f"test modules imported by a bare name: {sorted(bare)}"
 
 
 def test_every_test_folder_is_a_package() -> None:

@@ -24,6 +24,7 @@ from .defaults import (
     ROLES,
     ROUTERS,
 )
+from .health import add_health_options
 from .insertions import insertion
 from .observability import add_observability_options, check_otel
 from .options import (
@@ -57,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run an OpenAI-compatible HTTP server over the default graph",
         description=(
-            "Serve /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics "
+            "Serve /v1/chat/completions, /v1/completions, /v1/models, /live, /ready, /health "
+            "and /metrics "
             "over the default graph (OpenAI preprocessor -> Migration -> Backend -> "
             "EncoderRouter -> PrefillRouter -> engine). The engine is in-process workers, "
             "or with --nats the workers registered over NATS for --model-name. "
@@ -432,6 +434,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a stored response is kept",
     )
+    add_health_options(serve_parser)
     add_observability_options(serve_parser, ui=True)
     add_log_level(serve_parser, "server")
 
@@ -486,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
         model_help="the model to serve: frontends started with the same --model-name find it",
         max_model_len=True,
     )
+    add_health_options(worker_parser)
     add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
 
@@ -579,6 +583,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--lora: adapters are served in process only (serve without --nats)")
     if args.command in ("serve", "worker") and args.lora and args.engine not in MODEL_ENGINES:
         parser.error(f"--lora needs --engine llama or vllm (--engine {args.engine} runs none)")
+    if args.freeze_after_tokens is not None and args.engine != "mocker":
+        parser.error("--freeze-after-tokens needs --engine mocker")
     if args.command == "worker" and args.role != "aggregated":
         if args.engine in ("echo", "vllm", "remote") or (
             args.engine == "llama" and args.role == "encode"

@@ -23,11 +23,15 @@ from operators.engines.llama import LlamaOptions, NgramSpeculation
 
 from .defaults import (
     API_KEY_ENV,
+    DEFAULT_CANARY_INTERVAL,
     DEFAULT_DRAIN_TIMEOUT,
+    DEFAULT_ENGINE_RESTARTS,
     DEFAULT_LLAMA_MODEL_NAME,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_RESPONSES_STORE_MB,
     DEFAULT_RESPONSES_STORE_TTL,
+    DEFAULT_RESTART_WINDOW,
+    DEFAULT_STALL_TIMEOUT,
     DEFAULT_UPSTREAM_POLL_MS,
     DEFAULT_UPSTREAM_TIMEOUT,
     TRANSFER_SECRET_ENV,
@@ -121,6 +125,8 @@ class EngineConfig:
     model_name: str | None = None
     tokenizer: Path | None = None
     fail_after_tokens: int | None = None
+    #: fault injection (mocker): the engine freezes after this many tokens in all
+    freeze_after_tokens: int | None = None
     echo_delay_ms: float = 0.0
     echo_cycle: bool = False
     model: Path | None = None
@@ -266,6 +272,11 @@ class ServeConfig:
     ui: bool = True
     #: the only folder adapters may be loaded from at run time (None: any)
     lora_dir: Path | None = None
+    #: the health options (:mod:`.health`): stalls, the canary, rebuilds of a dead engine
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    canary_interval: float = DEFAULT_CANARY_INTERVAL
+    engine_restarts: int = DEFAULT_ENGINE_RESTARTS
+    engine_restart_window: float = DEFAULT_RESTART_WINDOW
     #: ``--models FILE``: one config per model (its engine and graph options; the
     #: server's own options are this config's); empty: the one model of ``engine``
     models: tuple[ServeConfig, ...] = ()
@@ -322,6 +333,11 @@ class WorkerConfig:
     otlp_traces_endpoint: str | None = None
     #: json: log records as JSON lines
     log_format: LogFormat = "text"
+    #: the health options (:mod:`.health`): stalls, the canary, rebuilds of a dead engine
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    canary_interval: float = DEFAULT_CANARY_INTERVAL
+    engine_restarts: int = DEFAULT_ENGINE_RESTARTS
+    engine_restart_window: float = DEFAULT_RESTART_WINDOW
 
     def __post_init__(self) -> None:
         if self.worker_id is None:

@@ -11,12 +11,16 @@ from pipeline.transports.roles import ROLES, Role
 
 __all__ = (
     "API_KEY_ENV",
+    "DEFAULT_CANARY_INTERVAL",
     "DEFAULT_DRAIN_TIMEOUT",
+    "DEFAULT_ENGINE_RESTARTS",
     "DEFAULT_MAX_HEADER_BYTES",
     "DEFAULT_LLAMA_MODEL_NAME",
     "DEFAULT_MODEL_NAME",
     "DEFAULT_RESPONSES_STORE_MB",
     "DEFAULT_RESPONSES_STORE_TTL",
+    "DEFAULT_RESTART_WINDOW",
+    "DEFAULT_STALL_TIMEOUT",
     "DEFAULT_UPSTREAM_POLL_MS",
     "DEFAULT_UPSTREAM_TIMEOUT",
     "ECHO_MODES",
@@ -73,3 +77,11 @@ EchoMode = Literal["prompt", "last-message"]
 ECHO_MODES: Final[tuple[EchoMode, ...]] = ("prompt", "last-message")
 #: engines that load one model per process (no in-process worker sets)
 MODEL_ENGINES: Final[tuple[EngineName, ...]] = ("llama", "vllm")
+
+#: an engine's health (``--stall-timeout`` and friends, :mod:`.health`): seconds without
+#: progress, with requests waiting, before it is stalled; seconds an idle engine waits for
+#: its canary (0: none); rebuilds of a dead engine allowed within the window (seconds)
+DEFAULT_STALL_TIMEOUT: Final = 30.0
+DEFAULT_CANARY_INTERVAL: Final = 0.0
+DEFAULT_ENGINE_RESTARTS: Final = 3
+DEFAULT_RESTART_WINDOW: Final = 300.0

@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     from operators.edges.http.models import Models
     from operators.text.tokenizer import Tokenizer
     from operators.ui import WorkerGroups
+    from pipeline import WorkerSet
+    from pipeline.health import Health
 
     from .config import ServeConfig
 
@@ -66,12 +68,18 @@ class DiscoveredModels:
         self._before = before
         #: each model's worker sets by role, for the status view
         self.groups: dict[str, WorkerGroups] = {}
+        self._health: Health | None = None
+        self._decode: dict[str, WorkerSet[Any, Any]] = {}  # of the models served now
 
-    def attach(self, models: Models) -> None:
-        """Follow into ``models`` from now on (what is served now is added to it)."""
+    def attach(self, models: Models, health: Health | None = None) -> None:
+        """Follow into ``models`` from now on (what is served now is added to it), telling
+        ``health`` each served model's readiness (its ready decode workers)."""
         for model in self._models:
             models.add(model)
+            if health is not None:
+                health.watch(model.name, self._decode[model.name])
         self._models = models
+        self._health = health
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Follow until cancelled; ``task_status`` is told once the models registered now
@@ -89,6 +97,12 @@ class DiscoveredModels:
 
             await tg.start(NatsModels(self._nc).run, on_model)
             task_status.started()
+
+    def _forget(self, name: str) -> None:
+        self._models.remove(name)
+        self._decode.pop(name, None)
+        if self._health is not None:
+            self._health.forget(name)
 
     async def _follow(self, name: str) -> None:
         """Serve ``name`` while it has decode workers, until cancelled."""
@@ -126,10 +140,13 @@ class DiscoveredModels:
                     listed = name in self._models
                     if len(decode) and not listed:
                         self._models.add(served)
+                        self._decode[name] = decode
+                        if self._health is not None:
+                            self._health.watch(name, decode)
                         logger.info("serving model %r: its workers registered", name)
                     elif not len(decode) and listed:
-                        self._models.remove(name)
-                        logger.info("model %r left /v1/models: its last worker left", name)
+                        self._forget(name)
+                        logger.info("model %r left /v1/models: no worker of it is ready", name)
 
                 stop = decode.listen(changed)
                 try:
@@ -137,6 +154,6 @@ class DiscoveredModels:
                     await anyio.sleep_forever()
                 finally:
                     stop()
-                    self._models.remove(name)
+                    self._forget(name)
         except Exception as exc:  # nats-py's errors: this model is not served
             logger.warning("cannot follow the workers of model %r: %r", name, exc)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 __all__ = (
+    "Supervise",
     "llama_engine_options",
     "load_engine",
     "load_llama",
@@ -53,6 +54,9 @@ __all__ = (
 )
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]
+
+Supervise = Callable[[Any, str, Callable[[], Awaitable[Any]]], Any]
+"""``supervise(engine, name, factory)``: ``engine`` under watch, rebuilt by ``factory``."""
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:
@@ -96,6 +100,7 @@ def make_engine(
         tokens=config.mocker_tokens,
         seed=config.mocker_seed,
         fail_after_tokens=config.fail_after_tokens,
+        freeze_after_tokens=config.freeze_after_tokens,
         transfer_secret=None if secret is None else secret.encode(),
         block_size=config.kv_block_size,
         cache_blocks=cache_blocks,
@@ -159,12 +164,18 @@ async def load_llama(
 
 
 async def load_llama_workers(
-    config: EngineConfig, role: str, count: int, *, shared: bool = False
+    config: EngineConfig,
+    role: str,
+    count: int,
+    *,
+    shared: bool = False,
+    supervise: Supervise | None = None,
 ) -> _Workers | None:
     """``count`` llama engines in ``role`` (None for none), named ``ROLE-i``; engines
     loaded before a failure are closed. ``shared``: other engines of this process use
     ``--kv-disk-cache`` too, so each gets a folder of its own in it (a disk tier is one
-    process's, and so one engine's)."""
+    process's, and so one engine's). ``supervise(engine, name, factory)`` puts each under
+    watch (``factory`` loads it again, as it was loaded)."""
     if count == 0:
         return None
     engines: dict[str, Any] = {}
@@ -173,7 +184,10 @@ async def load_llama_workers(
             name = f"{role}-{i}"
             disk = config.llama.kv_disk_cache
             folder = None if disk is None or not (shared or count > 1) else Path(disk) / name
-            engines[name] = await load_llama(config, role, name, disk_cache=folder)
+            factory = functools.partial(load_llama, config, role, name, disk_cache=folder)
+            engines[name] = await factory()
+            if supervise is not None:
+                engines[name] = supervise(engines[name], name, factory)
     except BaseException:
         for engine in engines.values():
             engine.close()

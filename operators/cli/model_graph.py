@@ -8,6 +8,7 @@ discovers (:mod:`.discovered`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from operators.telemetry.router_metrics import watch_routers
 from pipeline import Engine, KvRouter, PrefixIndex, Router, WorkerSet
 
 from .engines import worker_set
+from .health import supervise
 from .output_options import output_options
 from .routing import remote_kv_policy, routing_policy, upstream_policy
 
@@ -94,10 +96,15 @@ def engine_and_options(
             decode = made
             encode = worker_set(engine_config, tokenizer, "encode", config.encode_workers)
             prefill = worker_set(engine_config, tokenizer, "prefill", config.prefill_workers, kv=kv)
+            for made_set in (decode, encode, prefill):
+                _supervise_members(made_set, config)
         if len(decode) == 1 and config.router == "round-robin":
             engine = decode.members[0].engine
         else:
-            engine = Router(decode, routing_policy(config, decode, metrics))
+            # Loaded workers are rebuilt when they die: a request waits for one meanwhile
+            # (within its deadline); the edge refuses it at once when none can come back.
+            wait = math.inf if local is not None else 0.0
+            engine = Router(decode, routing_policy(config, decode, metrics), wait=wait)
         if kv and prefill is not None:  # prompts are prefilled where their prefix is
             prefill_policy = routing_policy(config, prefill, metrics)
         if metrics is not None and engine_config.engine != "echo":
@@ -141,6 +148,13 @@ def engine_and_options(
         "engine_features": features,
     }
     return engine, options, groups
+
+
+def _supervise_members(workers: _Workers | None, config: ServeConfig) -> None:
+    """Put each of ``workers`` (echo or mocker engines: nothing to rebuild) under watch."""
+    if workers is not None:
+        for worker in workers.members:
+            workers.add(worker.id, supervise(worker.engine, config, name=worker.id))
 
 
 def _prefill_counts(*sets: _Workers | None) -> Callable[[], dict[str, tuple[int, int]]]:

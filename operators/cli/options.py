@@ -281,7 +281,8 @@ def add_engine_options(
         type=int,
         default=_LLAMA.parallel,
         metavar="N",
-        help="sequences decoded together; more requests wait for a slot",
+        help="sequences decoded together; more requests wait for a slot (default: 4 a CPU "
+        "this process may use, 4 to 16: %(default)s here)",
     )
     llama.add_argument(
         "--step-tokens",
@@ -420,7 +421,8 @@ def add_engine_options(
         type=positive_int,
         default=64,
         metavar="N",
-        help="sequences decoded together; more requests wait for a slot",
+        help="sequences decoded together; more requests wait for a slot (default: 4 a CPU "
+        "this process may use, 4 to 16: %(default)s here)",
     )
     mocker.add_argument(
         "--mocker-tokens",

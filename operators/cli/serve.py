@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,12 +24,13 @@ from operators.contracts.adapters import EveryWorker
 from operators.contracts.llm import EngineOutput, PreprocessedRequest
 from operators.edges.http.metrics import ServerMetrics
 from operators.edges.http.models import Models
+from operators.edges.http.runner import CannotListen
 from operators.edges.responses import MemoryResponseStore
 from operators.graph import default_graph
 from operators.serving import ModelSpec, build_app, serve
 from operators.telemetry import SpanBuffer, make_tracer, tracing_options
 from operators.ui import attach_ui
-from pipeline import Engine, WorkerSet
+from pipeline import Engine, EngineDead, WorkerSet
 
 from .config import ServeConfig
 from .defaults import MODEL_ENGINES
@@ -41,6 +43,7 @@ from .engines import (
     watch_engines,
     watch_upstreams,
 )
+from .health import supervise
 from .insertions import load_insertions
 from .keys import guard, open_budgets, reloader
 from .model_graph import engine_and_options
@@ -96,12 +99,19 @@ async def _load_llama_sets(
     config: ServeConfig, stack: contextlib.AsyncExitStack
 ) -> tuple[_Workers, _Workers | None]:
     """The in-process llama workers ``config`` asks for: (decode or aggregated, prefill),
-    each closed when ``stack`` unwinds."""
+    each under watch (rebuilt as it was loaded when it dies) and closed when ``stack``
+    unwinds."""
     sets: list[_Workers | None] = []
     roles = (("decode" if config.prefill_workers else "aggregated", config.decode_workers),)
     shared = config.prefill_workers + config.decode_workers > 1
+
+    def supervised(engine: Any, worker_id: str, factory: Any) -> Any:
+        return supervise(engine, config, name=worker_id, factory=factory)
+
     for role, count in (*roles, ("prefill", config.prefill_workers)):
-        workers = await load_llama_workers(config.engine, role, count, shared=shared)
+        workers = await load_llama_workers(
+            config.engine, role, count, shared=shared, supervise=supervised
+        )
         if workers is not None:
             for worker in workers.members:
                 engine: Any = worker.engine
@@ -151,9 +161,9 @@ async def _tokenizers(config: ServeConfig, tokenizer: Tokenizer) -> list[Tokeniz
 
 
 async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
-    """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine; 2: an
-    operator to insert, a parser, the chat template or a model's tokenizer cannot be
-    loaded)."""
+    """Serve until SIGINT/SIGTERM (then drain); the exit code (1: no NATS, no engine, or an
+    engine died beyond recovery; 2: an operator to insert, a parser, the chat template or a
+    model's tokenizer cannot be loaded, or the host and port cannot be listened on)."""
     problem = _check(config)
     if problem is not None:
         print(f"llm-pipeline: {problem}", file=sys.stderr)
@@ -228,9 +238,11 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             tracer=tracer,
             lora_dir=config.lora_dir,
             reasoning_parser=output_options(config).get("reasoning_parser"),
+            stall_timeout=config.stall_timeout or None,
+            canary_interval=config.canary_interval,
         )
         if discovered is not None:
-            discovered.attach(app.models)
+            discovered.attach(app.models, app.health)
         planner = None if nc is None else await follow_planner(stack, nc, metrics)
         if config.ui:
             attach_ui(
@@ -256,16 +268,22 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
             more = f" (and {', '.join(repr(name) for name in rest)})" if rest else ""
             print(f"llm-pipeline serving model {first!r} on {url}{via}{more}", flush=True)
 
-        await serve(
-            app,
-            host=config.host,
-            port=config.port,
-            on_ready=announce,
-            log_level=config.log_level,
-            drain_timeout=config.drain_timeout,
-            max_header_bytes=config.max_header_bytes,
-            on_hangup=None if path is None else reloader(path, protections),
-        )
+        try:
+            await serve(
+                app,
+                host=config.host,
+                port=config.port,
+                on_ready=announce,
+                log_level=config.log_level,
+                drain_timeout=config.drain_timeout,
+                max_header_bytes=config.max_header_bytes,
+                on_hangup=None if path is None else reloader(path, protections),
+            )
+        except CannotListen as exc:
+            print(f"llm-pipeline: {exc.strerror}", file=sys.stderr)
+            return 2
+        except EngineDead:  # (serve logged why, once)
+            return 1
     return 0
 
 
@@ -355,10 +373,12 @@ async def _served_models(
             name = name or fleet.model  # (the upstream's, unless --model-name says)
             local = (fleet.workers, None)
         elif model.engine.engine in MODEL_ENGINES:
+            factory = functools.partial(load_engine, model.engine, log_level=config.log_level)
             try:
-                loaded = await load_engine(model.engine, log_level=config.log_level)
+                loaded = await factory()
             except Exception as exc:  # the extra missing, a bad model, the engine failing
                 raise _Unavailable(f"cannot load the engine of {name!r}: {exc}") from exc
+            loaded = supervise(loaded, model, name=name, factory=factory)
             stack.push_async_callback(loaded.aclose)
             engines.append(loaded)
         engine, options, found = engine_and_options(

@@ -7,10 +7,18 @@ its prefix cache (``--engine mocker --mocker-cache-blocks N``, the llama engine)
 publishes its KV events for ``serve --nats --router kv`` frontends. Every worker publishes
 its load when it changes (requests waiting and decoding, prompt tokens queued), for
 ``llm-pipeline planner``, and drains when a planner tells it to, as on SIGTERM.
+
+The worker watches its own engine (:mod:`pipeline.health`, the ``--stall-timeout``,
+``--canary-interval`` and ``--engine-restarts`` options): while it is stalled, failing
+its canary or being rebuilt, its registration says it is not ready and frontends route
+around it (its in-flight streams fail over with ``EngineStalled`` or ``EngineDead``, so
+they migrate); an engine dead beyond recovery deregisters the worker, which drains and
+exits with code 1 after one log line naming why.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import sys
@@ -24,10 +32,12 @@ from operators.contracts.llm import embedder_of
 from operators.telemetry import make_tracer, tracing_options
 from operators.text.tokenizer import Tokenizer
 from pipeline import link
+from pipeline.health import Health
 
 from .config import WorkerConfig
 from .defaults import MODEL_ENGINES
 from .engines import load_engine, load_llama, make_engine
+from .health import supervise
 from .nats import close_nats, connect_nats, one_line, publish_kv_events, publish_load
 from .observability import WORKER_SERVICE_NAME
 
@@ -99,6 +109,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                 scope.cancel()
 
     engine: Any = None
+    health = Health()
     nc: Client | None = None
     tracing = tracing_options(config.otlp_traces_endpoint, service_name=WORKER_SERVICE_NAME)
     tracer, exporter = make_tracer(
@@ -117,6 +128,12 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         return 1
                     # (an upstream's model unless --model-name says)
                     model = config.model_name or engine.info.display_model
+                    rebuilt = config.engine.engine in MODEL_ENGINES  # (echo, mocker: no need)
+                    factory = functools.partial(_worker_engine, config, tokenizer)
+                    engine = supervise(
+                        engine, config, name=worker_id, factory=factory if rebuilt else None
+                    )
+                    health.watch(model, engine)
                     nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
                     if nc is None:
                         return 1
@@ -131,6 +148,28 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                         timeouts=NatsTimeouts(drain=config.drain_timeout),
                         tracer=tracer,
                     )
+                    engine.on_change(
+                        lambda watched: served.set_ready(watched.ready, watched.reason)
+                    )
+
+                    async def stop_when_dead() -> None:
+                        nonlocal code, stopping
+                        why = await health.wait_dead()
+                        logger.error(
+                            "worker %s: its engine is dead beyond recovery, exiting after the "
+                            "drain: %s",
+                            worker_id,
+                            why,
+                        )
+                        code = 1
+                        if worker is not None and not stopping:
+                            stopping = True
+                            worker.stop()
+                        elif worker is None:
+                            scope.cancel()
+
+                    await tg.start(health.run)
+                    tg.start_soon(stop_when_dead)
                     try:
                         await publish_kv_events(tg, nc, engine, model=model, worker_id=worker_id)
                         await publish_load(tg, nc, log, engine, model=model, worker_id=worker_id)

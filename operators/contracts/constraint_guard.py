@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Final, final
 
 from pipeline import Context, Engine, InvalidRequest, Stream, link
+from pipeline.health import Supervised
 
 from .llm import (
     CONSTRAINED_DECODING,
@@ -31,10 +32,18 @@ from .llm import (
     engine_features,
 )
 
-__all__ = ("GUARDED", "ConstraintGuard", "guarded")
+__all__ = ("GUARDED", "ConstraintGuard", "engine_name", "guarded")
 
 #: the features this guard stands in for when an engine lacks them
 GUARDED: Final = frozenset({CONSTRAINED_DECODING, REASONING_BUDGET})
+
+
+def engine_name(engine: object) -> str:
+    """What to call ``engine`` in a message: its class, or the class of the engine a
+    :class:`~pipeline.health.Supervised` gate watches (the gate is not what answers)."""
+    if isinstance(engine, Supervised) and engine.engine is not None:
+        engine = engine.engine
+    return type(engine).__name__
 
 
 def guarded(
@@ -45,7 +54,7 @@ def guarded(
     features = engine_features(engine)
     if GUARDED <= features:
         return engine
-    return link(ConstraintGuard(type(engine).__name__, features=features), engine)
+    return link(ConstraintGuard(engine_name(engine), features=features), engine)
 
 
 @final

@@ -108,6 +108,9 @@ class MockerEngine:
         seed: the seed of ``"random"`` tokens; workers of one deployment share it.
         fail_after_tokens: on a request's first attempt (``replayed_tokens == 0``), raise
             :class:`pipeline.StreamDisconnected` after emitting this many tokens.
+        freeze_after_tokens: once it emitted this many tokens in all, the engine freezes as
+            one stopped with SIGSTOP would: every stream waits forever for its next token
+            (fault injection for :mod:`pipeline.health`'s stall watchdog).
         worker_id: this worker's name in transfer handles and encoder results.
         special_ids: ids never echoed (chat-template markers, EOS).
         transfer_secret: the HMAC key of transfer handles; prefill and decode workers
@@ -124,7 +127,9 @@ class MockerEngine:
         "_cache",
         "_clock",
         "_decode_s",
+        "_emitted",
         "_fail_after",
+        "_freeze_after",
         "_max_batch",
         "_meter",
         "_prefill_s",
@@ -151,6 +156,7 @@ class MockerEngine:
         tokens: Literal["echo", "random"] = "echo",
         seed: int = 0,
         fail_after_tokens: int | None = None,
+        freeze_after_tokens: int | None = None,
         worker_id: str = "mocker",
         special_ids: Iterable[int] = (),
         transfer_secret: bytes | None = None,
@@ -181,6 +187,8 @@ class MockerEngine:
         self._max_batch = max_batch
         self._source = TokenSource(tokens, seed, special_ids)
         self._fail_after = fail_after_tokens
+        self._freeze_after = freeze_after_tokens
+        self._emitted = 0  # tokens emitted in all
         self._secret = PROCESS_SECRET if transfer_secret is None else transfer_secret
         self._clock = StepClock(self._decode_s, self._prefill_s, decode_ms_per_sequence / 1000)
         self._slots = anyio.Semaphore(max_batch)
@@ -371,9 +379,12 @@ class MockerEngine:
                         f"mocker {self.worker_id!r}: injected disconnect after {emitted} tokens",
                         request_id=ctx.id,
                     )
+                if self._freeze_after is not None and self._emitted >= self._freeze_after:
+                    await anyio.sleep_forever()  # frozen (a kill still ends the wait)
                 await clock.wait_step(first + emitted)
                 if ctx.is_stopped:
                     return
+                self._emitted += 1
                 if emitted == 0:
                     metered.prefilled()
                     if cache is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import anyio
 import pytest
 from hypothesis import given
@@ -318,3 +320,40 @@ async def test_make_context_timeout_sets_a_deadline_on_the_loop_clock() -> None:
     ctx = make_context("x", timeout=5.0)
     assert ctx.deadline is not None
     assert before + 5.0 <= ctx.deadline <= anyio.current_time() + 5.0
+
+
+# -- fail: ending a stream with a reason, from another task
+
+
+async def _hang(ctx: Context[str]) -> AsyncIterator[str]:
+    yield "first"
+    await anyio.sleep_forever()
+    yield "never"
+
+
+async def test_fail_from_a_leg_ends_its_driver_with_the_error() -> None:
+    from pipeline import FunctionEngine, StreamDisconnected, open_stream
+
+    root = Context.new("req")
+    leg = root.child("attempt")  # what Migration hands the engine below it
+    got: list[str] = []
+    with anyio.fail_after(2), pytest.raises(StreamDisconnected, match="frozen"):
+        async with open_stream(FunctionEngine(lambda _: _hang(leg)), root) as stream:
+            async for item in stream:
+                got.append(item)
+                leg.fail(StreamDisconnected("frozen"))
+    assert got == ["first"]
+    assert leg.is_killed  # what the driver drove is cancelled
+    assert not root.is_killed
+    assert not root.is_stopped
+    with pytest.raises(StreamDisconnected):  # a failed request fails again at once
+        async with open_stream(FunctionEngine(_hang), root) as stream:
+            got.extend([item async for item in stream])
+
+
+def test_fail_with_no_driver_above_is_a_kill() -> None:
+    ctx = make_context("req")
+    leg = ctx.child("attempt")
+    leg.fail(RuntimeError("nobody drives it"))
+    assert leg.is_killed
+    assert not ctx.is_killed

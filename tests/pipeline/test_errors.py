@@ -10,7 +10,10 @@ from pipeline import errors
 from pipeline.errors import (
     CapacityExhausted,
     ConnectFailed,
+    EngineDead,
     EngineError,
+    EngineStalled,
+    EngineUnavailable,
     InvalidRequest,
     LinkError,
     PipelineError,
@@ -32,6 +35,9 @@ TREE = [
     (ConnectFailed, WorkerLost),
     (StreamDisconnected, WorkerLost),
     (ResponseTimeout, WorkerLost),
+    (EngineUnavailable, CapacityExhausted),
+    (EngineStalled, WorkerLost),
+    (EngineDead, WorkerLost),
 ]
 
 
@@ -50,7 +56,9 @@ def test_the_docstring_draws_every_error() -> None:
         assert error.__name__ in errors.__doc__
 
 
-@pytest.mark.parametrize("error", [ConnectFailed, StreamDisconnected, ResponseTimeout])
+@pytest.mark.parametrize(
+    "error", [ConnectFailed, StreamDisconnected, ResponseTimeout, EngineStalled, EngineDead]
+)
 def test_the_migratable_errors_are_exactly_the_worker_lost_subtree(
     error: type[RequestError],
 ) -> None:

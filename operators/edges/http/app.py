@@ -9,7 +9,7 @@
             --> a metered route: admitted on its key's limits (429), settled after
             --> the edge's handler --> its model (app.models) --> that model's graph
             --> llm_pipeline_requests_total{endpoint, status, model}
-    GET /health, GET /metrics: the app's own, never guarded
+    GET /live, /ready, /health, /metrics: the app's own, never guarded (:mod:`.probes`)
     GET /v1/usage: each key's usage (:mod:`.usage`)
 
 The app knows no API and routes every API by model the same way (:mod:`.models`: each
@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar, TypeVarTuple
 import anyio
 import anyio.to_thread
 
+from pipeline.health import Health
+
 from .asgi import Receive, Scope, Send, send_json
 from .cors import answer_preflight, with_cors
 from .failures import (
@@ -49,6 +51,7 @@ from .guard import Guard
 from .ledger import UsageLedger
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .models import Models, ServedModel
+from .probes import PROBES, HealthMetrics, health_answer, live_answer, ready_answer
 from .routes import Call, Edge, Prepare, Route
 from .schema import OFF_LOOP_BYTES
 from .sse_writer import CLIENT_GONE
@@ -66,6 +69,8 @@ Ts = TypeVarTuple("Ts")
 
 #: request bodies above this size are refused with 413
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024
+#: the app's own paths, never guarded
+_OWN_PATHS: Final = PROBES | {"/metrics"}
 #: methods whose body a JSON route reads
 _WITH_BODY: Final = frozenset({"POST", "PUT", "PATCH"})
 
@@ -98,6 +103,9 @@ class EdgeApp:
         tracer: traces every generation request (None: none is traced, nothing is done).
         pages: answers the GET and HEAD paths no edge serves (the web UI), before they
             become 404s.
+        health: what ``/live``, ``/ready`` and ``/health`` tell, and what refuses a
+            request at once when no engine of its model can answer (a fresh
+            :class:`~pipeline.health.Health` if None: every model ready).
     """
 
     def __init__(
@@ -113,8 +121,11 @@ class EdgeApp:
         guard: Guard | None = None,
         tracer: Tracer | None = None,
         pages: Pages | None = None,
+        health: Health | None = None,
     ) -> None:
         self._models = _models(graph, model_name, models)
+        #: the engines' and workers' health, by model (:mod:`pipeline.health`)
+        self.health = health if health is not None else Health()
         self._errors = errors
         self._guard = guard if guard is not None else Guard()
         self.metrics = metrics if metrics is not None else ServerMetrics()
@@ -129,7 +140,12 @@ class EdgeApp:
             max_body_bytes=max_body_bytes,
             tracer=tracer,
             ledger=self.ledger,
+            health=self.health,
         )
+        try:
+            self.metrics.registry.register(HealthMetrics(self.health))
+        except ValueError:  # (metrics shared with an app that registered its health first)
+            pass
         #: large bodies are parsed off the event loop, one at a time (created on first use)
         self._limiter: anyio.CapacityLimiter | None = None
         self._exact: dict[str, _Methods] = {}
@@ -278,7 +294,7 @@ class EdgeApp:
                 self.metrics.count_request("other", 204)
                 return
             send = with_cors(send, origin)
-        if path == "/health" or path == "/metrics":
+        if path in _OWN_PATHS:
             await self._own(path, method, send)
             return
         found = self._match(path)
@@ -360,16 +376,20 @@ class EdgeApp:
         return None
 
     async def _own(self, path: str, method: str, send: Send) -> None:
-        """``/health`` and ``/metrics``: open to probes and scrapers, GET only."""
+        """The probes and ``/metrics``: open to orchestrators and scrapers, GET only."""
         if method not in ("GET", "HEAD"):
             rendered = self._errors.render(method_not_allowed(path, "GET"))
             await send_json(send, rendered.status, rendered.body, rendered.headers)
             self.metrics.count_request(path, rendered.status)
             return
-        if path == "/health":
+        if path in PROBES:
             draining = self._generations.draining
-            status = 503 if draining else 200
-            body = b'{"status":"draining"}' if draining else b'{"status":"ok"}'
+            if path == "/live":
+                status, body = live_answer(self.health)
+            elif path == "/ready":
+                status, body = ready_answer(self.health, self._models, draining=draining)
+            else:
+                status, body = health_answer(self.health, draining=draining)
             await send_json(send, status, body)
         else:
             body = self.metrics.render()

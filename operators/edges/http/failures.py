@@ -13,6 +13,8 @@ from the same ``ApiError("overloaded", ...)``.
 
     Refusal                           its ApiError
     InvalidRequest                    invalid_request (param)
+    EngineUnavailable, EngineStalled,
+    EngineDead                        unavailable, code engine_unavailable, Retry-After
     CapacityExhausted, WorkerLost     unavailable
     EngineError, RequestError         internal, the error's message
     anything else                     internal, a generic message (logged with its traceback)
@@ -31,7 +33,17 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, Literal, Protocol, final
 
-from pipeline import CapacityExhausted, EngineError, InvalidRequest, RequestError, WorkerLost
+from pipeline import (
+    CapacityExhausted,
+    EngineDead,
+    EngineError,
+    EngineStalled,
+    EngineUnavailable,
+    InvalidRequest,
+    RequestError,
+    WorkerLost,
+)
+from pipeline.health import RETRY_AFTER
 
 if TYPE_CHECKING:
     from .limits import Limit, Rates
@@ -194,6 +206,10 @@ def describe_failure(exc: Exception, request_id: str) -> ApiError:
         return exc.error
     if isinstance(exc, InvalidRequest):
         return ApiError("invalid_request", exc.message, param=exc.param)
+    if isinstance(exc, EngineUnavailable | EngineStalled | EngineDead):
+        logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
+        wait = exc.retry_after if isinstance(exc, EngineUnavailable) else RETRY_AFTER
+        return ApiError("unavailable", exc.message, code="engine_unavailable", retry_after=wait)
     if isinstance(exc, CapacityExhausted | WorkerLost):
         logger.info("request %s: %s: %s", request_id, type(exc).__name__, exc)
         return ApiError("unavailable", exc.message)

@@ -9,6 +9,7 @@ Responses, Messages and a user's own edge (``host.generate(call, prepare, errors
                                            (its model resolved: its graph, :mod:`.models`,
                                            among the ones its key may use)
     draining? (503)
+    no engine of its model can answer? (503 engine_unavailable, Retry-After: pipeline.health)
     no priority given? the API key's default (its Tenant)
     admission (:mod:`.admission`): the key's limits (429), a slot of max_inflight or a
         wait in the fair queue for one (the edge says 503 or 529; 504 at the deadline)
@@ -81,6 +82,7 @@ from .sse_writer import CLIENT_GONE, StreamState, WriteFailed, keep_alive, strea
 
 if TYPE_CHECKING:
     from pipeline import Engine
+    from pipeline.health import Health
     from pipeline.tracing import Span, Tracer
 
     from .admission import Ticket
@@ -105,6 +107,7 @@ class Generations:
         max_body_bytes: larger bodies get a 413.
         tracer: traces every generation request (None: none is traced, nothing is done).
         ledger: where each key's usage is counted (a fresh one if None).
+        health: refuses a request at once when no engine of its model can answer.
     """
 
     def __init__(
@@ -116,8 +119,10 @@ class Generations:
         max_body_bytes: int,
         tracer: Tracer | None = None,
         ledger: UsageLedger | None = None,
+        health: Health | None = None,
     ) -> None:
         self.models = models
+        self.health = health
         self.guard = guard
         self.metrics = metrics
         #: who may run now, on what terms, and each key's use counted
@@ -235,6 +240,10 @@ class Generations:
         if self.draining:
             self.metrics.rejected.labels("draining").inc()
             return await refuse(draining())
+        unavailable = None if self.health is None else self.health.refusal(model_name)
+        if unavailable is not None:
+            self.metrics.rejected.labels("engine_unavailable").inc()
+            return await refuse(describe_failure(unavailable, "(not started)"))
         request = exchange.request
         if getattr(request, "priority", 0) is None:  # the API key's default, else 0
             request.priority = tenant.priority

@@ -315,11 +315,18 @@ class ServerMetrics:
             "llm_pipeline_rejected_requests",
             "Requests refused before reaching the graph, by reason: 'max_inflight' (503, "
             "admission control), 'draining' (503, shutting down), 'invalid_api_key' (401), "
-            "'rate_limited' (429, a key's limit).",
+            "'rate_limited' (429, a key's limit), 'engine_unavailable' (503: every engine of "
+            "the model stalled, failing or dead).",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ("max_inflight", "draining", "invalid_api_key", "rate_limited"):
+        for reason in (
+            "max_inflight",
+            "draining",
+            "invalid_api_key",
+            "rate_limited",
+            "engine_unavailable",
+        ):
             self.rejected.labels(reason)  # shown at 0 before the first rejection
         self.timed_out = Counter(
             "llm_pipeline_timed_out_requests",

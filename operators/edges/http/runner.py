@@ -4,11 +4,24 @@ uvicorn (httptools parser) on the running asyncio loop, with this module, not uv
 owning SIGINT and SIGTERM, so a shutdown drains the app first::
 
     SIGHUP --> on_hangup()          (when given: the keys file reloaded, nothing dropped)
-    signal --> app.drain()          new requests get 503, in-flight ones run on
-           --> uvicorn should_exit  stop accepting, close idle connections, wait for the rest
-    drain_timeout later --> app.abort()  what still runs ends with a 503 error (event)
-    EXIT_AFTER_ABORT later --> force exit (connections that have not closed are dropped)
+    signal --> app.drain()          new requests get 503, /ready 503, in-flight ones run on
+    no request in flight (or drain_timeout later: app.abort(), what still runs ends
+           with a 503 error event) --> uvicorn should_exit: stop accepting, close idle
+           connections, wait for the rest
+    EXIT_AFTER_ABORT after an abort --> force exit (connections not closed are dropped)
     second signal --> force exit
+    an engine dead beyond recovery (app.health) --> the same drain, then EngineDead
+
+The app's health (:mod:`pipeline.health`) is judged here too: :func:`serve` runs its
+watchdog, and when an engine the process hosts is dead beyond recovery (``/live`` says
+503 from then on) it logs one line naming why, drains as for a signal and raises
+:class:`~pipeline.EngineDead`, so the process exits non-zero and its supervisor starts a
+fresh one. A host and port that cannot be listened on is :class:`CannotListen`, one error
+naming both (uvicorn would log it and exit).
+
+The socket listens on through the drain, so an orchestrator's probes see ``/ready`` turn
+503 (and its load balancer take the server out) while the requests in flight finish,
+rather than a refused connection; new generation requests get a 503 meanwhile.
 
 A stream is never ended with a finish reason it did not earn: it either finishes within
 the drain timeout or gets an error event, so a client can tell a cut answer from a whole
@@ -32,6 +45,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Final
 
@@ -39,17 +53,26 @@ import anyio
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pipeline import EngineDead
+
 from .failures import headers_too_large
+from .listen import CannotListen, listen
 
 if TYPE_CHECKING:
     import asyncio
-    import socket
 
     from anyio.abc import TaskStatus
 
     from .app import EdgeApp
 
-__all__ = ("DRAIN_TIMEOUT", "EXIT_AFTER_ABORT", "MAX_HEADER_BYTES", "bounded_protocol", "serve")
+__all__ = (
+    "DRAIN_TIMEOUT",
+    "EXIT_AFTER_ABORT",
+    "MAX_HEADER_BYTES",
+    "CannotListen",
+    "bounded_protocol",
+    "serve",
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +82,8 @@ DRAIN_TIMEOUT: Final = 25.0
 #: after the drain timeout's abort, how long the error events have to reach their clients
 #: before the exit is forced
 EXIT_AFTER_ABORT: Final = 3.0
+#: how often a drain looks whether requests are still in flight, seconds
+_DRAIN_POLL: Final = 0.05
 #: the most bytes a request's line and headers may take (``--max-header-bytes``)
 MAX_HEADER_BYTES: Final = 64 * 1024
 _HEAD_END: Final = b"\r\n\r\n"
@@ -153,18 +178,22 @@ async def serve(
     """Serve ``app`` over HTTP (uvicorn, httptools) until SIGINT or SIGTERM.
 
     ``on_ready(host, port)`` is called once the socket listens, with the real port (so
-    ``port=0`` picks a free one). On the first signal the app drains (new requests get
-    503) and uvicorn stops accepting; in-flight requests have ``drain_timeout`` seconds to
-    finish, then :meth:`~.app.EdgeApp.abort` ends the rest with an error, and the
-    exit is forced :data:`EXIT_AFTER_ABORT` seconds later if connections are still open.
-    A second signal forces the exit. A request whose line and headers are over
-    ``max_header_bytes`` gets a 431 and its connection is closed. With ``on_hangup``, a
-    SIGHUP calls it (and serving goes on). Returns normally after a signal-initiated
-    shutdown.
+    ``port=0`` picks a free one). On the first signal the app drains (new requests and
+    ``/ready`` get 503); in-flight requests have ``drain_timeout`` seconds to finish, then
+    :meth:`~.app.EdgeApp.abort` ends the rest with an error; uvicorn stops accepting once
+    none is left, and the exit is forced :data:`EXIT_AFTER_ABORT` seconds after an abort
+    if connections are still open. A second signal forces the exit. A request whose line
+    and headers are over ``max_header_bytes`` gets a 431 and its connection is closed.
+    With ``on_hangup``, a SIGHUP calls it (and serving goes on). Returns normally after a
+    signal-initiated shutdown. ``app.health``'s watchdog runs meanwhile.
 
     Cancelling the task that runs it stops it at once (in-flight requests are cut, the
     listening socket is closed). Must run on an asyncio event loop; uvloop is recommended
     (and sets TCP_NODELAY).
+
+    Raises:
+        CannotListen: ``host`` and ``port`` cannot be listened on (one error, naming them).
+        EngineDead: an engine the app hosts died beyond recovery (after the drain).
     """
     config = uvicorn.Config(
         app,
@@ -179,23 +208,37 @@ async def serve(
         timeout_graceful_shutdown=math.ceil(drain_timeout) + 5,
     )
     server = _Server(config, on_ready)
+    dead: list[str] = []
 
-    async def abort_after_drain() -> None:
-        await anyio.sleep(drain_timeout)
-        if app.inflight:
+    shutting_down = False
+
+    async def drain() -> None:
+        with anyio.move_on_after(drain_timeout):
+            while app.inflight:  # noqa: ASYNC110 - requests end in their own tasks
+                await anyio.sleep(_DRAIN_POLL)
+        if not app.inflight:
+            server.should_exit = True
+            return
+        logger.warning(
+            "drain timeout (%g s): ending %d requests still in flight",
+            drain_timeout,
+            app.inflight,
+        )
+        app.abort()
+        server.should_exit = True
+        await anyio.sleep(EXIT_AFTER_ABORT)
+        if not server.force_exit:
             logger.warning(
-                "drain timeout (%g s): ending %d requests still in flight",
-                drain_timeout,
-                app.inflight,
+                "connections still open %g s after the drain: forcing the exit",
+                EXIT_AFTER_ABORT,
             )
-            app.abort()
-            await anyio.sleep(EXIT_AFTER_ABORT)
-            if not server.force_exit:
-                logger.warning(
-                    "connections still open %g s after the drain: forcing the exit",
-                    EXIT_AFTER_ABORT,
-                )
-                server.force_exit = True
+            server.force_exit = True
+
+    def shut_down() -> None:
+        nonlocal shutting_down
+        shutting_down = True
+        app.drain()
+        tg.start_soon(drain)
 
     async def shut_down_on_signals(*, task_status: TaskStatus[None]) -> None:
         wanted = (signal.SIGINT, signal.SIGTERM, *(() if on_hangup is None else (signal.SIGHUP,)))
@@ -205,7 +248,7 @@ async def serve(
                 if signum == signal.SIGHUP:
                     assert on_hangup is not None
                     on_hangup()
-                elif server.should_exit:
+                elif shutting_down:
                     logger.warning("second %s: forcing the exit", signal.Signals(signum).name)
                     app.abort()
                     server.force_exit = True
@@ -216,19 +259,33 @@ async def serve(
                         app.inflight,
                         drain_timeout,
                     )
-                    app.drain()
-                    server.should_exit = True
-                    tg.start_soon(abort_after_drain)
+                    shut_down()
 
-    async with anyio.create_task_group() as tg:
-        if handle_signals:
-            # Handlers are in place before the socket listens (and before on_ready).
-            await tg.start(shut_down_on_signals)
-        try:
-            await server.serve()
-        finally:
-            # Cancelled from outside (a caller stopping us): uvicorn's shutdown did not run,
-            # so its listening sockets are still open. Closing them is synchronous.
-            for listener in server.servers:
-                listener.close()
-        tg.cancel_scope.cancel()
+    async def shut_down_when_dead() -> None:
+        why = await app.health.wait_dead()
+        dead.append(why)
+        if not shutting_down:
+            logger.error("an engine is dead beyond recovery, exiting after the drain: %s", why)
+            shut_down()
+
+    sockets = listen(host, port, config.backlog)
+    try:
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                # Handlers are in place before the socket listens (and before on_ready).
+                await tg.start(shut_down_on_signals)
+            await tg.start(app.health.run)
+            tg.start_soon(shut_down_when_dead)
+            try:
+                await server.serve(sockets=sockets)
+            finally:
+                # Cancelled from outside (a caller stopping us): uvicorn's shutdown did not
+                # run, so its listening sockets are still open. Closing them is synchronous.
+                for listener in getattr(server, "servers", ()):
+                    listener.close()
+            tg.cancel_scope.cancel()
+    finally:
+        for sock in sockets:
+            sock.close()
+    if dead:
+        raise EngineDead(f"an engine is dead beyond recovery: {dead[0]}")

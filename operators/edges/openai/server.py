@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from operators.edges.http.models import Models, ServedModel
     from operators.edges.http.routes import Edge, Host, Route
     from pipeline import Engine
+    from pipeline.health import Health
     from pipeline.tracing import Tracer
 
     from .events import OpenAIEvent
@@ -77,6 +78,8 @@ class OpenAIApp(EdgeApp):
         openai_routes: more OpenAI-shaped routes, built per app (embeddings, tokenize).
         tracer: traces every generation request, whichever its edge (None: none is traced).
         pages: answers the GET paths no edge serves (the web UI, :mod:`operators.ui`).
+        health: the models' health (:class:`pipeline.health.Health`): ``/live``,
+            ``/ready``, ``/health``, and requests refused at once when no engine answers.
     """
 
     def __init__(
@@ -92,6 +95,7 @@ class OpenAIApp(EdgeApp):
         openai_routes: Iterable[Callable[[Host], list[Route]]] = (),
         tracer: Tracer | None = None,
         pages: Pages | None = None,
+        health: Health | None = None,
     ) -> None:
         super().__init__(
             graph,
@@ -104,4 +108,5 @@ class OpenAIApp(EdgeApp):
             guard=guard,
             tracer=tracer,
             pages=pages,
+            health=health,
         )

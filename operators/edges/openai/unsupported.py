@@ -11,8 +11,9 @@ empty ``tools``, ``response_format: {"type": "text"}``, ``modalities: ["text"]``
 Every other field OpenAI's SDK can send is modelled (the request models of
 :mod:`operators.edges.openai.protocol`); those that change nothing about the answer are
 accepted and ignored: ``user``, ``safety_identifier``, ``metadata``, ``store`` (a chat
-completion is not kept), ``prompt_cache_key`` and the prompt cache's options (the engines
-cache prefixes by themselves), ``parallel_tool_calls`` (without tools), ``stream_options``
+completion is not kept), the prompt cache's options (the engines cache prefixes by
+themselves; ``prompt_cache_key`` names the conversation the router keeps on one worker),
+``parallel_tool_calls`` (without tools), ``stream_options``
 members other than ``include_usage``. Unknown fields (other servers' extensions) are
 ignored as before; these tables are for OpenAI's own. ``tests/operators/edges/
 test_edge_fields.py`` checks every field of the SDK's request types is one or the other.

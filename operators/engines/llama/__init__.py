@@ -52,6 +52,8 @@ from .options import DEFAULT_STEP_MS as DEFAULT_STEP_MS
 from .options import DEFAULT_STEP_TOKENS as DEFAULT_STEP_TOKENS
 from .options import LlamaOptionError as LlamaOptionError
 from .options import LlamaOptions as LlamaOptions
+from .options import parallel_for as parallel_for
+from .options import usable_cpus as usable_cpus
 
 if TYPE_CHECKING:
     from .engine import LlamaEngine as LlamaEngine
@@ -67,6 +69,8 @@ __all__ = (
     "LlamaStep",
     "NgramProposer",
     "NgramSpeculation",
+    "parallel_for",
+    "usable_cpus",
 )
 
 

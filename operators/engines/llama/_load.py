@@ -10,7 +10,6 @@ cells portable, and whatever was made is freed again if a later part fails.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, NamedTuple
@@ -23,6 +22,7 @@ from ._kv_moves import KvMover, build_tiers
 from ._lora import Adapters
 from ._runtime import Runtime
 from ._scheduler import Scheduler
+from .options import usable_cpus
 
 if TYPE_CHECKING:
     from pipeline import KvEventSink, KvTier
@@ -55,10 +55,7 @@ class Loaded(NamedTuple):
 
 def default_threads() -> int:
     """Every CPU this process may use."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
+    return usable_cpus()
 
 
 def default_model() -> Path:

@@ -151,12 +151,16 @@ class Runtime:
         )
         self._abort: Callable[[], bool] | None = None
         self._abort_callback = llama_cpp.ggml_abort_callback(self._should_abort)
+        #: graph nodes computed in the steps that poll ``abort`` (prompt chunks): progress
+        #: within a step, which a long prompt's chunk may take seconds of
+        self.polls = 0
         # A copy between streams is queued by llama.cpp until the next decode: reading or
         # loading a stream before that would see, or be overwritten by, stale buffers.
         self._copies_queued = False
         self._adapter: object | None = None  # the adapter decodes run with (None: none)
 
     def _should_abort(self, _data: object) -> bool:
+        self.polls += 1
         abort = self._abort
         return abort is not None and abort()
 

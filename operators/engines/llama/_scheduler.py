@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 from operators.contracts.llm import EngineOutput
 from operators.engines.ngram import NgramSpeculation
-from pipeline import EngineError, InvalidRequest
+from pipeline import EngineDead, EngineError, InvalidRequest
 
 from ._job import Job
 from ._kv_events import KvReporter
@@ -111,6 +111,8 @@ class Scheduler:
         self._wake = threading.Event()
         self._stopping = False
         self._stopped = False
+        #: why the thread died, if it raised (its requests and later ones get EngineDead)
+        self.failure: str | None = None
         self._unrung: dict[Job, None] = {}  # jobs with outputs their task was not told of
         #: issues a prefill worker's transfer handles (None: not a prefill worker)
         self.issuer: Issuer | None = None
@@ -160,7 +162,7 @@ class Scheduler:
         """
         with self._lock:
             if self._stopped:
-                raise EngineError("the llama engine is closed", request_id=job.ctx.id)
+                raise self._gone(job.ctx.id)
             self._inbox.append(job)
         self._wake.set()
 
@@ -175,7 +177,7 @@ class Scheduler:
         future: Future[object] = Future()
         with self._lock:
             if self._stopped:
-                raise EngineError("the llama engine is closed")
+                raise self._gone(None)
             self._calls.append((work, future))
         self._wake.set()
         return future
@@ -205,6 +207,13 @@ class Scheduler:
         """The last steps, oldest first (at most 1024)."""
         return self._stepper.recent()
 
+    def _gone(self, request_id: str | None) -> EngineError | EngineDead:
+        """What a request gets once the thread has ended: EngineDead if it died (the
+        engine's health rebuilds the engine), EngineError if it was closed."""
+        if self.failure is not None:
+            return EngineDead(self.failure, request_id=request_id)
+        return EngineError("the llama engine is closed", request_id=request_id)
+
     def stop(self) -> None:
         """Stop the thread after its current step; requests still running get an
         EngineError. Blocks until the thread has ended."""
@@ -215,7 +224,6 @@ class Scheduler:
     # ----------------------------------------------------------- the scheduler thread
 
     def _run(self) -> None:
-        message = "the llama engine is closed"
         try:
             self._probe = batch_invariant(self._runtime)
             if self._check_kv:
@@ -242,17 +250,17 @@ class Scheduler:
                     self._wake.wait()
         except Exception as exc:  # a bug: fail every request rather than leave it hanging
             logger.exception("the llama scheduler failed")
-            message = f"the llama engine failed: {exc!r}"
+            self.failure = f"its scheduler thread raised {exc!r}"
         finally:
             with self._lock:
                 self._stopped = True
                 self._receive()
             self._ring()
             for job in self._jobs:
-                job.end(EngineError(message, request_id=job.ctx.id))
+                job.end(self._gone(job.ctx.id))
             self._jobs.clear()
             while self._calls:
-                self._calls.popleft()[1].set_exception(EngineError(message))
+                self._calls.popleft()[1].set_exception(self._gone(None))
             self._table.clear()
 
     def _receive(self) -> None:

@@ -235,6 +235,21 @@ class LlamaEngine:
         requests decoding and before their first token."""
         return self._meter.report()
 
+    @property
+    def progress(self) -> int:
+        """Steps run, and the graph nodes a prompt chunk's step has computed so far: what
+        :mod:`pipeline.health` counts as progress while a long prompt is prefilled and no
+        output comes (one chunk can take seconds on a CPU)."""
+        runtime = self._runtime
+        return self._scheduler.counters.steps + (0 if runtime is None else runtime.polls)
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine can serve no more (its scheduler thread raised), or None: its
+        requests then get :class:`~pipeline.EngineDead`, and :mod:`pipeline.health`
+        rebuilds the engine."""
+        return self._scheduler.failure
+
     def statistics(self) -> LlamaStatistics:
         """Counters since the engine was created, and the current load."""
         return statistics(self._scheduler, self._slots.waiting, self._disagg.pull_seconds)
@@ -347,7 +362,11 @@ class LlamaEngine:
                 adapter=adapter,
             )
             try:
-                scheduler.submit(job)
+                try:
+                    scheduler.submit(job)
+                except BaseException:
+                    job.drop()  # (the scheduler never had it: its doorbell is ours to close)
+                    raise
                 waited = True
                 while True:
                     if transfer is not None and job.pull_from is not None:

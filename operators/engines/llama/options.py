@@ -12,6 +12,7 @@ is not an option: :class:`~operators.engines.llama.LlamaEngine` takes those itse
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,12 +30,41 @@ __all__ = (
     "LlamaOptionError",
     "LlamaOptions",
     "Role",
+    "parallel_for",
+    "usable_cpus",
 )
 
 #: the context window of one sequence by default
 DEFAULT_N_CTX: Final = 2048
-#: sequences decoded together by default
-DEFAULT_PARALLEL: Final = 4
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity, which a container's cpuset limits),
+    else every CPU the machine has."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def parallel_for(cpus: int) -> int:
+    """The slots (sequences decoded together) a machine of ``cpus`` CPUs gets by default:
+    four a CPU, between 4 and 16.
+
+    On a CPU a decode step's cost is mostly reading the weights, which a batch shares, so
+    more slots cost little per step and spare requests a wait for a slot: on two cores,
+    ``--parallel 8`` gave the most tokens/s at c=1, 4 and 8, while with 4 slots the fifth
+    request waited a whole answer (TTFT p99 3.2 s at c=8; ``benchmarks/bench_llama_http.py``,
+    issue 36's table). Past 16 the KV cache (``parallel * n_ctx`` cells) outgrows what a CPU
+    host serving one model usually gives it, and one step's batch grows long enough to be
+    felt between tokens.
+    """
+    return min(max(4 * cpus, 4), 16)
+
+
+#: sequences decoded together by default: :func:`parallel_for` this machine's CPUs (8 on
+#: two)
+DEFAULT_PARALLEL: Final = parallel_for(usable_cpus())
 #: tokens one step evaluates at most, by default: ~0.4 s of prefill on two cores for
 #: SmolLM2, so running sequences never wait longer than that for their next token
 DEFAULT_STEP_TOKENS: Final = 128

@@ -89,6 +89,10 @@ def import_vllm(log_level: str = "WARNING") -> None:
     prepare_environment(log_level)
     import importlib
 
+    from ._torchvision import hide_broken_torchvision
+
+    hide_broken_torchvision()  # (PyPI's torchvision beside the CPU torch: transformers fails)
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)

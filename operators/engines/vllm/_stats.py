@@ -52,9 +52,12 @@ class SchedulerCounts:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    #: the steps reported (the engine core's progress, whatever it outputs)
+    steps: int = 0
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """One engine step's statistics (either may be None)."""
+        self.steps += 1
         if scheduler_stats is not None:
             self.running = scheduler_stats.num_running_reqs
             self.waiting = scheduler_stats.num_waiting_reqs

@@ -36,7 +36,7 @@ from operators.engines._kv_delivery import KvDelivery
 from operators.engines._load_meter import LoadMeter
 from operators.engines._prefix_cache import DEFAULT_BLOCK_SIZE
 from operators.engines._vllm_kv_events import BlockTranslator
-from pipeline import EngineError, InvalidRequest, StreamDisconnected, WorkerLoad
+from pipeline import EngineDead, EngineError, InvalidRequest, StreamDisconnected, WorkerLoad
 
 from ._lora import VllmAdapters, lora_args
 from ._outputs import engine_outputs
@@ -200,6 +200,21 @@ class VllmEngine:
         return self._runtime.processes
 
     @property
+    def progress(self) -> int:
+        """Engine steps vLLM reported (its stat logger hears of each): what
+        :mod:`pipeline.health` counts as progress when no output comes (a long prefill)."""
+        return self._counts.steps
+
+    @property
+    def dead(self) -> str | None:
+        """Why vLLM can serve no more (its engine core died), or None: noticed by
+        :mod:`pipeline.health` even while no request runs."""
+        llm = self._runtime.llm
+        if llm is None or self._closing or not llm.errored:
+            return None
+        return "vLLM's engine core died"
+
+    @property
     def async_llm(self) -> Any:
         """vLLM's ``AsyncLLM`` (None once closed): for what this class does not wrap."""
         return self._runtime.llm
@@ -301,6 +316,7 @@ class VllmEngine:
         Raises:
             InvalidRequest: the request cannot run on this model (naming the field).
             EngineError: vLLM failed, aborted the request, or the engine is closed.
+            EngineDead: vLLM's engine core died (this and every request are lost).
         """
         request = ctx.data
         plan = plan_sampling(request, ctx.id, self._limits)
@@ -350,7 +366,7 @@ class VllmEngine:
         except (InvalidRequest, EngineError, StreamDisconnected):
             raise
         except Exception as exc:  # vLLM's engine died, or failed this request
-            raise EngineError(f"vLLM failed: {exc!r}", request_id=ctx.id) from exc
+            raise self._failure("vLLM failed", exc, ctx.id) from exc
         finally:
             metered.close()
             if not finished and self._runtime.llm is not None:
@@ -389,7 +405,15 @@ class VllmEngine:
             except ValueError as exc:
                 raise InvalidRequest(str(exc), param="prompt", request_id=ctx.id) from exc
             except Exception as exc:  # the engine core is gone
-                raise EngineError(f"vLLM refused the request: {exc!r}", request_id=ctx.id) from exc
+                raise self._failure("vLLM refused the request", exc, ctx.id) from exc
+
+    def _failure(self, what: str, exc: Exception, request_id: str) -> EngineError | EngineDead:
+        """What ``exc`` from vLLM means: its engine core died (:class:`EngineDead`, for the
+        health watchdog to rebuild it and Migration to move the request), or this request
+        failed (:class:`EngineError`)."""
+        if self.dead is not None:
+            return EngineDead(f"{what}: {self.dead}", request_id=request_id)
+        return EngineError(f"{what}: {exc!r}", request_id=request_id)
 
     # --------------------------------------------------------------------------- closing
 

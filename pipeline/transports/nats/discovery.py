@@ -43,7 +43,7 @@ Out = TypeVar("Out")
 class _Registry(Generic[In, Out]):
     """What one :meth:`NatsDiscovery.run` put in its WorkerSet, and whom it evicted."""
 
-    __slots__ = ("evicted", "known", "present", "unconfirmed", "workers")
+    __slots__ = ("evicted", "known", "present", "unconfirmed", "unready", "workers")
 
     def __init__(self, workers: WorkerSet[In, Out]) -> None:
         self.workers = workers
@@ -60,6 +60,8 @@ class _Registry(Generic[In, Out]):
         #: the ids the current watch's replay has shown registered so far; None once the
         #: replay is complete
         self.present: set[str] | None = None
+        #: registered workers that say they are not ready (left out of the set), and why
+        self.unready: dict[str, str] = {}
 
     def watching(self) -> None:
         """A watch begins: its replay is the bucket as it stands."""
@@ -73,6 +75,9 @@ class NatsDiscovery(Generic[In, Out]):
     Each worker's key holds ``{id, subject, control, model, role}``; a new key adds a
     :class:`RemoteEngine` for it, a deleted key (graceful stop) removes it, an expired key
     (the worker died) removes it and fails its in-flight streams with StreamDisconnected.
+    A key that says ``"ready": false`` (its engine stalled or restarting) keeps the worker
+    out of the set, its streams going on (the worker fails them over itself), until a
+    key says it is ready again.
     A worker is also evicted as soon as NATS answers "no responders" for it (a request
     found nobody on its subject, or a ping nobody on its control subject, when its
     in-flight streams fail too), without waiting for its key to expire; it comes back
@@ -182,6 +187,7 @@ class NatsDiscovery(Generic[In, Out]):
             return None
         if entry.operation is not None:  # PURGE: an expired TTL, or purged by an operator
             registry.evicted.pop(worker_id, None)
+            registry.unready.pop(worker_id, None)
             self._doubt(registry, worker_id, lost="its discovery key expired")
             return None
         revision = entry.revision or 0
@@ -203,6 +209,9 @@ class NatsDiscovery(Generic[In, Out]):
             info = json.loads(value)
             if info["id"] != worker_id:
                 raise ValueError(f"the key names worker {worker_id!r}")
+            if info.get("ready", True) is False:
+                self._unready(registry, worker_id, str(info.get("reason") or "not ready"))
+                return None
             engine: RemoteEngine[In, Out] = RemoteEngine(
                 self._nc,
                 worker_id=worker_id,
@@ -219,8 +228,22 @@ class NatsDiscovery(Generic[In, Out]):
             return None
         registry.known[worker_id] = (value, revision, engine)
         registry.workers.add(worker_id, engine)
-        logger.info("discovery of %s: worker %s joined", self.model, worker_id)
+        if registry.unready.pop(worker_id, None) is not None:
+            logger.info("discovery of %s: worker %s is ready again", self.model, worker_id)
+        else:
+            logger.info("discovery of %s: worker %s joined", self.model, worker_id)
         return worker_id
+
+    def _unready(self, registry: _Registry[In, Out], worker_id: str, why: str) -> None:
+        """``worker_id`` says it is not ready: out of the set (new requests go to others),
+        its in-flight streams untouched (it fails them over itself)."""
+        if registry.unready.get(worker_id) != why:
+            logger.warning(
+                "discovery of %s: worker %s is not ready: %s", self.model, worker_id, why
+            )
+        registry.unready[worker_id] = why
+        if registry.known.pop(worker_id, None) is not None:
+            registry.workers.remove(worker_id)
 
     def _doubt(self, registry: _Registry[In, Out], worker_id: str, *, lost: str) -> None:
         """A registration went missing or expired: the worker is lost, unless this follows
@@ -274,6 +297,7 @@ class NatsDiscovery(Generic[In, Out]):
         """Remove a worker this discovery added; when ``lost`` (and ``abort``), fail its
         in-flight streams."""
         registry.unconfirmed.pop(worker_id, None)
+        registry.unready.pop(worker_id, None)
         previous = registry.known.pop(worker_id, None)
         if previous is None:
             return

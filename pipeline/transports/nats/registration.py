@@ -4,6 +4,8 @@ Apart from :class:`~.worker.NatsWorker` because it is the whole of what a worker
 tells :class:`~.discovery.NatsDiscovery`: one JSON record per worker under
 ``<model>.<role>.<worker id>``, published with a per-message TTL and refreshed three times
 per TTL, so that a worker that dies without withdrawing disappears when its TTL runs out.
+The record says whether the worker is ready (``"ready": false`` and why, while its engine
+is stalled or restarting: :mod:`pipeline.health`); routers leave out one that is not.
 """
 
 from __future__ import annotations
@@ -31,14 +33,29 @@ logger = logging.getLogger("pipeline.transports.nats.worker")
 class Registration:
     """The record ``record`` under ``key`` in ``bucket``, with a TTL of ``ttl`` seconds."""
 
-    __slots__ = ("_bucket", "_key", "_ttl", "_value", "_worker_id")
+    __slots__ = ("_bucket", "_key", "_record", "_ttl", "_value", "_worker_id")
 
     def __init__(self, bucket: str, key: str, record: dict[str, str], *, ttl: float) -> None:
         self._bucket = bucket
         self._key = key
         self._ttl = ttl
+        self._record: dict[str, object] = dict(record)
         self._value = json.dumps(record).encode()
         self._worker_id = record["id"]
+
+    def set_ready(self, ready: bool, reason: str | None = None) -> bool:
+        """Say (from the next announcement on) whether the worker is ready, and why not;
+        True when that changed the record."""
+        record = {k: v for k, v in self._record.items() if k not in ("ready", "reason")}
+        if not ready:
+            record["ready"] = False
+            if reason:
+                record["reason"] = reason
+        if record == self._record:
+            return False
+        self._record = record
+        self._value = json.dumps(record).encode()
+        return True
 
     async def announce(self, js: JetStreamContext) -> None:
         """Publish the record (again), with its TTL."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from nats.aio.client import Client
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
     from pipeline.operator import Engine
@@ -147,6 +148,7 @@ class NatsWorker(Generic[In, Out]):
         self._deregistered = False
         self._closed_subjects: set[str] = set()
         self._cm: AbstractAsyncContextManager[NatsWorker[In, Out]] | None = None
+        self._js: JetStreamContext | None = None  # while registered
 
     # -- lifecycle
 
@@ -184,6 +186,22 @@ class NatsWorker(Generic[In, Out]):
         self._stop_requested = True
         if self._stopping is not None:
             self._stopping.set()
+
+    def set_ready(self, ready: bool, reason: str | None = None) -> None:
+        """Tell discovery whether this worker takes requests (its engine's health,
+        :mod:`pipeline.health`): one that is not stays registered and its streams go on,
+        but frontends route new requests elsewhere until it is ready again. Announced at
+        once while serving, else with the registration."""
+        if self._registration.set_ready(ready, reason) and self._tg is not None:
+            js = self._js
+            if js is not None and not self._deregistered:
+                self._tg.start_soon(self._announce, js)
+
+    async def _announce(self, js: JetStreamContext) -> None:
+        try:
+            await self._registration.announce(js)
+        except Exception as exc:  # nats or JetStream API errors: the next refresh says it
+            logger.warning("worker %s could not announce its readiness: %r", self.worker_id, exc)
 
     def statistics(self) -> NatsWorkerStatistics:
         """Requests in flight and served so far."""
@@ -233,6 +251,7 @@ class NatsWorker(Generic[In, Out]):
                             raise jetstream_unavailable(
                                 "register in", self._bucket, exc, nc
                             ) from exc
+                        self._js = js
                         tg.start_soon(self._registration.refresh, js, nc, refresh)
                     tg.start_soon(self._heartbeats)
                     logger.info("worker %s serving %s (%s)", self.worker_id, self.model, self.role)

@@ -3,58 +3,17 @@ second turn lands on the worker that served its first (seen in /metrics) and pre
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from operators import cli
-from operators.edges.http.metrics import ServerMetrics
-from operators.edges.openai.server import OpenAIApp
 from operators.testing import openai_client
-from operators.text.tokenizer import Tokenizer
+from tests.helpers.router_http import app_for, changed, parse, scrape
 
-TOKENIZER = Tokenizer.default()
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 12
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = cli.build_parser()
-    args = parser.parse_args(argv)
-    cli._check_args(parser, args)
-    return args
-
-
-def app_for(*argv: str) -> tuple[OpenAIApp, ServerMetrics]:
-    metrics = ServerMetrics()
-    graph = cli.build_graph(parse("serve", *argv), TOKENIZER, metrics)
-    return OpenAIApp(graph, model_name="m", metrics=metrics), metrics
-
-
-async def scrape(app: OpenAIApp) -> dict[tuple[str, str], float]:
-    """/metrics as {(sample name, worker label or ''): value}."""
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://a") as c:
-        text = (await c.get("/metrics")).text
-    return {
-        (sample.name, sample.labels.get("worker", "")): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-Samples = dict[tuple[str, str], float]
-
-
-def changed(before: Samples, after: Samples, name: str) -> dict[str, float]:
-    """{worker: increase} of ``name``'s samples that rose."""
-    return {
-        worker: value - before.get((sample, worker), 0.0)
-        for (sample, worker), value in after.items()
-        if sample == name and value > before.get((sample, worker), 0.0)
-    }
 
 
 async def conversation_lands_on_one_worker(*argv: str) -> dict[str, dict[str, float]]:

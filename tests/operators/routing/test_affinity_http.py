@@ -13,7 +13,6 @@ import anthropic
 import httpx
 import openai
 import pytest
-from test_kv_router_http import TOKENIZER, changed, parse, scrape
 
 from operators.cli.config import ServeConfig
 from operators.cli.model_graph import engine_and_options
@@ -23,6 +22,7 @@ from operators.edges.http.metrics import ServerMetrics
 from operators.edges.openai.server import OpenAIApp
 from operators.serving import build_app
 from operators.testing import anthropic_client, openai_client
+from tests.helpers.router_http import TOKENIZER, changed, parse, scrape
 
 DECISIONS = "llm_pipeline_router_decisions_total"
 WORKERS = ("--model-name", "m", "--engine", "echo", "--decode-workers", "4", "--router", "kv")

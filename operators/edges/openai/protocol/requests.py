@@ -200,7 +200,6 @@ class ChatCompletionRequest(GenerationRequest):
     metadata: Metadata | None = None
     store: Bool | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_options: JsonObject | None = None
     prompt_cache_retention: str | None = None
 

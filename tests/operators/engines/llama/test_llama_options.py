@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from operators.engines.llama import (
     DEFAULT_PARALLEL,
@@ -18,6 +21,8 @@ from operators.engines.llama import (
     LlamaOptionError,
     LlamaOptions,
     NgramSpeculation,
+    parallel_for,
+    usable_cpus,
 )
 
 
@@ -43,7 +48,11 @@ def test_the_defaults() -> None:
         ({"n_ctx": 15}, "n_ctx", "must be >= 16, got 15"),
         ({"n_threads": 0}, "n_threads", "must be >= 1, got 0"),
         ({"parallel": 0, "step_tokens": 16}, "parallel", "must be >= 1, got 0"),
-        ({"step_tokens": 15}, "step_tokens", "must be >= parallel (4) and >= 16, got 15"),
+        (
+            {"parallel": 4, "step_tokens": 15},
+            "step_tokens",
+            "must be >= parallel (4) and >= 16, got 15",
+        ),
         ({"parallel": 32, "step_tokens": 31}, "step_tokens", ">= parallel (32)"),
         ({"step_ms": -1.0}, "step_ms", "must be >= 0, got -1.0"),
         ({"step_ms": math.nan}, "step_ms", "must be >= 0, got nan"),
@@ -101,3 +110,33 @@ def test_parallel_above_what_the_build_allows_is_refused_naming_it() -> None:
     too_many = LlamaOptions(parallel=most + 1, step_tokens=most + 1)
     with pytest.raises(LlamaOptionError, match=f"^parallel must be at most {most}"):
         LlamaEngine("/nowhere.gguf", options=too_many)  # refused before the model is looked for
+
+
+@given(st.integers(min_value=1, max_value=4096))
+def test_the_default_parallel_grows_with_the_cpus_within_its_bounds(cpus: int) -> None:
+    slots = parallel_for(cpus)
+    assert 4 <= slots <= 16
+    assert parallel_for(cpus + 1) >= slots
+    assert slots == min(4 * cpus, 16)
+
+
+def test_the_default_parallel_is_this_machines() -> None:
+    assert DEFAULT_PARALLEL == LlamaOptions().parallel == parallel_for(usable_cpus())
+    assert parallel_for(2) == 8  # the two-core machine the benchmarks ran on
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="CPU affinity is Linux's")
+def test_a_process_limited_to_one_cpu_gets_four_slots_and_says_so_in_the_help() -> None:
+    # (a container's cpuset is an affinity too: the default follows it, not the host's CPUs)
+    script = (
+        "import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from operators.engines.llama import LlamaOptions; print(LlamaOptions().parallel); "
+        "sys.argv = ['llm-pipeline', 'serve', '--help']; "
+        "from operators.cli.command import main; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    slots, _, help_text = done.stdout.partition("\n")
+    assert slots == "4", done.stderr
+    assert "16: 4 here)" in " ".join(help_text.split())
