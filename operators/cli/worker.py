@@ -9,11 +9,12 @@ its load when it changes (requests waiting and decoding, prompt tokens queued), 
 ``llm-pipeline planner``, and drains when a planner tells it to, as on SIGTERM.
 
 The worker watches its own engine (:mod:`pipeline.health`, the ``--stall-timeout``,
-``--canary-interval`` and ``--engine-restarts`` options): while it is stalled, failing
-its canary or being rebuilt, its registration says it is not ready and frontends route
-around it (its in-flight streams fail over with ``EngineStalled`` or ``EngineDead``, so
-they migrate); an engine dead beyond recovery deregisters the worker, which drains and
-exits with code 1 after one log line naming why.
+``--canary-interval`` and ``--engine-restarts`` options): until its engine first answers
+a one-token probe (a worker a planner just started is routed to once it works, not once
+it loaded), while it is stalled, failing its canary or being rebuilt, its registration
+says it is not ready and frontends route around it (its in-flight streams fail over with
+``EngineStalled`` or ``EngineDead``, so they migrate); an engine dead beyond recovery
+deregisters the worker, which drains and exits with code 1 after one log line naming why.
 """
 
 from __future__ import annotations
@@ -131,7 +132,11 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     rebuilt = config.engine.engine in MODEL_ENGINES  # (echo, mocker: no need)
                     factory = functools.partial(_worker_engine, config, tokenizer)
                     engine = supervise(
-                        engine, config, name=worker_id, factory=factory if rebuilt else None
+                        engine,
+                        config,
+                        name=worker_id,
+                        factory=factory if rebuilt else None,
+                        first_probe=True,  # (routed to once it answers, not once it loaded)
                     )
                     health.watch(model, engine)
                     nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
@@ -151,6 +156,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     engine.on_change(
                         lambda watched: served.set_ready(watched.ready, watched.reason)
                     )
+                    served.set_ready(engine.ready, engine.reason)  # (registers not ready)
 
                     async def stop_when_dead() -> None:
                         nonlocal code, stopping
