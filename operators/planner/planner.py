@@ -22,9 +22,9 @@ newest. Workers someone else started count as serving (they take load), but the 
 never drains them.
 
 Readiness: a worker counts as serving once discovery shows it. Frontends route to exactly
-those, so a worker the planner started takes requests only once it registered, which it
-does once its engine loaded; issue 35's readiness (a worker's canary) will keep a worker
-out of discovery until its canary answers, and nothing here needs to change for it.
+those, and a worker registers ready only once its engine answered a one-token probe
+(:mod:`pipeline.health`, ``first_probe``), so one the planner started takes requests, and
+counts as serving, only once it works.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from pipeline.transports.nats import (
 from .latency import LatencyWindows
 from .load_averages import LoadAverages
 from .metrics import PlannerMetrics
-from .policy import Decision, Learned, Observation, Policy, decide
+from .policy import Decision, Learned, Observation, Policy, decide, drain_order
 from .pools import PlannedPool
 from .wire import KINDS, decode_summary, latency_subject, status_subject
 
@@ -299,20 +299,14 @@ class Planner:
     def _choose(
         self, state: _PoolState, serving: list[str], own: list[str], count: int
     ) -> list[str]:
-        """The ``count`` own workers to go: those not serving yet first, then the least
-        loaded, the least KV only they hold, the newest."""
-        averages, index = self._averages, state.index
-        serving_set = set(serving)
-        order = {worker_id: position for position, worker_id in enumerate(own)}
+        """The ``count`` own workers to go (:func:`~.policy.drain_order`)."""
+        averages = self._averages
 
-        def cost(worker_id: str) -> tuple[float, ...]:
-            if worker_id not in serving_set:
-                return (0, 0.0, 0, -order[worker_id])
+        def in_flight(worker_id: str) -> float:
             now = averages.now(worker_id)
-            in_flight = now.get("waiting", 0.0) + now.get("decoding", 0.0)
-            return (1, in_flight, index.unique_blocks(worker_id), -order[worker_id])
+            return now.get("waiting", 0.0) + now.get("decoding", 0.0)
 
-        return sorted(own, key=cost)[:count]
+        return drain_order(own, set(serving), in_flight, state.index.unique_blocks)[:count]
 
     # -- what it says about itself
 

@@ -44,12 +44,16 @@ steady load sees at most one step down that turns out wrong, and never a down-up
 worker per step, because each step is also a measurement: a jump to ``load / max(good)``
 workers, with a capacity learned at a lower load (a lower bound), over-provisions, and
 nothing at a steady load could then prove the extra workers useless.
+
+**Which worker leaves** on a step down is :func:`drain_order`'s: the one a drain costs
+least (not serving yet, else the least work in flight, then the least KV cache no other
+worker holds, then the newest).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
@@ -63,6 +67,7 @@ __all__ = (
     "Targets",
     "Verdict",
     "decide",
+    "drain_order",
 )
 
 Reason = Literal[
@@ -351,3 +356,26 @@ def _down(policy: Policy, learned: Learned, seen: Observation, verdict: Verdict)
     if seen.load / (n - 1) <= (1 - policy.headroom) * capacity:
         return "headroom"
     return None
+
+
+def drain_order(
+    own: Sequence[str],
+    serving: Collection[str],
+    in_flight: Callable[[str], float],
+    unique_blocks: Callable[[str], int],
+) -> list[str]:
+    """``own`` workers (oldest first) in the order they should leave on a step down.
+
+    Those not serving yet go first (they have nothing to lose), newest first; then the
+    serving ones with the least work in flight (the fewest streams a drain may hand to
+    Migration), then the fewest KV blocks no other worker holds (the prefix cache the
+    fleet would lose with it), then the newest.
+    """
+    order = {worker_id: position for position, worker_id in enumerate(own)}
+
+    def cost(worker_id: str) -> tuple[int, float, int, int]:
+        if worker_id not in serving:
+            return (0, 0.0, 0, -order[worker_id])
+        return (1, in_flight(worker_id), unique_blocks(worker_id), -order[worker_id])
+
+    return sorted(own, key=cost)

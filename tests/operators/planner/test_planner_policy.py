@@ -10,7 +10,9 @@ just below the knee (noise where the latency is close to its target). The proper
   cool-down;
 - on a steady load it never oscillates: whatever it believed before, its steps are some
   downs, then some ups, then nothing; and once settled, three minutes bring no step;
-- a load ramp low -> high -> low takes it 1 -> 3 -> 1; zero load takes it to its minimum.
+- a load ramp low -> high -> low takes it 1 -> 3 -> 1; zero load takes it to its minimum;
+- the worker to drain costs least: not serving yet, else the least in flight, then the
+  least KV cache only it holds (a PrefixIndex fed as the planner feeds it), the newest.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from operators.planner.policy import (
     Policy,
     Targets,
     decide,
+    drain_order,
 )
+from pipeline import PrefixIndex
 
 TARGETS = Targets(ttft_p90=0.25)
 MISSED = 1.0  # a p90 over the target
@@ -354,3 +358,47 @@ def test_nothing_is_learned_while_the_fleet_changes() -> None:
     seen = Observation(now=10.0, workers=2, target=2, load=8.0, ttft_p90=MISSED)
     _, learned = decide(policy, Learned(), seen)
     assert learned.limit == 4.0
+
+
+def test_the_worker_drained_holds_the_least_unique_kv_among_the_least_loaded() -> None:
+    index = PrefixIndex()
+    index.stored("w-1", [1, 2, 3, 4])  # four blocks, each held elsewhere too
+    index.stored("w-2", [1, 2, 5])  # one only it holds
+    index.stored("w-3", [3, 4, 6, 7, 8])  # three only it holds
+    assert [index.unique_blocks(w) for w in ("w-1", "w-2", "w-3")] == [0, 1, 3]
+    index.stored("w-1", [9, 10])
+    assert index.unique_blocks("w-1") == 2
+    loads = {"w-1": 2.0, "w-2": 2.0, "w-3": 2.0}
+    own = ["w-1", "w-2", "w-3"]  # (oldest first)
+    assert drain_order(own, set(own), loads.__getitem__, index.unique_blocks) == [
+        "w-2",
+        "w-1",
+        "w-3",
+    ]
+    # Work in flight comes first: a drain's streams move; its cache only goes cold.
+    loads["w-3"] = 1.0
+    assert drain_order(own, set(own), loads.__getitem__, index.unique_blocks)[0] == "w-3"
+    # One not serving yet has nothing to lose; on a tie, the newest goes.
+    assert drain_order(own, {"w-1", "w-3"}, loads.__getitem__, index.unique_blocks)[0] == "w-2"
+    assert drain_order(own, set(own), lambda _: 0.0, lambda _: 0) == ["w-3", "w-2", "w-1"]
+
+
+@given(
+    st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8)
+)
+def test_the_drain_order_is_by_serving_then_in_flight_then_unique_kv_then_age(
+    workers: list[tuple[bool, int, int]],
+) -> None:
+    own = [f"w-{i}" for i in range(len(workers))]
+    serving = {w for w, (serves, _, _) in zip(own, workers, strict=True) if serves}
+    facts = dict(zip(own, workers, strict=True))
+    order = drain_order(own, serving, lambda w: float(facts[w][1]), lambda w: facts[w][2])
+    assert sorted(order) == sorted(own)
+    keys = [
+        (w in serving, facts[w][1] if w in serving else 0, facts[w][2] if w in serving else 0)
+        for w in order
+    ]
+    assert keys == sorted(keys)
+    for a, b in itertools.pairwise(order):  # equal costs: the newer one first
+        if keys[order.index(a)] == keys[order.index(b)]:
+            assert own.index(a) > own.index(b)
