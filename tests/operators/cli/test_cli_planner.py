@@ -7,8 +7,9 @@ The mocker's timing makes the load ramp mean something: a worker holds 4 sequenc
 one worker (TTFT p90 near a second) and on two (about half a second) but not on three
 (tens of ms), against a 200 ms target; 3 clients fit on one worker. Simulated time is
 slept, not computed, so it holds on a loaded machine. The 3-minute steady load of the
-issue is the policy's property test on a simulated clock
-(``tests/operators/planner/test_planner_policy.py``); here a shorter steady stretch.
+issue is here with real processes (6 clients, which one worker cannot carry and two carry
+with a request's slack each), and in the policy's property test on a simulated clock
+(``tests/operators/planner/test_planner_policy.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -168,6 +170,73 @@ def after(seconds: float) -> Callable[[], Awaitable[bool]]:
         return time.monotonic() - started >= seconds
 
     return done
+
+
+#: the reasons of a decision that changes a pool's size (the others hold it)
+STEPS = ("min_workers", "max_workers", "ttft_missed", "itl_missed", "predicted", "idle", "headroom")
+STEADY_FOR = 180.0  # seconds: the issue's three minutes
+
+
+def decisions(metrics: str) -> dict[str, float]:
+    """reason -> decisions so far, of the one pool, from the planner's /metrics."""
+    return {
+        reason: float(count)
+        for reason, count in re.findall(
+            r'llm_pipeline_planner_decisions_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)', metrics
+        )
+    }
+
+
+@pytest.mark.time_limit(STEADY_FOR + 150)
+async def test_a_steady_load_held_for_three_minutes_brings_no_scale_event(
+    nats: NatsServer, frontend: ServerProcess, fault_free: ServerProcess
+) -> None:
+    planner = PlannerProcess(
+        nats.url,
+        "--model", MODEL,
+        "--ttft-p90-ms", "200",
+        "--max-workers", "4",
+        *PLANNING,
+        "--worker-command", worker_command(*MOCKER),
+    )  # fmt: skip
+    clients = Clients(frontend.base_url, MODEL, PROMPTS)
+    settled = settled_for(planner, 2 * COOLDOWN)
+    plateau: dict[str, Any] = {}
+    try:
+        async with explained(planner), httpx.AsyncClient() as http:
+
+            async def one() -> bool:
+                found = pool(await planner.astatus(http))
+                return (found["workers"], found["serving"]) == (1, 1)
+
+            async def held() -> bool:
+                """Settled (at two workers, or three after a step too many), then held
+                there for three minutes."""
+                if not plateau:
+                    found = pool(await planner.astatus(http))
+                    if found["workers"] == found["serving"] >= 2 and settled(found):
+                        plateau.update(
+                            at=time.monotonic(),
+                            changes=planner.changes(),
+                            decisions=decisions((await http.get(f"{planner.url}/metrics")).text),
+                        )
+                    return False
+                return time.monotonic() - plateau["at"] >= STEADY_FOR
+
+            await clients.phase(0, one, within=30)
+            await clients.phase(6, held, within=STEADY_FOR + 90)
+            after_plateau = decisions(planner.metrics())
+        assert planner.changes() == plateau["changes"]  # not one change of size
+        before = plateau["decisions"]
+        assert {r: after_plateau[r] - before[r] for r in STEPS} == dict.fromkeys(STEPS, 0.0)
+        # (it did decide, every interval: to hold)
+        assert after_plateau["steady"] - before["steady"] >= STEADY_FOR / 2 / 2
+        ups = [why for b, a, why in plateau["changes"] if a > b]
+        assert ups[0] == "min_workers"
+        assert set(ups[1:]) <= {"ttft_missed", "predicted"}
+        assert_as_fault_free(clients, fault_free)
+    finally:
+        planner.stop()
 
 
 @pytest.mark.time_limit(120)
