@@ -53,33 +53,36 @@ def workload(url: str, model: str, line: dict[str, Any], words: list[str], offse
         b"Accept: text/event-stream\r\nConnection: close\r\nContent-Length: %d\r\n\r\n"
         % (api.path.encode(), host.encode(), port, len(data))
     ) + data
-    return Workload(host, port, api.path, payload, api.markers, False, api)
+    return Workload(host, port, api.path, (payload,), api.markers, False, api)
 
 
 async def replay(
     url: str, model: str, lines: list[dict[str, Any]], *, speedup: float, offset: int
 ) -> tuple[list[RequestResult], float]:
-    """Every line sent at its time; the results and the seconds it took."""
+    """Every line sent at its time; the results (in the trace's order: the ``n``-th is
+    the ``n``-th line's) and the seconds it took."""
     words = vocabulary(TOKENIZER_JSON)
     ready = [workload(url, model, line, words, offset) for line in lines]
-    results: list[RequestResult] = []
+    results = [RequestResult(error="not sent") for _ in lines]
 
-    async def send(at: float, request: Workload, start: float) -> None:
+    async def send(index: int, at: float, request: Workload, start: float) -> None:
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         worker = Worker(request)
         try:
             await worker.connect()
         except OSError as exc:
-            results.append(RequestResult(error=f"connect: {exc}"))
+            results[index] = RequestResult(error=f"connect: {exc}")
             return
-        await worker.run([1], results)
+        got: list[RequestResult] = []
+        await worker.run([1], got)
         await worker.close()
+        results[index] = got[0]
 
     start = time.perf_counter()
     await asyncio.gather(
         *(
-            send(line["timestamp"] / 1000 / speedup, request, start)
-            for line, request in zip(lines, ready, strict=True)
+            send(index, line["timestamp"] / 1000 / speedup, request, start)
+            for index, (line, request) in enumerate(zip(lines, ready, strict=True))
         )
     )
     return results, time.perf_counter() - start

@@ -235,6 +235,12 @@ class PrefixIndex:
             return 0 if lower is None else lower.blocks(worker)
         return len(self._blocks.get(worker, ()))
 
+    def unique_blocks(self, worker: str) -> int:
+        """How many device blocks ``worker`` alone holds: what its KV cache would take
+        with it if it left (a planner drains the worker that holds the fewest)."""
+        holders = self._holders
+        return sum(1 for block in self._blocks.get(worker, ()) if len(holders[block]) == 1)
+
     def workers(self) -> frozenset[str]:
         """The workers holding at least one block on the device."""
         return frozenset(worker for worker, held in self._blocks.items() if held)

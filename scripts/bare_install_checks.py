@@ -59,6 +59,7 @@ NEEDS_EXTRA: dict[str, str] = {
     "operators.contracts.remote_embed": "nats",
     "operators.edges.responses.nats_store": "nats",
     "operators.edges.http.nats_budgets": "nats",
+    "operators.planner.planner": "nats",
 }
 #: the ``-c`` program that runs the command line, after blocking the packages named in
 #: the environment variable (--simulate)

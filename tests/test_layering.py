@@ -370,6 +370,9 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "telemetry": frozenset(),
     # the web UI served by the HTTP edge: its status view reads the edge and the spans
     "ui": frozenset({"contracts", "edges", "telemetry"}),
+    # the planner reads what the frontends measure (the HTTP edge's histograms) and
+    # nothing of a graph: its inputs are NATS messages
+    "planner": frozenset({"edges"}),
 }
 
 

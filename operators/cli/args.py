@@ -42,6 +42,7 @@ from .options import (
     weight,
     worker_id,
 )
+from .planner_args import add_planner_command, check_planner_args
 
 __all__ = ("NATS_MODULES", "build_parser", "check_args", "missing_modules")
 
@@ -492,6 +493,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_observability_options(worker_parser, ui=False)
     add_log_level(worker_parser, "worker")
 
+    add_planner_command(commands)
+
     convert_parser = commands.add_parser(
         "convert-gguf",
         help="write a GGUF model as a Hugging Face folder (for --engine vllm --model DIR)",
@@ -539,6 +542,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             file=sys.stderr,
         )
         raise SystemExit(2)
+    if args.command == "planner":
+        check_planner_args(parser, args)
+        return
     check_otel(parser, args)
     _check_remote(parser, args)
     if args.command == "serve":

@@ -1,10 +1,11 @@
 """``main``: parse, check, turn the arguments into a typed config, load the tokenizer, and
-run ``serve`` or ``worker`` on uvloop (``convert-gguf`` needs neither). Exit codes: 0 after
-a graceful shutdown, 1 when a service or the engine is unavailable, 2 for a usage error or
-an unloadable tokenizer."""
+run ``serve`` or ``worker`` on uvloop (``convert-gguf`` needs neither, ``planner`` no
+tokenizer). Exit codes: 0 after a graceful shutdown, 1 when a service or the engine is
+unavailable, 2 for a usage error or an unloadable tokenizer."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import signal
 import sys
@@ -22,11 +23,12 @@ from .engines import load_tokenizer
 from .models_file import read_models_file
 from .nats import OneLineErrors
 from .observability import configure_logging
+from .planner_args import planner_config
 from .serve import run_serve
 from .tuning import tune_gc, tune_threads
 from .worker import run_worker
 
-__all__ = ("convert", "main")
+__all__ = ("convert", "main", "plan")
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_args(parser, args)
     if args.command == "convert-gguf":
         return convert(args.gguf, args.directory)
+    if args.command == "planner":
+        return plan(parser, args)
     config: ServeConfig | WorkerConfig
     if args.command == "serve":
         try:
@@ -91,6 +95,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # a Ctrl-C before the server installed its handlers
         return 128 + signal.SIGINT
     return code
+
+
+def plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``llm-pipeline planner ...``; the exit code."""
+    from .planner import run_planner
+
+    try:
+        config = planner_config(parser, args)
+    except ValueError as exc:
+        print(f"llm-pipeline: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    if config.log_level != "debug":
+        logging.getLogger("nats.aio.client").addFilter(OneLineErrors())
+    options = {"use_uvloop": True}
+    try:
+        return anyio.run(run_planner, config, backend="asyncio", backend_options=options)
+    except KeyboardInterrupt:  # a Ctrl-C before the planner installed its handlers
+        return 128 + signal.SIGINT
 
 
 def convert(gguf: Path, directory: Path) -> int:

@@ -138,6 +138,7 @@ class EngineConfig:
     llama: LlamaOptions = field(default_factory=LlamaOptions)
     mocker_prefill_ms_per_token: float = 0.05
     mocker_decode_ms_per_step: float = 5.0
+    mocker_decode_ms_per_sequence: float = 0.0
     mocker_max_batch: int = 64
     mocker_tokens: Literal["echo", "random"] = "echo"
     mocker_seed: int = 0

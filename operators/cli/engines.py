@@ -96,6 +96,7 @@ def make_engine(
         worker_id=worker_id,
         prefill_ms_per_token=config.mocker_prefill_ms_per_token,
         decode_ms_per_step=config.mocker_decode_ms_per_step,
+        decode_ms_per_sequence=config.mocker_decode_ms_per_sequence,
         max_batch=config.mocker_max_batch,
         tokens=config.mocker_tokens,
         seed=config.mocker_seed,

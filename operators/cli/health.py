@@ -107,9 +107,11 @@ def supervise(
     *,
     name: str,
     factory: Callable[[], Awaitable[Engine[Any, Any]]] | None = None,
+    first_probe: bool = False,
 ) -> Supervised[Any, Any]:
     """``engine`` under watch as ``settings`` say, probed with one token; ``factory``
-    rebuilds it when it dies (None: its death is beyond recovery)."""
+    rebuilds it when it dies (None: its death is beyond recovery); ``first_probe``: not
+    ready until that token first comes back (a worker joining a fleet)."""
     if isinstance(engine, Supervised):
         return engine
     return Supervised(
@@ -121,4 +123,5 @@ def supervise(
         canary_interval=settings.canary_interval,
         restarts=settings.engine_restarts,
         restart_window=settings.engine_restart_window,
+        first_probe=first_probe,
     )

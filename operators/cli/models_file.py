@@ -28,14 +28,11 @@ the model and the option (exit code 2).
 from __future__ import annotations
 
 import argparse
-import copy
-import io
-import tomllib
-from contextlib import redirect_stderr
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from .args import check_args
+from .tables import read_tables, subparser
 
 __all__ = ("SERVER_OPTIONS", "read_models_file")
 
@@ -78,96 +75,13 @@ def read_models_file(
         ValueError: the file cannot be read or parsed, has no ``[[model]]``, or a table is
             wrong (the message names the file, the model and the option).
     """
-    try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--models {path}: cannot read it: {exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"--models {path}: not valid TOML: {exc}") from exc
-    unknown = set(document) - {"model"}
-    if unknown:
-        raise ValueError(
-            f"--models {path}: unknown top-level key(s) {', '.join(sorted(unknown))} "
-            "(expected [[model]] tables)"
-        )
-    tables = document.get("model")
-    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
-        raise ValueError(f"--models {path}: expected one [[model]] table per model, found none")
-    serve = _serve_parser(parser)
-    seen: set[str] = set()
-    parsed = []
-    for position, table in enumerate(tables, 1):
-        name = table.get("name")
-        where = (
-            f"--models {path}: model {name!r}"
-            if name
-            else f"--models {path}: [[model]] #{position}"
-        )
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f'{where}: needs a name (name = "...")')
-        if name in seen:
-            raise ValueError(f"{where}: the name is given twice")
-        seen.add(name)
-        argv = ["--model-name", name, *_argv(table, serve, path.parent, where)]
-        namespace = copy.deepcopy(args)
-        namespace.models = None
-        errors = io.StringIO()
-        try:
-            with redirect_stderr(errors):
-                serve.parse_args(argv, namespace=namespace)
-                check_args(parser, namespace)
-        except SystemExit:
-            message = errors.getvalue().strip().splitlines()
-            raise ValueError(f"{where}: {message[-1] if message else 'invalid options'}") from None
-        parsed.append(namespace)
-    return parsed
-
-
-def _serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``serve`` subcommand's parser within ``parser``."""
-    for action in parser._subparsers._group_actions if parser._subparsers else ():
-        choices = getattr(action, "choices", None)
-        if isinstance(choices, dict) and "serve" in choices:
-            found: argparse.ArgumentParser = choices["serve"]
-            return found
-    raise ValueError("the parser has no serve command")
-
-
-def _argv(
-    table: dict[str, Any], serve: argparse.ArgumentParser, folder: Path, where: str
-) -> list[str]:
-    """The table's options as command-line arguments (relative paths from ``folder``)."""
-    argv: list[str] = []
-    for key, value in table.items():
-        if key == "name":
-            continue
-        if key in SERVER_OPTIONS:
-            raise ValueError(
-                f"{where}: {key!r} is an option of the whole server: give it on the command line"
-            )
-        action = serve._option_string_actions.get(f"--{key}")
-        if action is None or key.startswith("-"):
-            raise ValueError(f"{where}: unknown option {key!r}")
-        values = value if isinstance(value, list) else [value]
-        for item in values:
-            argv.extend(_one(f"--{key}", item, action, folder, where))
-    return argv
-
-
-def _one(flag: str, value: Any, action: argparse.Action, folder: Path, where: str) -> list[str]:
-    if isinstance(value, bool):
-        if action.nargs != 0:
-            raise ValueError(f"{where}: {flag[2:]} takes a value, not {str(value).lower()}")
-        return [flag] if value else []
-    if isinstance(value, dict | list):
-        raise ValueError(f"{where}: {flag[2:]} must be a string or a number")
-    if action.nargs == 0:
-        raise ValueError(f"{where}: {flag[2:]} is true or false, not {value!r}")
-    text = str(value)
-    if action.type is Path and not Path(text).is_absolute():
-        text = str(folder / text)
-    elif flag == "--lora" and "=" in text:  # NAME=PATH: the path from the file's folder
-        name, _, adapter = text.partition("=")
-        if not Path(adapter).is_absolute():
-            text = f"{name}={folder / adapter}"
-    return [flag, text]
+    return read_tables(
+        path,
+        subparser(parser, "serve"),
+        args,
+        whole=SERVER_OPTIONS,
+        owner="server",
+        name_flag="--model-name",
+        check=lambda namespace: check_args(parser, namespace),
+        key=lambda namespace: namespace.model_name,
+    )

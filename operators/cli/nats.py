@@ -5,12 +5,15 @@ line on stderr and an exit code, never a traceback.
 
 KV events cross NATS here too: a worker publishes its engine's (:func:`publish_kv_events`),
 a ``serve --router kv`` frontend follows them into one index per worker set
-(:func:`follow_kv_events`), with the load reports the workers send along.
+(:func:`follow_kv_events`), with the load reports the workers send along, which a planner
+reads too (:func:`publish_load`: a worker's one source of load reports).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -27,6 +30,8 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
     from nats.aio.client import Client
 
+    from operators.contracts.transport import RequestLog
+    from operators.edges.http.metrics import ServerMetrics
     from pipeline import WorkerSet
 
 __all__ = (
@@ -35,8 +40,10 @@ __all__ = (
     "close_nats",
     "connect_nats",
     "follow_kv_events",
+    "follow_planner",
     "one_line",
     "publish_kv_events",
+    "publish_load",
 )
 
 logger = logging.getLogger(__name__)
@@ -85,6 +92,55 @@ async def publish_kv_events(
     publisher = NatsKvPublisher(engine, nc=nc, model=model, worker_id=worker_id)
     await task_group.start(publisher.run)
     return publisher.active
+
+
+async def publish_load(
+    task_group: TaskGroup, nc: Client, log: RequestLog, engine: Any, *, model: str, worker_id: str
+) -> None:
+    """Tell the worker's load from ``task_group``: the engine's own report when it makes one
+    (``load_report()``: exact), else what ``log`` (the worker's request log) counts; start
+    before the worker registers.
+
+    One source, one publisher per message: an engine that reports its load and KV events
+    has its reports ride along the KV events already (:func:`publish_kv_events`), so the
+    :class:`~pipeline.transports.nats.NatsLoadPublisher` here only answers a planner that
+    asks; otherwise it also publishes whenever ``log`` sees the load change (a frontend's
+    KV router and a planner read either the same way, :class:`pipeline.WorkerLoad`).
+    """
+    from pipeline.transports.nats import NatsLoadPublisher
+
+    report = getattr(engine, "load_report", None)
+
+    def load() -> dict[str, Any]:
+        now = report() if callable(report) else None
+        return now.to_dict() if isinstance(now, WorkerLoad) else log.load()
+
+    publisher = NatsLoadPublisher(nc, model=model, worker_id=worker_id, load=load)
+    rides_along = callable(report) and hasattr(engine, "kv_snapshot")  # see NatsKvPublisher
+    if not rides_along:
+        log.on_change = publisher.changed
+    await task_group.start(publisher.run)
+
+
+async def follow_planner(
+    stack: contextlib.AsyncExitStack, nc: Client, metrics: ServerMetrics
+) -> Callable[[], dict[str, Any] | None]:
+    """A ``serve --nats`` frontend's part in planning, until ``stack`` unwinds: publish what
+    its latency histograms gain (``llm-pipeline planner`` reads them), and follow the
+    planner's status; returns what shows it (None: no planner spoke lately)."""
+    from operators.planner.latency import LatencyReporter
+    from operators.planner.status import PlannerWatch
+    from pipeline.transports.nats import DEFAULT_NAMESPACE
+
+    tg = await stack.enter_async_context(anyio.create_task_group())
+    stack.callback(tg.cancel_scope.cancel)
+    reporter = LatencyReporter(
+        nc, metrics, namespace=DEFAULT_NAMESPACE, frontend=f"serve-{os.getpid()}"
+    )
+    tg.start_soon(reporter.run)
+    watch = PlannerWatch(nc, namespace=DEFAULT_NAMESPACE)
+    await tg.start(watch.run)
+    return watch.last
 
 
 class KvFeed(NamedTuple):

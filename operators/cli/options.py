@@ -420,6 +420,13 @@ def add_engine_options(
         help="simulated cost of one decode step (all batched sequences advance one token)",
     )
     mocker.add_argument(
+        "--mocker-decode-ms-per-sequence",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="what each sequence in the batch adds to a step (inter-token latency grows with load)",
+    )
+    mocker.add_argument(
         "--mocker-max-batch",
         type=positive_int,
         default=64,
@@ -579,10 +586,10 @@ def _fraction(text: str) -> float:
     return value
 
 
-def add_log_level(parser: argparse.ArgumentParser, what: str) -> None:
+def add_log_level(parser: argparse.ArgumentParser, what: str, default: str = "warning") -> None:
     parser.add_argument(
         "--log-level",
         choices=["debug", "info", "warning", "error"],
-        default="warning",
+        default=default,
         help=f"log level of the {what}'s messages on stderr",
     )

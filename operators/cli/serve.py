@@ -47,7 +47,7 @@ from .health import supervise
 from .insertions import load_insertions
 from .keys import guard, open_budgets, reloader
 from .model_graph import engine_and_options
-from .nats import KvFeed, close_nats, connect_nats, follow_kv_events, one_line
+from .nats import KvFeed, close_nats, connect_nats, follow_kv_events, follow_planner, one_line
 from .observability import SERVICE_NAME
 from .output_options import output_options
 
@@ -243,6 +243,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
         )
         if discovered is not None:
             discovered.attach(app.models, app.health)
+        planner = None if nc is None else await follow_planner(stack, nc, metrics)
         if config.ui:
             attach_ui(
                 app,
@@ -251,6 +252,7 @@ async def run_serve(config: ServeConfig, tokenizer: Tokenizer) -> int:
                 where="in-process" if nc is None else "nats",
                 engine_name=engine_name,
                 exporting=None if exporter is None else exporter.endpoint,
+                planner=planner,
             )
 
         path = config.api_keys_file

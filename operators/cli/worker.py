@@ -4,14 +4,17 @@ SIGINT/SIGTERM, then a drain.
 The worker serves EngineOutput, never the Backend: the stateful operators stay on the
 frontend, so nothing of a request's state has to cross the wire. An engine that reports
 its prefix cache (``--engine mocker --mocker-cache-blocks N``, the llama engine) also
-publishes its KV events for ``serve --nats --router kv`` frontends.
+publishes its KV events for ``serve --nats --router kv`` frontends. Every worker publishes
+its load when it changes (requests waiting and decoding, prompt tokens queued), for
+``llm-pipeline planner``, and drains when a planner tells it to, as on SIGTERM.
 
 The worker watches its own engine (:mod:`pipeline.health`, the ``--stall-timeout``,
-``--canary-interval`` and ``--engine-restarts`` options): while it is stalled, failing
-its canary or being rebuilt, its registration says it is not ready and frontends route
-around it (its in-flight streams fail over with ``EngineStalled`` or ``EngineDead``, so
-they migrate); an engine dead beyond recovery deregisters the worker, which drains and
-exits with code 1 after one log line naming why.
+``--canary-interval`` and ``--engine-restarts`` options): until its engine first answers
+a one-token probe (a worker a planner just started is routed to once it works, not once
+it loaded), while it is stalled, failing its canary or being rebuilt, its registration
+says it is not ready and frontends route around it (its in-flight streams fail over with
+``EngineStalled`` or ``EngineDead``, so they migrate); an engine dead beyond recovery
+deregisters the worker, which drains and exits with code 1 after one log line naming why.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from .config import WorkerConfig
 from .defaults import MODEL_ENGINES
 from .engines import load_engine, load_llama, make_engine
 from .health import supervise
-from .nats import close_nats, connect_nats, one_line, publish_kv_events
+from .nats import close_nats, connect_nats, one_line, publish_kv_events, publish_load
 from .observability import WORKER_SERVICE_NAME
 
 if TYPE_CHECKING:
@@ -129,14 +132,19 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     rebuilt = config.engine.engine in MODEL_ENGINES  # (echo, mocker: no need)
                     factory = functools.partial(_worker_engine, config, tokenizer)
                     engine = supervise(
-                        engine, config, name=worker_id, factory=factory if rebuilt else None
+                        engine,
+                        config,
+                        name=worker_id,
+                        factory=factory if rebuilt else None,
+                        first_probe=True,  # (routed to once it answers, not once it loaded)
                     )
                     health.watch(model, engine)
                     nc = await connect_nats(config.nats, name=f"llm-pipeline worker {worker_id}")
                     if nc is None:
                         return 1
+                    log = RequestLog(worker_id)
                     served = serve_engine(
-                        link(RequestLog(worker_id), guarded(engine)),
+                        link(log, guarded(engine)),
                         nc=nc,
                         model=model,
                         role=config.role,
@@ -149,6 +157,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     engine.on_change(
                         lambda watched: served.set_ready(watched.ready, watched.reason)
                     )
+                    served.set_ready(engine.ready, engine.reason)  # (registers not ready)
 
                     async def stop_when_dead() -> None:
                         nonlocal code, stopping
@@ -170,6 +179,7 @@ async def run_worker(config: WorkerConfig, tokenizer: Tokenizer | None) -> int:
                     tg.start_soon(stop_when_dead)
                     try:
                         await publish_kv_events(tg, nc, engine, model=model, worker_id=worker_id)
+                        await publish_load(tg, nc, log, engine, model=model, worker_id=worker_id)
                         if embedder_of(engine) is not None:
                             await serve_embeddings(nc, engine, model=model)
                         async with served:

@@ -31,7 +31,7 @@ frontend, in front of the routers, because a Context's state store does not trav
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
@@ -166,9 +166,21 @@ class RequestLog:
     the number still in flight; nothing is logged while it runs, and each output costs one
     generator hop. "cancelled" means the request was killed: its client closed the stream,
     disconnected, or its deadline passed.
+
+    It also keeps the worker's load, for a planner (:meth:`load`): requests ``waiting`` for
+    their first output (queued, or prefilling) with their prompt tokens, and those
+    ``decoding``; ``on_change`` (cheap, synchronous) is called whenever those change.
     """
 
-    __slots__ = ("_name", "in_flight", "requests")
+    __slots__ = (
+        "_name",
+        "decoding",
+        "in_flight",
+        "on_change",
+        "prefill_tokens",
+        "requests",
+        "waiting",
+    )
 
     def __init__(self, name: str = "worker") -> None:
         self._name = name
@@ -176,16 +188,33 @@ class RequestLog:
         self.in_flight = 0
         #: requests accepted so far
         self.requests = 0
+        #: requests without their first output yet, and their prompt tokens
+        self.waiting = 0
+        self.prefill_tokens = 0
+        #: requests past their first output
+        self.decoding = 0
+        #: called whenever ``waiting``, ``prefill_tokens`` or ``decoding`` changed
+        self.on_change: Callable[[], None] = _nothing
+
+    def load(self) -> dict[str, int]:
+        """The load now: ``{"waiting", "decoding", "prefill"}`` (the last in prompt tokens)."""
+        return {"waiting": self.waiting, "decoding": self.decoding, "prefill": self.prefill_tokens}
 
     async def generate(self, ctx: Context[Any], downstream: Engine[Any, Any], /) -> Stream[Any]:
         """Pass ``ctx`` and its outputs through, counting and logging."""
         self.in_flight += 1
         self.requests += 1
+        prompt = len(getattr(ctx.data, "token_ids", ()))
+        self.waiting += 1
+        self.prefill_tokens += prompt
+        self.on_change()
         outputs = 0
         ended = "cancelled"
         try:
             async with aclosing(downstream.generate(ctx)) as stream:
                 async for output in stream:
+                    if not outputs:
+                        self._first_output(prompt)
                     outputs += 1
                     yield output
             ended = "stopped" if ctx.is_stopped else "finished"
@@ -194,6 +223,12 @@ class RequestLog:
             raise
         finally:
             self.in_flight -= 1
+            if outputs:
+                self.decoding -= 1
+            else:
+                self.waiting -= 1
+                self.prefill_tokens -= prompt
+            self.on_change()
             if ctx.is_killed:
                 ended = "cancelled"
             logger.info(
@@ -205,8 +240,18 @@ class RequestLog:
                 self.in_flight,
             )
 
+    def _first_output(self, prompt: int) -> None:
+        self.waiting -= 1
+        self.prefill_tokens -= prompt
+        self.decoding += 1
+        self.on_change()
+
     def __repr__(self) -> str:
         return f"RequestLog({self._name!r}, in_flight={self.in_flight})"
+
+
+def _nothing() -> None:
+    pass
 
 
 _Workers = WorkerSet[PreprocessedRequest, EngineOutput]

@@ -22,15 +22,29 @@ class StepClock:
     """One simulated accelerator's iteration clock. Sans-IO: callers pass the time.
 
     Step ``k`` starts when step ``k-1`` ends (or when work arrives at an idle clock) and
-    lasts ``decode_s + prefill_s * <prompt tokens admitted into it>``. A step is launched
-    only while some registered sequence still needs it, so an idle clock stays idle.
+    lasts ``decode_s + prefill_s * <prompt tokens admitted into it> + sequence_s *
+    <sequences registered when it starts>`` (a batch that grows makes every step longer,
+    as on a real accelerator). A step is launched only while some registered sequence
+    still needs it, so an idle clock stays idle.
     """
 
-    __slots__ = ("_decode_s", "_horizon", "_last", "_pending", "_prefill_s", "end", "step")
+    __slots__ = (
+        "_active",
+        "_decode_s",
+        "_horizon",
+        "_last",
+        "_pending",
+        "_prefill_s",
+        "_sequence_s",
+        "end",
+        "step",
+    )
 
-    def __init__(self, decode_s: float, prefill_s: float) -> None:
+    def __init__(self, decode_s: float, prefill_s: float, sequence_s: float = 0.0) -> None:
         self._decode_s = decode_s
         self._prefill_s = prefill_s
+        self._sequence_s = sequence_s
+        self._active = 0  # sequences registered
         #: steps launched so far; step ``step`` ends (or ended) at ``end``
         self.step = 0
         self.end = -math.inf
@@ -42,7 +56,9 @@ class StepClock:
         """Launch every step whose start time has come and that someone needs."""
         while self.end <= now and self._horizon > self.step:
             self.step += 1
-            self.end += self._decode_s + self._pending * self._prefill_s
+            self.end += (
+                self._decode_s + self._pending * self._prefill_s + self._active * self._sequence_s
+            )
             self._pending = 0
 
     def join(self, now: float, prefill_tokens: int, steps: int) -> tuple[int, int]:
@@ -56,6 +72,7 @@ class StepClock:
         first = self.step + 1
         last = first + steps - 1
         self._pending += prefill_tokens
+        self._active += 1
         self._last[last] = self._last.get(last, 0) + 1
         self._horizon = max(self._horizon, last)
         return first, last
@@ -64,6 +81,7 @@ class StepClock:
         """Unregister a sequence (finished, stopped, failed or cancelled)."""
         if self.step < first:  # left before its prefill was run
             self._pending -= prefill_tokens
+        self._active -= 1
         remaining = self._last[last] - 1
         if remaining:
             self._last[last] = remaining

@@ -30,7 +30,9 @@ every sequence sleeps until the end of the step it waits for, and whichever sequ
 first launches the next step. A step lasts ``decode_ms_per_step`` plus
 ``prefill_ms_per_token`` for every prompt token admitted into it, so a new request's
 prefill stalls the sequences already decoding on the same worker: the interference that
-disaggregation removes. Transfer handles are :mod:`operators.engines._transfer_handle`.
+disaggregation removes; plus ``decode_ms_per_sequence`` for every sequence in the batch
+(0 by default), so that a worker's inter-token latency grows with its load. Transfer
+handles are :mod:`operators.engines._transfer_handle`.
 
 With ``cache_blocks`` the worker keeps a prefix cache (:mod:`operators.engines._prefix_cache`):
 a prompt's leading cached blocks cost no prefill, and the cache reports what it holds as KV
@@ -99,6 +101,7 @@ class MockerEngine:
         prefill_ms_per_token: simulated prefill cost per prompt token.
         decode_ms_per_step: simulated duration of one engine step (one token for every
             active sequence).
+        decode_ms_per_sequence: what each sequence in the batch adds to a step.
         max_batch: most sequences in flight; further requests wait for a slot.
         tokens: ``"echo"`` cycles the prompt's ids (minus ``special_ids``); ``"random"``
             draws seeded pseudo-random ids, a function of ``seed`` and the prompt.
@@ -148,6 +151,7 @@ class MockerEngine:
         role: Role = "aggregated",
         prefill_ms_per_token: float = 0.05,
         decode_ms_per_step: float = 5.0,
+        decode_ms_per_sequence: float = 0.0,
         max_batch: int = 64,
         tokens: Literal["echo", "random"] = "echo",
         seed: int = 0,
@@ -164,8 +168,10 @@ class MockerEngine:
             raise ValueError(f"unknown mocker role {role!r}")
         if tokens not in ("echo", "random"):
             raise ValueError(f"tokens must be 'echo' or 'random', got {tokens!r}")
-        if prefill_ms_per_token < 0 or decode_ms_per_step < 0:
-            raise ValueError("prefill_ms_per_token and decode_ms_per_step must be >= 0")
+        if prefill_ms_per_token < 0 or decode_ms_per_step < 0 or decode_ms_per_sequence < 0:
+            raise ValueError(
+                "prefill_ms_per_token, decode_ms_per_step and decode_ms_per_sequence must be >= 0"
+            )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if fail_after_tokens is not None and fail_after_tokens < 0:
@@ -184,7 +190,7 @@ class MockerEngine:
         self._freeze_after = freeze_after_tokens
         self._emitted = 0  # tokens emitted in all
         self._secret = PROCESS_SECRET if transfer_secret is None else transfer_secret
-        self._clock = StepClock(self._decode_s, self._prefill_s)
+        self._clock = StepClock(self._decode_s, self._prefill_s, decode_ms_per_sequence / 1000)
         self._slots = anyio.Semaphore(max_batch)
         self._waiting = 0
         self._cache = PrefixCache(block_size, cache_blocks, kv_events) if cache_blocks else None

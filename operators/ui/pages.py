@@ -126,9 +126,10 @@ def attach_ui(
     where: str = "in-process",
     engine_name: str = "engine",
     exporting: str | None = None,
+    planner: Callable[[], Mapping[str, Any] | None] | None = None,
 ) -> WebUI:
-    """Serve the web UI from ``app`` (its ``pages``), the status view reading ``buffer``
-    and ``workers`` (see :class:`~.status.StatusReport`); the UI is returned."""
+    """Serve the web UI from ``app`` (its ``pages``), the status view reading ``buffer``,
+    ``workers`` and ``planner`` (see :class:`~.status.StatusReport`); the UI is returned."""
     status = StatusReport(
         app,
         workers=workers,
@@ -136,6 +137,7 @@ def attach_ui(
         engine_name=engine_name,
         buffer=buffer,
         exporting=exporting,
+        planner=planner,
     )
     ui = WebUI(status, app.guard)
     app.pages = ui

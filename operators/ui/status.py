@@ -12,6 +12,10 @@ counted for it beyond what the metrics and the span buffer already hold. ::
      (an upstream's row: "where": "vllm at http://10.0.0.5:8000"; a worker that reports its
       load, as it last did: "load": {"prefill_tokens": 900, "decoding": 3, "waiting": 1})
      "tracing": {"recording": true, "exporting": "http://collector:4318/v1/traces"},
+     "planner": null, or the planner's last status (``serve --nats`` with a planner):
+         {"interval_s": 10, "age_s": 3.2, "pools": [{"model", "role", "targets":
+          {"ttft_p90_ms", "itl_p90_ms"}, "workers", "serving", "observed": {...},
+          "changes": [{"at", "from", "to", "reason"}, ...], ...}]}
      "recent": [ ... RecentRequest.as_dict() ... ]}
 
 Tokens per second is the page's to compute: the difference of ``output_tokens_total``
@@ -79,10 +83,20 @@ class StatusReport:
     ``workers`` names the worker sets by role (read at each call, so discovered workers
     come and go); without any, the server's one engine is shown as ``engine`` (named
     ``engine_name``). ``buffer`` holds the last requests' spans (None: no stage timings).
-    ``exporting`` names the OTLP endpoint, if any.
+    ``exporting`` names the OTLP endpoint, if any. ``planner`` gives the planner's last
+    status, if one spoke lately.
     """
 
-    __slots__ = ("_app", "_buffer", "_engine_name", "_exporting", "_started", "_where", "_workers")
+    __slots__ = (
+        "_app",
+        "_buffer",
+        "_engine_name",
+        "_exporting",
+        "_planner",
+        "_started",
+        "_where",
+        "_workers",
+    )
 
     def __init__(
         self,
@@ -93,8 +107,10 @@ class StatusReport:
         engine_name: str = "engine",
         buffer: SpanBuffer | None = None,
         exporting: str | None = None,
+        planner: Callable[[], Mapping[str, Any] | None] | None = None,
     ) -> None:
         self._app = app
+        self._planner = planner
         self._workers = workers
         self._where = where
         self._engine_name = engine_name
@@ -131,6 +147,7 @@ class StatusReport:
             "kv": _kv(sample),
             "workers": rows,
             "tracing": {"recording": buffer is not None, "exporting": self._exporting},
+            "planner": None if self._planner is None else self._planner(),
             "recent": [] if buffer is None else _recent(buffer, owner),
         }
 

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ("Supervised",)
 
+#: why an engine given with ``first_probe`` is not ready yet
+FIRST_PROBE = "starting: its engine has not answered a probe yet"
+
 logger = logging.getLogger("pipeline.health")
 
 In = TypeVar("In")
@@ -68,6 +71,10 @@ class Supervised(Generic[In, Out]):
             (0: no canary).
         restarts, restart_window: at most ``restarts`` rebuilds within any
             ``restart_window`` seconds; one more death is beyond recovery (``dead``).
+        first_probe: an ``engine`` given is ``starting`` until ``probe`` first answers,
+            as a rebuilt one is (False: ready at once). A worker that joins a fleet
+            wants it: it says it is ready, and frontends route to it, only once its
+            engine has answered, not merely loaded.
 
     What counts as progress: an output, or the engine's own ``progress`` attribute moving
     (an int it raises with every unit of work the outputs do not show: a prefill chunk).
@@ -90,6 +97,7 @@ class Supervised(Generic[In, Out]):
         canary_interval: float = 0.0,
         restarts: int = 3,
         restart_window: float = 300.0,
+        first_probe: bool = False,
     ) -> None:
         if engine is None and factory is None:
             raise TypeError("give the engine, or a factory that builds it")
@@ -104,8 +112,11 @@ class Supervised(Generic[In, Out]):
         self._probe = probe
         self.canary_interval = canary_interval
         self._budget = RestartBudget(restarts, restart_window)
-        self._state: EngineState = "ready" if engine is not None else "starting"
-        self._reason: str | None = None if engine is not None else "starting"
+        unproven = engine is None or (first_probe and probe is not None)
+        self._state: EngineState = "starting" if unproven else "ready"
+        self._reason: str | None = (
+            None if not unproven else "starting" if engine is None else FIRST_PROBE
+        )
         #: stalls so far
         self.stalls = 0
         self._outputs = 0  # outputs delivered, ever
@@ -167,16 +178,18 @@ class Supervised(Generic[In, Out]):
 
     def member_of(self, workers: WorkerSet[In, Out], worker_id: str) -> None:
         """Keep this engine in ``workers`` as ``worker_id`` only while it is ready, so that
-        routers send new requests (and Migration's retries) to the others meanwhile."""
+        routers send new requests (and Migration's retries) to the others meanwhile (from
+        now: one not ready yet, waiting for its first probe, leaves at once)."""
 
         def follow(engine: Supervised[In, Out]) -> None:
             if engine.ready:
                 if worker_id not in workers:
                     workers.add(worker_id, engine)
-            else:
+            elif worker_id in workers:
                 workers.remove(worker_id)
 
         self.on_change(follow)
+        follow(self)
 
     # ------------------------------------------------------------------------ requests
 
@@ -274,7 +287,7 @@ class Supervised(Generic[In, Out]):
             self._stall(now, waiting)
         if self._busy or self._probe is None:
             return
-        if self._state in ("stalled", "failing"):
+        if self._state in ("starting", "stalled", "failing"):  # (starting: a first probe)
             if now >= self._next_probe:
                 self._start_probe(tg, canary=False)
         elif self._state == "ready" and self.canary_interval and not self._inflight:
@@ -366,8 +379,9 @@ class Supervised(Generic[In, Out]):
                 self._set("failing", why)
             return False
         else:
-            if engine is self._engine and self._state in ("stalled", "failing"):
-                logger.info("%s answers again: ready", self.name)
+            if engine is self._engine and self._state in ("starting", "stalled", "failing"):
+                again = "" if self._state == "starting" else " again"
+                logger.info("%s answers%s: ready", self.name, again)
                 self._set("ready", None)
             return True
         finally:

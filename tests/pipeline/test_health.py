@@ -305,6 +305,42 @@ async def test_a_failed_canary_takes_the_engine_out_of_its_worker_set_until_it_a
         tg.cancel_scope.cancel()
 
 
+async def test_an_engine_given_with_first_probe_joins_once_its_probe_answers() -> None:
+    valve = Valve()
+    valve.freeze()  # loaded, but it would not answer yet
+    asked = anyio.Event()
+
+    async def first(engine: Any) -> None:
+        asked.set()
+        await probe(engine)
+
+    engine = Supervised(valve, name="w-1", probe=first, first_probe=True)
+    workers: WorkerSet[str, str] = WorkerSet("decode", {"w-1": engine, "w-2": Valve("w-2")})
+    engine.member_of(workers, "w-1")
+    assert engine.state == "starting"
+    assert "has not answered a probe" in (engine.reason or "")
+    assert [w.id for w in workers.members] == ["w-2"]  # no request reaches it
+    health = Health()
+    health.watch("m", engine)
+    async with anyio.create_task_group() as tg:
+        await tg.start(health.run)
+        await asked.wait()  # its first probe, unanswered
+        assert not engine.ready
+        assert [w.id for w in workers.members] == ["w-2"]
+        assert health.model("m") == (False, f"w-1: {engine.reason}")
+        valve.thaw()
+        await until(engine, lambda: engine.ready)
+        assert sorted(w.id for w in workers.members) == ["w-1", "w-2"]
+        assert await collect(engine, "a") == ["valve:a:0", "valve:a:1", "valve:a:2"]
+        tg.cancel_scope.cancel()
+
+
+async def test_an_engine_given_without_first_probe_is_ready_at_once() -> None:
+    engine = Supervised(Valve(), name="w", probe=probe)  # (as serve's in-process engine)
+    assert engine.ready
+    assert engine.reason is None
+
+
 async def test_a_model_of_remote_workers_is_ready_while_its_set_has_members() -> None:
     health = Health()
     workers: WorkerSet[str, str] = WorkerSet("decode")

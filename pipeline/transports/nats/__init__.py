@@ -38,6 +38,11 @@
   expire.
 * :class:`NatsModels` follows which models workers register for at all, for a frontend
   that serves every model its workers serve (one NatsDiscovery per model then).
+* For a planner: :class:`NatsLoadPublisher` publishes a worker's load when it changes (on
+  its KV events subject, as a ``load`` field), :class:`NatsLoads` follows every worker's,
+  and :func:`drain_worker` asks a worker to drain as SIGTERM would (``[DRAIN]`` on its
+  control subject): it leaves discovery at once, finishes what it serves within its
+  drain timeout, and cuts off the rest for Migration to continue elsewhere.
 * :func:`connect` makes the connection workers and frontends use: reconnecting forever
   once connected, :class:`~pipeline.ConnectFailed` when the first connection does not
   succeed within ``give_up_after`` seconds. An outage of the bus is ridden out: while a
@@ -90,7 +95,7 @@ This module is the package's public face; its modules are internal, one part eac
 :mod:`.inbox` (the client half), :mod:`.worker`, :mod:`.serving`, :mod:`.outbox` and
 :mod:`.keeper` (the worker half), :mod:`.registration`, :mod:`.bucket` (opening the
 discovery bucket), :mod:`.watch` (following it: one watch per connection),
-:mod:`.discovery`, :mod:`.models` and :mod:`.kv`.
+:mod:`.discovery`, :mod:`.models`, :mod:`.kv`, :mod:`.load` and :mod:`.drain`.
 """
 
 from __future__ import annotations
@@ -102,12 +107,16 @@ from .client import RemoteEngineStatistics as RemoteEngineStatistics
 from .connection import CONNECT_TIMEOUT as CONNECT_TIMEOUT
 from .connection import connect as connect
 from .discovery import NatsDiscovery as NatsDiscovery
+from .drain import drain_worker as drain_worker
 from .kv import KvReporter as KvReporter
 from .kv import NatsKvEvents as NatsKvEvents
 from .kv import NatsKvEventsStatistics as NatsKvEventsStatistics
 from .kv import NatsKvPublisher as NatsKvPublisher
 from .kv import NatsKvPublisherStatistics as NatsKvPublisherStatistics
 from .kv import kv_subject as kv_subject
+from .load import LOAD_EVERY as LOAD_EVERY
+from .load import NatsLoadPublisher as NatsLoadPublisher
+from .load import NatsLoads as NatsLoads
 from .models import NatsModels as NatsModels
 from .wire import DEFAULT_NAMESPACE as DEFAULT_NAMESPACE
 from .wire import DEFAULT_WINDOW as DEFAULT_WINDOW
@@ -122,6 +131,7 @@ __all__ = (
     "DEFAULT_BUCKET",
     "DEFAULT_NAMESPACE",
     "DEFAULT_WINDOW",
+    "LOAD_EVERY",
     "ROLES",
     "JetStreamUnavailable",
     "KvReporter",
@@ -130,6 +140,8 @@ __all__ = (
     "NatsKvEventsStatistics",
     "NatsKvPublisher",
     "NatsKvPublisherStatistics",
+    "NatsLoadPublisher",
+    "NatsLoads",
     "NatsModels",
     "NatsTimeouts",
     "NatsWorker",
@@ -137,6 +149,7 @@ __all__ = (
     "RemoteEngine",
     "RemoteEngineStatistics",
     "connect",
+    "drain_worker",
     "kv_subject",
     "serve",
 )

@@ -64,8 +64,9 @@ class _Registry(Generic[In, Out]):
         #: the ids the current watch's replay has shown registered so far; None once the
         #: replay is complete
         self.present: set[str] | None = None
-        #: registered workers that say they are not ready (left out of the set), and why
-        self.unready: dict[str, str] = {}
+        #: registered workers that say they are not ready (left out of the set), why, and
+        #: whether they served before (a new worker waiting for its first probe has not)
+        self.unready: dict[str, tuple[str, bool]] = {}
 
     def watching(self) -> None:
         """A watch begins: its replay is the bucket as it stands."""
@@ -237,7 +238,8 @@ class NatsDiscovery(Generic[In, Out]):
             return None
         registry.known[worker_id] = (value, revision, engine)
         registry.workers.add(worker_id, engine)
-        if registry.unready.pop(worker_id, None) is not None:
+        unready = registry.unready.pop(worker_id, None)
+        if unready is not None and unready[1]:
             logger.info("discovery of %s: worker %s is ready again", self.model, worker_id)
         else:
             logger.info("discovery of %s: worker %s joined", self.model, worker_id)
@@ -246,13 +248,21 @@ class NatsDiscovery(Generic[In, Out]):
     def _unready(self, registry: _Registry[In, Out], worker_id: str, why: str) -> None:
         """``worker_id`` says it is not ready: out of the set (new requests go to others),
         its in-flight streams untouched (it fails them over itself)."""
-        if registry.unready.get(worker_id) != why:
-            logger.warning(
-                "discovery of %s: worker %s is not ready: %s", self.model, worker_id, why
-            )
-        registry.unready[worker_id] = why
-        if registry.known.pop(worker_id, None) is not None:
+        served = registry.known.pop(worker_id, None) is not None
+        if served:
             registry.workers.remove(worker_id)
+        before = registry.unready.get(worker_id)
+        served = served or (before is not None and before[1])
+        if before is None or before[0] != why:
+            # (a new worker not ready yet is no news; one that served and stopped is)
+            logger.log(
+                logging.WARNING if served else logging.INFO,
+                "discovery of %s: worker %s is not ready: %s",
+                self.model,
+                worker_id,
+                why,
+            )
+        registry.unready[worker_id] = (why, served)
 
     def _doubt(self, registry: _Registry[In, Out], worker_id: str, *, lost: str) -> None:
         """A registration went missing or expired: the worker is lost, unless this follows

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, final
 
 import anyio
@@ -42,11 +43,15 @@ logger = logging.getLogger("pipeline.transports.nats.worker")
 class Keeper:
     """The streams a worker serves, and what reaches them besides their outputs."""
 
-    __slots__ = ("_busy", "_outbox", "_timeouts", "by_reply", "nc", "served", "tg")
+    __slots__ = ("_busy", "_on_drain", "_outbox", "_timeouts", "by_reply", "nc", "served", "tg")
 
-    def __init__(self, outbox: Outbox, timeouts: NatsTimeouts) -> None:
+    def __init__(
+        self, outbox: Outbox, timeouts: NatsTimeouts, on_drain: Callable[[], None]
+    ) -> None:
         self._outbox = outbox
         self._timeouts = timeouts
+        #: what a DRAIN control message does (a planner scaling this worker down)
+        self._on_drain = on_drain
         #: the streams being served, by their client's reply inbox (their identity)
         self.served: dict[str, Served] = {}
         #: the same, by where NATS reports "no responders" on that inbox
@@ -137,6 +142,11 @@ class Keeper:
             if served.parked is not None:
                 # Its client is connected and subscribed again: what was held goes out.
                 self.tg.start_soon(self._outbox.resume, served, next_seq)
+            return
+        if op == wire.DRAIN:  # [DRAIN]: a planner scales this worker down
+            if msg.reply and self.nc is not None:
+                await quietly(self.nc.publish, msg.reply, wire.KNOWN)
+            self._on_drain()
             return
         served = self.served.get(args[-1]) if args else None
         if served is None:

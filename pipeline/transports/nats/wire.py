@@ -6,7 +6,9 @@ Subjects (``ns`` is the namespace, ``llm-pipeline`` by default)::
     {ns}.worker.{worker_id}       requests for one worker (direct routing)
     {ns}.control.{worker_id}      control: [STOP|KILL, request id, reply inbox],
                                   [PING, inbox, next seq], [CREDIT, outputs granted in all,
-                                  next seq, reply inbox] (next seq: see "Bus outages")
+                                  next seq, reply inbox] (next seq: see "Bus outages"),
+                                  [DRAIN] (leave discovery and drain, as on SIGTERM;
+                                  answered with True)
 
 A request is ``{"id", "data", "timeout" (seconds left, or None), "metadata", "wire",
 "window"}``, ``wire`` being the highest wire version the client reads (absent: 1) and
@@ -74,6 +76,7 @@ __all__ = (
     "BATCH",
     "CREDIT",
     "DATA",
+    "DRAIN",
     "DEFAULT_NAMESPACE",
     "DEFAULT_WINDOW",
     "END",
@@ -116,6 +119,7 @@ STOP: Final = "stop"
 KILL: Final = "kill"
 PING: Final = "ping"
 CREDIT: Final = "credit"
+DRAIN: Final = "drain"
 
 #: the header of an out-of-band heartbeat (wire version 3)
 HEARTBEAT: Final = "Llm-Pipeline-Heartbeat"

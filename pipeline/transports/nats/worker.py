@@ -75,7 +75,8 @@ class NatsWorker(Generic[In, Out]):
         await task_group.start(serve(engine, url=url, model="smollm2").run)
 
     Entering subscribes and registers the worker for discovery; a normal exit (after
-    :meth:`stop`) is a graceful shutdown: deregister, stop taking requests, let in-flight
+    :meth:`stop`, or a DRAIN control message: :func:`~.drain.drain_worker`) is a graceful
+    shutdown: deregister, stop taking requests, let in-flight
     ones finish for up to ``timeouts.drain`` seconds, then cut off the rest. Exiting by an
     exception or cancellation (a drain cut short) skips the wait. Either way every stream
     cut off ends with an ERR frame (StreamDisconnected), so its client migrates it at once
@@ -144,7 +145,7 @@ class NatsWorker(Generic[In, Out]):
         self._tg: anyio.abc.TaskGroup | None = None
         self._stopping: anyio.Event | None = None
         self._drained: anyio.Event | None = None
-        self._keeper = Keeper(self._outbox, self._timeouts)
+        self._keeper = Keeper(self._outbox, self._timeouts, self._drain_asked)
         #: the streams being served, by their client's inbox (the keeper's)
         self._served = self._keeper.served
         self._tokens = itertools.count()
@@ -193,6 +194,17 @@ class NatsWorker(Generic[In, Out]):
         self._stop_requested = True
         if self._stopping is not None:
             self._stopping.set()
+
+    def _drain_asked(self) -> None:
+        """A DRAIN control message: deregister and drain, as :meth:`stop` does."""
+        if not self._stop_requested:
+            logger.info(
+                "worker %s asked to drain: deregisters and drains %d requests (up to %gs)",
+                self.worker_id,
+                len(self._served),
+                self._timeouts.drain,
+            )
+        self.stop()
 
     def set_ready(self, ready: bool, reason: str | None = None) -> None:
         """Tell discovery whether this worker takes requests (its engine's health,

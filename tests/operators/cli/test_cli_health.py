@@ -1,8 +1,9 @@
 """Health end to end, with real processes and the official client: the probes of ``serve``
 during a drain and before a ``serve --nats`` frontend has workers, a busy port, and over
-NATS the workers' own watchdogs: a worker whose canary fails leaves routing, one whose
-engine freezes has its streams migrate (identically) while the frontend stays ready, and
-with every worker frozen the frontend is not ready."""
+NATS the workers' own watchdogs: a worker is routed to only once its engine answered a
+probe (one whose engine fails or never answers, never), one whose engine freezes has its
+streams migrate (identically) while the frontend stays ready, and with every worker
+frozen the frontend is not ready."""
 
 from __future__ import annotations
 
@@ -150,15 +151,20 @@ def test_a_frontend_without_workers_is_healthy_but_not_ready(
         server.stop()
 
 
-async def test_a_worker_whose_canary_fails_leaves_routing(
+async def test_a_worker_is_routed_to_only_once_its_engine_answered_a_probe(
     nats: NatsServer, workers: Workers
 ) -> None:
     server = ServerProcess("--nats", nats.url, "--log-level", "info")
     try:
         workers.start("good", *MOCKER)
-        # Every first attempt it takes fails: its canary too.
-        workers.start("bad", *MOCKER, "--fail-after-tokens", "0", "--canary-interval", "0.3")
-        wait_for(lambda: "worker bad is not ready: canary failed" in server.stderr(), 15)
+        # Loaded, but every first attempt it takes fails (its first probe too)...
+        workers.start("bad", *MOCKER, "--fail-after-tokens", "0")
+        # ...and one whose engine never answers at all (frozen before its first token).
+        workers.start("frozen", *MOCKER, "--freeze-after-tokens", "0")
+        wait_for(lambda: "worker good joined" in server.stderr(), 15)
+        wait_for(lambda: "worker bad is not ready: probe failed" in server.stderr(), 15)
+        unanswered = "worker frozen is not ready: starting: its engine has not answered a probe"
+        wait_for(lambda: unanswered in server.stderr(), 15)
         assert probes(server)["/ready"][0] == 200  # (the good one serves the model)
         async with api(server) as client:
             for i in range(8):
@@ -166,9 +172,12 @@ async def test_a_worker_whose_canary_fails_leaves_routing(
                     client, model="mocker", **chat(f"request {i}", max_tokens=5)
                 )
                 assert answer["finishes"] == ["length"]
-        good, bad = workers.started
+        good, bad, frozen = workers.started
         assert len(good.served()) == 8
-        assert bad.served() == []  # (its canaries enter below its request log)
+        assert bad.served() == []  # (probes enter below the request log)
+        assert frozen.served() == []
+        assert "worker bad joined" not in server.stderr()
+        assert "worker frozen joined" not in server.stderr()
     finally:
         server.stop()
 

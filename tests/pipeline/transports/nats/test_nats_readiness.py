@@ -60,14 +60,17 @@ async def test_a_worker_that_is_not_ready_leaves_the_set_and_its_streams_go_on(
         await anyio.sleep(1.2)
         assert "w1" not in workers
         assert "worker w1 is not ready: engine stalled: no output for 5.0 s" in caplog.text
+        [stalled] = [r for r in caplog.records if "worker w1 is not ready" in r.message]
+        assert stalled.levelno == logging.WARNING  # (it served, and stopped)
         worker.set_ready(True)  # ...and comes back once it says it is ready
         await wait_until(lambda: "w1" in workers)
     assert "worker w1 is ready again" in caplog.text
 
 
-async def test_a_worker_not_ready_when_it_registers_never_joins(
-    nc: Client, worker_nc: Client
+async def test_a_worker_not_ready_when_it_registers_joins_once_it_is_ready(
+    nc: Client, worker_nc: Client, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="pipeline.transports.nats.discovery")
     workers: WorkerSet[Any, int] = WorkerSet("m")
     worker = serve(FunctionEngine(lambda ctx: _one()), nc=worker_nc, model="m", worker_id="w2")
     worker.set_ready(False, "starting")
@@ -76,6 +79,11 @@ async def test_a_worker_not_ready_when_it_registers_never_joins(
         assert "w2" not in workers
         worker.set_ready(True)
         await wait_until(lambda: "w2" in workers)
+    # A new worker's start is no warning, and it joins (it was never "ready" before).
+    [starting] = [r for r in caplog.records if "worker w2 is not ready: starting" in r.message]
+    assert starting.levelno == logging.INFO
+    assert "worker w2 joined" in caplog.text
+    assert "ready again" not in caplog.text
 
 
 async def _one() -> AsyncIterator[int]:
