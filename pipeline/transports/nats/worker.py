@@ -19,6 +19,7 @@ from pipeline.transports.codec import Codec, MsgpackCodec
 
 from . import wire
 from .bucket import DEFAULT_BUCKET, jetstream_unavailable, open_bucket
+from .bus import bus_of
 from .connection import connect, quietly, settle
 from .keeper import Keeper
 from .outbox import Outbox, Served
@@ -361,7 +362,13 @@ class NatsWorker(Generic[In, Out]):
             cut_off = False
             # Ended while the bus was down: its last frames are parked, and its client
             # asks for them once it is back (forgetting the stream now would answer
-            # "unknown", and a stream that cannot migrate would fail).
+            # "unknown", and a stream that cannot migrate would fail). Ended just after
+            # our own reconnection: its last frames may have reached no subscriber (the
+            # client not back yet; the "no responders" come after the end), so the
+            # frames it has not acknowledged are held the same way, for its ping.
+            if served.retained and self._nc is not None:
+                if not bus_of(self._nc).settled(self._timeouts.settle):
+                    served.park()
             await served.wait_unparked()
         except Exception:  # a bug here must not take the other requests down
             cut_off = False

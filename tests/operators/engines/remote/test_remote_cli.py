@@ -171,7 +171,12 @@ async def test_a_worker_fronts_one_upstream_over_nats(
         async with api:
             answer = await api.completions.create(model="fake-model", prompt=PROMPT, max_tokens=6)
         assert answer.choices[0].text == expected(6)
-        assert first.counts.requests == 1
+        # the worker's engine answered its first probe (one prompt token) before the
+        # worker joined routing; then the request
+        assert first.counts.requests == 2
+        (_, probe), (_, asked) = first.counts.bodies
+        assert len(probe["token_ids"]) == 1
+        assert len(asked["token_ids"]) > 1
     finally:
         if server is not None:
             server.stop()
