@@ -13,12 +13,10 @@ import pytest
 from operators.contracts.llm import (
     EngineOutput,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from operators.engines.remote import RemoteEngine, open_upstreams, parse_upstream
 from operators.routing.kv_blocks import block_hashes
-from operators.testing import check_engine
+from operators.testing import check_engine, make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import (
     ConnectFailed,
@@ -51,12 +49,9 @@ def llama() -> Iterator[FakeUpstream]:
 
 
 def request(max_tokens: int = 8, n: int = 1, **more: Any) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=more.pop("prompt", PROMPT),
-        stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(2,)),
-        sampling=SamplingOptions(temperature=0.0),
-        n=n,
-        **more,
+    prompt = more.pop("prompt", PROMPT)
+    return make_request(
+        prompt, max_tokens=max_tokens, eos_token_ids=(2,), temperature=0.0, n=n, **more
     )
 
 

@@ -23,8 +23,9 @@ import httpx
 import openai
 import pytest
 
-from operators.contracts.llm import PreprocessedRequest, SamplingOptions, StopConditions
+from operators.contracts.llm import PreprocessedRequest
 from operators.engines.remote import RemoteEngine, parse_upstream
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer, find_smollm2_gguf
 from pipeline import Context, open_stream
 from tests.helpers.server_process import ServerProcess
@@ -108,10 +109,11 @@ def llama_server() -> Iterator[str]:
 
 
 def request(prompt: str) -> PreprocessedRequest:
-    return PreprocessedRequest(
-        token_ids=TOKENIZER.encode(prompt),
-        stop=StopConditions(max_tokens=40, eos_token_ids=tuple(TOKENIZER.eos_token_ids)),
-        sampling=SamplingOptions(temperature=0.0),
+    return make_request(
+        TOKENIZER.encode(prompt),
+        max_tokens=40,
+        eos_token_ids=tuple(TOKENIZER.eos_token_ids),
+        temperature=0.0,
     )
 
 

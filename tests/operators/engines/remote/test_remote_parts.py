@@ -13,10 +13,7 @@ from hypothesis import strategies as st
 
 from operators.contracts.llm import (
     Constraint,
-    OutputOptions,
     PreprocessedRequest,
-    SamplingOptions,
-    StopConditions,
 )
 from operators.engines._vllm_kv_events import BlockTranslator, event_batch_type
 from operators.engines.remote import UpstreamInfo, UpstreamLoad, parse_upstream
@@ -27,6 +24,7 @@ from operators.engines.remote._load import llama_load, vllm_load
 from operators.engines.remote._vllm import VllmReader, vllm_call
 from operators.engines.vllm._sampling import EngineLimits
 from operators.routing.kv_blocks import block_hashes
+from operators.testing import make_request
 from operators.text.tokenizer import Tokenizer
 from pipeline import (
     CapacityExhausted,
@@ -52,15 +50,15 @@ def request(
     max_tokens: int | None = 8,
     **more: Any,
 ) -> PreprocessedRequest:
-    stop = {k: more.pop(k) for k in ("min_tokens", "stop_token_ids", "ignore_eos") if k in more}
-    return PreprocessedRequest(
-        token_ids=[5, 6, 7] if prompt is None else prompt,
-        stop=StopConditions(max_tokens=max_tokens, eos_token_ids=(2,), **stop),
-        sampling=SamplingOptions(
-            temperature=more.pop("temperature", 0.0), **more.pop("sampling", {})
-        ),
-        output=OutputOptions(logprobs=logprobs),
+    """A greedy request for [5, 6, 7] (EOS 2) unless told otherwise: ``make_request``'s
+    keywords (``temperature``, ``seed``, ``min_tokens``, ``constraint``, ...)."""
+    more.setdefault("temperature", 0.0)
+    return make_request(
+        [5, 6, 7] if prompt is None else prompt,
         n=n,
+        logprobs=logprobs,
+        max_tokens=max_tokens,
+        eos_token_ids=(2,),
         **more,
     )
 
@@ -259,7 +257,7 @@ def test_a_mid_stream_error_without_a_code_is_a_lost_server() -> None:
 
 
 def test_llama_server_gets_every_sampler_it_would_otherwise_default() -> None:
-    body = llama_call(request(logprobs=0, n=2, sampling={"seed": 7}), "r", LLAMA, LIMITS).body
+    body = llama_call(request(logprobs=0, n=2, seed=7), "r", LLAMA, LIMITS).body
     assert body["prompt"] == [5, 6, 7]
     assert body["n_predict"] == 8 + 3  # (cut at 8 by the reader: see the next test)
     assert body["n_cmpl"] == 2
@@ -285,7 +283,7 @@ def test_llama_server_gets_every_sampler_it_would_otherwise_default() -> None:
         (request(min_tokens=2), "min_tokens"),
         (request(n=3), "n"),
         (request(priority=1), "priority"),
-        (request(sampling={"seed": 2**32}), "seed"),
+        (request(seed=2**32), "seed"),
         (request(constraint=Constraint(param="tool_choice", prefix="<tool_call>")), "tool_choice"),
     ],
 )
